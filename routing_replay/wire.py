@@ -1,0 +1,426 @@
+"""Encode and validate routing-replay wire messages (protocol v1); every stage imports this one module.
+
+A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames after it are raw payloads:
+
+    frame 0   header: msgpack array [version, kind, producer, epoch, seq, key, body]
+                version   int, PROTOCOL_VERSION (1)
+                kind      str, one of KINDS
+                producer  str, id of the process that made the message (producer, consumer or client id)
+                epoch     int, bumped each time that producer restarts
+                seq       int, per (producer, epoch), +1 per message the producer sends
+                key       routing key: the request id (str); for `delta` and `fetch`, a list of request ids
+                body      map, kind-specific fields (below); new fields are added with defaults
+    frame 1.. payload frames, raw little-endian bytes, sent zero-copy above COPY_THRESHOLD
+
+Kinds and bodies (producer -> broker -> consumer):
+    open      {prompt_len, num_cached, num_layers, top_k, layer_ids[, n_prompt_tokens]}
+              frame 1 (optional): prompt token ids, int32 LE, n_prompt_tokens of them
+    delta     {start: [int], count: [int], num_layers, top_k[, layer_lo, layer_hi]}
+              one engine step, many requests: request key[i] gets count[i] rows at absolute token positions
+              start[i] .. start[i]+count[i]-1. The rows of all requests follow each other in key order,
+              each row is (layer_hi - layer_lo, top_k) int16 LE, so the payload is (sum(count), Lr, K) int16.
+              The payload may arrive as several frames (a broker's zero-copy split); frame boundaries fall
+              on request boundaries. A pipeline-parallel stage sends its own layer range [layer_lo, layer_hi).
+    finish    {num_output, reason, prompt_len, num_cached[, lost: [[lo, hi], ...]][, n_output_tokens]}
+              frame 1 (optional): output token ids, int32 LE
+    abort     {reason[, num_output]}
+Control (consumer <-> broker, producer <-> broker, trainer <-> consumer):
+    hello, heartbeat, bye   {} (key: the sender's id)
+    ack       {seqs: {producer: [epoch, seq]}}          (reserved for at-least-once delivery)
+    error     {reason}                                   (sent back to a peer whose message was refused)
+    fetch     {timeout_ms}  key: list of request ids     (trainer -> consumer)
+    record    {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing,
+               reason, finish_reason, n_prompt_tokens, n_output_tokens}
+              frame 1: prompt rows (P, L, K) int16; frame 2: generation rows (G, L, K) int16;
+              frames 3, 4 (optional): prompt and output token ids, int32 LE
+Positions are absolute token positions; a delta that covers positions already received overwrites them.
+
+Every decode path here validates against the named limits below before anything is allocated from
+an untrusted number, and raises ProtocolError(reason_key, message) for the caller to log, count and drop.
+"""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+ROW_DTYPE = np.dtype("<i2")
+TOKEN_DTYPE = np.dtype("<i4")
+
+KINDS = frozenset({
+    "open", "delta", "finish", "abort",
+    "hello", "heartbeat", "bye", "ack", "error",
+    "fetch", "record",
+})
+REQUEST_KINDS = frozenset({"open", "finish", "abort"})
+
+# Limits on untrusted input. A message beyond any of them is refused before it allocates anything.
+MAX_HEADER_BYTES = 4 << 20
+MAX_MESSAGE_BYTES = 1 << 30          # ZMQ_MAXMSGSIZE on every receiving socket (per frame)
+MAX_REQUEST_ID_LEN = 1024            # characters
+MAX_PEER_ID_LEN = 256
+MAX_REQUESTS_PER_DELTA = 1 << 16
+MAX_ROWS_PER_DELTA = 1 << 20
+MAX_POSITION = 1 << 26               # 64M tokens
+MAX_LAYERS = 1024
+MAX_TOP_K = 256
+MAX_FRAMES = 1 + MAX_REQUESTS_PER_DELTA
+COPY_THRESHOLD = 64 * 1024           # payload frames larger than this are sent zero-copy
+
+_UNPACK_LIMITS = dict(
+    max_buffer_size=MAX_HEADER_BYTES,
+    max_str_len=MAX_HEADER_BYTES,
+    max_bin_len=MAX_HEADER_BYTES,
+    max_array_len=MAX_REQUESTS_PER_DELTA * 2,
+    max_map_len=64,
+    max_ext_len=0,
+)
+
+
+class ProtocolError(ValueError):
+    """A message that breaks protocol v1. `reason` is a short stable key for counters and logs."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class Header:
+    """One decoded, validated header frame."""
+
+    version: int
+    kind: str
+    producer: str
+    epoch: int
+    seq: int
+    key: Any                  # str, or list[str] for delta/fetch
+    body: dict
+
+
+def pack_header(kind: str, producer: str, epoch: int, seq: int, key: Any, body: dict) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, kind, producer, epoch, seq, key, body], use_bin_type=True)
+
+
+def _bad(reason: str, message: str) -> ProtocolError:
+    return ProtocolError(reason, message)
+
+
+def _int_list(values: Any, name: str, lo: int, hi: int) -> array.array:
+    if not isinstance(values, list):
+        raise _bad("bad_field", f"{name} must be a list, got {type(values).__name__}")
+    try:
+        arr = array.array("q", values)
+    except (TypeError, OverflowError) as e:
+        raise _bad("bad_field", f"{name} must hold integers: {e}") from None
+    if arr and (min(arr) < lo or max(arr) > hi):
+        raise _bad("out_of_range", f"{name} outside [{lo}, {hi}]: min {min(arr)}, max {max(arr)}")
+    return arr
+
+
+def _int(body: dict, name: str, lo: int, hi: int, default: Any = ...) -> int:
+    v = body.get(name, default)
+    if v is ...:
+        raise _bad("missing_field", f"body lacks {name!r}")
+    if type(v) is not int or not lo <= v <= hi:
+        raise _bad("bad_field", f"{name}={v!r} not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _request_id(key: Any) -> str:
+    if type(key) is not str or not key or len(key) > MAX_REQUEST_ID_LEN:
+        shown = key[:64] if isinstance(key, str) else type(key).__name__
+        raise _bad("bad_request_id", f"request id must be a non-empty str of at most {MAX_REQUEST_ID_LEN} "
+                   f"characters, got {shown!r}")
+    return key
+
+
+def decode_header(frame: bytes | memoryview) -> Header:
+    """Decode and validate frame 0. Raises ProtocolError; never anything else on any input bytes."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise _bad("header_too_large", f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        h = msgpack.unpackb(frame, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    except Exception as e:  # msgpack raises a zoo of types on garbage (ValueError, ExtraData, UnicodeDecodeError, ...)
+        raise _bad("undecodable", f"header is not msgpack: {type(e).__name__}: {str(e)[:80]}") from None
+    if not isinstance(h, list) or len(h) < 7:
+        raise _bad("bad_header", f"header must be an array of at least 7 fields, got {type(h).__name__}")
+    version, kind, producer, epoch, seq, key, body = h[:7]
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise _bad("bad_version", f"protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}")
+    if type(kind) is not str or kind not in KINDS:
+        raise _bad("unknown_kind", f"unknown message kind {str(kind)[:32]!r}")
+    if type(producer) is not str or len(producer) > MAX_PEER_ID_LEN:
+        raise _bad("bad_header", "producer id must be a str of at most {MAX_PEER_ID_LEN} characters")
+    if type(epoch) is not int or type(seq) is not int or epoch < 0 or seq < 0 or epoch >= 1 << 63 or seq >= 1 << 63:
+        raise _bad("bad_header", f"epoch {epoch!r} and seq {seq!r} must be non-negative 64-bit integers")
+    if not isinstance(body, dict):
+        raise _bad("bad_header", f"body must be a map, got {type(body).__name__}")
+    return Header(version, kind, producer, epoch, seq, key, body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# delta
+
+
+@dataclass(slots=True)
+class Delta:
+    """A validated delta header: who gets how many rows, and the row geometry."""
+
+    request_ids: list
+    starts: array.array
+    counts: array.array
+    num_layers: int
+    top_k: int
+    layer_lo: int
+    layer_hi: int
+
+    @property
+    def row_bytes(self) -> int:
+        return (self.layer_hi - self.layer_lo) * self.top_k * ROW_DTYPE.itemsize
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.counts)
+
+
+def parse_delta(h: Header) -> Delta:
+    ids = h.key
+    if not isinstance(ids, list) or len(ids) > MAX_REQUESTS_PER_DELTA:
+        raise _bad("bad_field", f"delta key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
+    for rid in ids:
+        if type(rid) is not str or not rid or len(rid) > MAX_REQUEST_ID_LEN:
+            _request_id(rid)
+    b = h.body
+    starts = _int_list(b.get("start"), "start", 0, MAX_POSITION)
+    counts = _int_list(b.get("count"), "count", 0, MAX_ROWS_PER_DELTA)
+    if len(starts) != len(ids) or len(counts) != len(ids):
+        raise _bad("bad_field", f"delta has {len(ids)} ids, {len(starts)} starts, {len(counts)} counts")
+    if sum(counts) > MAX_ROWS_PER_DELTA:
+        raise _bad("too_large", f"delta carries {sum(counts)} rows, limit {MAX_ROWS_PER_DELTA}")
+    L = _int(b, "num_layers", 1, MAX_LAYERS)
+    K = _int(b, "top_k", 1, MAX_TOP_K)
+    lo = _int(b, "layer_lo", 0, L - 1, 0)
+    hi = _int(b, "layer_hi", lo + 1, L, L)
+    return Delta(ids, starts, counts, L, K, lo, hi)
+
+
+def check_payload(d: Delta, frames: Sequence) -> None:
+    """Check that the payload frames hold exactly the rows the header announces, split on request boundaries."""
+    rb = d.row_bytes
+    want = d.total_rows * rb
+    sizes = [len(f) if not hasattr(f, "bytes") else len(f.buffer) for f in frames]
+    got = sum(sizes)
+    if got != want:
+        raise _bad("size_mismatch", f"delta announces {d.total_rows} rows of {rb} bytes = {want} bytes, "
+                   f"payload has {got} bytes in {len(sizes)} frames")
+    if len(sizes) > 1:
+        bounds = set()
+        acc = 0
+        for c in d.counts:
+            acc += c * rb
+            bounds.add(acc)
+        acc = 0
+        for s in sizes:
+            acc += s
+            if acc not in bounds:
+                raise _bad("split_mid_request", "a payload frame boundary falls inside a request's rows")
+
+
+def delta_body(starts: Sequence[int], counts: Sequence[int], num_layers: int, top_k: int,
+               layer_lo: int = 0, layer_hi: int | None = None) -> dict:
+    body = {"start": list(starts), "count": list(counts), "num_layers": num_layers, "top_k": top_k}
+    if layer_lo != 0 or (layer_hi is not None and layer_hi != num_layers):
+        body["layer_lo"] = layer_lo
+        body["layer_hi"] = num_layers if layer_hi is None else layer_hi
+    return body
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# open / finish / abort
+
+
+@dataclass(slots=True)
+class Open:
+    request_id: str
+    prompt_len: int
+    num_cached: int
+    num_layers: int
+    top_k: int
+    layer_ids: list
+    n_prompt_tokens: int
+
+
+def parse_open(h: Header) -> Open:
+    rid = _request_id(h.key)
+    b = h.body
+    P = _int(b, "prompt_len", 0, MAX_POSITION)
+    C = _int(b, "num_cached", 0, P)
+    L = _int(b, "num_layers", 1, MAX_LAYERS)
+    K = _int(b, "top_k", 1, MAX_TOP_K)
+    ids = b.get("layer_ids", list(range(L)))
+    ids = list(_int_list(ids, "layer_ids", 0, 1 << 20))
+    if len(ids) != L:
+        raise _bad("bad_field", f"layer_ids has {len(ids)} entries for num_layers={L}")
+    nt = _int(b, "n_prompt_tokens", 0, MAX_POSITION, 0)
+    return Open(rid, P, C, L, K, ids, nt)
+
+
+@dataclass(slots=True)
+class Finish:
+    request_id: str
+    num_output: int
+    reason: str
+    prompt_len: int | None
+    num_cached: int | None
+    lost: list
+    n_output_tokens: int
+
+
+def parse_finish(h: Header) -> Finish:
+    rid = _request_id(h.key)
+    b = h.body
+    G = _int(b, "num_output", 0, MAX_POSITION)
+    reason = b.get("reason", "stop")
+    if type(reason) is not str or len(reason) > 64:
+        raise _bad("bad_field", "finish reason must be a str of at most 64 characters")
+    P = _int(b, "prompt_len", 0, MAX_POSITION, None) if b.get("prompt_len") is not None else None
+    C = _int(b, "num_cached", 0, MAX_POSITION, None) if b.get("num_cached") is not None else None
+    lost_raw = b.get("lost", [])
+    if not isinstance(lost_raw, list) or len(lost_raw) > 4096:
+        raise _bad("bad_field", "lost must be a list of at most 4096 [lo, hi] ranges")
+    lost = []
+    for r in lost_raw:
+        if (not isinstance(r, list) or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int
+                or not 0 <= r[0] <= r[1] <= MAX_POSITION):
+            raise _bad("bad_field", f"lost range {r!r} is not [lo, hi] with 0 <= lo <= hi")
+        lost.append((r[0], r[1]))
+    nt = _int(b, "n_output_tokens", 0, MAX_POSITION, 0)
+    return Finish(rid, G, reason, P, C, lost, nt)
+
+
+def parse_abort(h: Header) -> tuple[str, str, int | None]:
+    rid = _request_id(h.key)
+    reason = h.body.get("reason", "abort")
+    if type(reason) is not str or len(reason) > 64:
+        raise _bad("bad_field", "abort reason must be a str of at most 64 characters")
+    n = h.body.get("num_output")
+    if n is not None:
+        n = _int(h.body, "num_output", 0, MAX_POSITION)
+    return rid, reason, n
+
+
+def tokens_from_frame(frame, n: int, what: str) -> np.ndarray:
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(buf) != n * TOKEN_DTYPE.itemsize:
+        raise _bad("size_mismatch", f"{what} frame has {len(buf)} bytes for {n} int32 token ids")
+    return np.frombuffer(buf, dtype=TOKEN_DTYPE).copy()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# records (consumer -> trainer)
+
+
+@dataclass
+class Record:
+    """One finished request's routing: prompt part and generation part, one row per token."""
+
+    request_id: str
+    prompt_routed_experts: np.ndarray          # (P, L, K) int16, -1 where prefix-cached or never computed
+    routed_experts: np.ndarray                 # (G, L, K) int16, row j computed when output token j was fed
+    num_cached_tokens: int
+    moe_layer_ids: np.ndarray                  # (L,) int32: the model's layer index of each MoE layer
+    complete: bool
+    missing: list = field(default_factory=list)   # [(lo, hi)] absolute positions never delivered
+    reason: str = ""                           # why incomplete ("" when complete)
+    finish_reason: str = ""
+    prompt_token_ids: np.ndarray | None = None
+    output_token_ids: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.prompt_routed_experts.nbytes + self.routed_experts.nbytes
+        for t in (self.prompt_token_ids, self.output_token_ids):
+            if t is not None:
+                n += t.nbytes
+        return n
+
+    def equals(self, other: "Record") -> bool:
+        return (self.request_id == other.request_id and self.complete == other.complete
+                and self.num_cached_tokens == other.num_cached_tokens
+                and [tuple(m) for m in self.missing] == [tuple(m) for m in other.missing]
+                and self.reason == other.reason and self.finish_reason == other.finish_reason
+                and np.array_equal(self.moe_layer_ids, other.moe_layer_ids)
+                and _same(self.prompt_routed_experts, other.prompt_routed_experts)
+                and _same(self.routed_experts, other.routed_experts)
+                and _same_opt(self.prompt_token_ids, other.prompt_token_ids)
+                and _same_opt(self.output_token_ids, other.output_token_ids))
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+def _same_opt(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return _same(a, b)
+
+
+def encode_record(rec: Record, producer: str, seq: int) -> list:
+    P, L, K = rec.prompt_routed_experts.shape
+    body = {
+        "prompt_len": P, "num_output": rec.routed_experts.shape[0], "num_cached": rec.num_cached_tokens,
+        "num_layers": L, "top_k": K, "layer_ids": [int(x) for x in rec.moe_layer_ids],
+        "complete": rec.complete, "missing": [list(m) for m in rec.missing], "reason": rec.reason,
+        "finish_reason": rec.finish_reason,
+        "n_prompt_tokens": -1 if rec.prompt_token_ids is None else len(rec.prompt_token_ids),
+        "n_output_tokens": -1 if rec.output_token_ids is None else len(rec.output_token_ids),
+    }
+    frames = [pack_header("record", producer, 0, seq, rec.request_id, body),
+              np.ascontiguousarray(rec.prompt_routed_experts, ROW_DTYPE),
+              np.ascontiguousarray(rec.routed_experts, ROW_DTYPE)]
+    if rec.prompt_token_ids is not None:
+        frames.append(np.ascontiguousarray(rec.prompt_token_ids, TOKEN_DTYPE))
+    if rec.output_token_ids is not None:
+        frames.append(np.ascontiguousarray(rec.output_token_ids, TOKEN_DTYPE))
+    return frames
+
+
+def decode_record(h: Header, frames: Sequence) -> Record:
+    rid = _request_id(h.key)
+    b = h.body
+    P = _int(b, "prompt_len", 0, MAX_POSITION)
+    G = _int(b, "num_output", 0, MAX_POSITION)
+    L = _int(b, "num_layers", 1, MAX_LAYERS)
+    K = _int(b, "top_k", 1, MAX_TOP_K)
+    npt = _int(b, "n_prompt_tokens", -1, MAX_POSITION, -1)
+    nout = _int(b, "n_output_tokens", -1, MAX_POSITION, -1)
+    want = 2 + (npt >= 0) + (nout >= 0)
+    if len(frames) != want:
+        raise _bad("frame_count", f"record has {len(frames)} payload frames, expected {want}")
+
+    def rows(f, n):
+        buf = f.buffer if hasattr(f, "buffer") else f
+        if len(buf) != n * L * K * 2:
+            raise _bad("size_mismatch", f"record rows frame has {len(buf)} bytes for ({n}, {L}, {K}) int16")
+        return np.frombuffer(buf, dtype=ROW_DTYPE).reshape(n, L, K).copy()
+
+    prompt = rows(frames[0], P)
+    gen = rows(frames[1], G)
+    i = 2
+    pt = ot = None
+    if npt >= 0:
+        pt = tokens_from_frame(frames[i], npt, "prompt token")
+        i += 1
+    if nout >= 0:
+        ot = tokens_from_frame(frames[i], nout, "output token")
+    missing = [tuple(m) for m in b.get("missing", [])]
+    return Record(rid, prompt, gen, _int(b, "num_cached", 0, MAX_POSITION),
+                  np.asarray(b.get("layer_ids", list(range(L))), dtype=np.int32), bool(b.get("complete")),
+                  missing, str(b.get("reason", "")), str(b.get("finish_reason", "")), pt, ot)
