@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import socket as _socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -16,6 +13,7 @@ import numpy as np
 import zmq
 
 from routing_replay import wire
+from routing_replay.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.producer")
 
@@ -34,7 +32,7 @@ class ProducerStats:
 
 
 def default_producer_id() -> str:
-    return f"{_socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return default_peer_id("producer")
 
 
 class Producer:

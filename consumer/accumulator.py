@@ -1,0 +1,402 @@
+"""Accumulate routing rows per request from decoded messages and turn finished requests into Records.
+
+No sockets here: `Accumulator.apply(header, payload_frames, now)` takes one validated message and returns the
+records it finished. Rows of one request live in a bytearray per layer range (appends are amortised O(1));
+positions are absolute, so a re-sent position overwrites and a jump leaves a hole that is filled with -1 and
+reported as missing unless a later delta fills it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from routing_replay import wire
+
+log = logging.getLogger("routing_replay.consumer")
+
+_FILL = 0xFF  # int16 -1 is 0xFFFF
+
+
+@dataclass
+class AccumulatorStats:
+    opened: int = 0
+    finished: int = 0
+    complete: int = 0
+    incomplete: int = 0
+    aborted: int = 0
+    timed_out: int = 0
+    delta_msgs: int = 0
+    rows: int = 0
+    bytes: int = 0
+    late_msgs: int = 0
+    refused_msgs: int = 0
+    refused_rows: int = 0
+
+
+class _Rows:
+    """Own one request's rows for one layer range: bytes of positions [0, n), and the holes below n."""
+
+    __slots__ = ("data", "n", "holes", "row_bytes")
+
+    def __init__(self, row_bytes: int):
+        self.data = bytearray()
+        self.n = 0
+        self.holes: list[list[int]] = []
+        self.row_bytes = row_bytes
+
+    def write(self, start: int, count: int, chunk) -> None:
+        rb = self.row_bytes
+        n = self.n
+        if start == n:
+            self.data += chunk
+            self.n = n + count
+            return
+        end = start + count
+        if start > n:
+            self.data += bytes([_FILL]) * ((start - n) * rb)
+            self.holes.append([n, start])
+            self.data += chunk
+            self.n = end
+            return
+        # overwrite [start, min(end, n)), append the rest
+        if end <= n:
+            self.data[start * rb:end * rb] = chunk
+        else:
+            split = (n - start) * rb
+            self.data[start * rb:n * rb] = chunk[:split]
+            self.data += chunk[split:]
+            self.n = end
+        if self.holes:
+            self.holes = _subtract(self.holes, start, end)
+
+    def missing(self, lo: int, hi: int) -> list[list[int]]:
+        """Positions in [lo, hi) that were never written."""
+        out = [[max(a, lo), min(b, hi)] for a, b in self.holes if b > lo and a < hi]
+        if self.n < hi:
+            out.append([max(self.n, lo), hi])
+        return _merge(out)
+
+
+def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+    out = []
+    for a, b in holes:
+        if b <= lo or a >= hi:
+            out.append([a, b])
+            continue
+        if a < lo:
+            out.append([a, lo])
+        if b > hi:
+            out.append([hi, b])
+    return out
+
+
+def _merge(ranges: list[list[int]]) -> list[list[int]]:
+    ranges = sorted(r for r in ranges if r[1] > r[0])
+    out: list[list[int]] = []
+    for a, b in ranges:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+class _Request:
+    """Own everything known about one in-flight request until its record is emitted."""
+
+    __slots__ = ("rid", "opened", "prompt_len", "num_cached", "num_layers", "top_k", "layer_ids", "ranges",
+                 "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused")
+
+    def __init__(self, rid: str, now: float):
+        self.rid = rid
+        self.opened = False
+        self.prompt_len = None
+        self.num_cached = 0
+        self.num_layers = None
+        self.top_k = None
+        self.layer_ids = None
+        self.ranges: dict[tuple[int, int], _Rows] = {}
+        self.last_seen = now
+        self.prompt_tokens = None
+        self.finish = None          # (num_output, reason, lost, output_tokens, aborted)
+        self.finish_at = 0.0
+        self.notes: list[str] = []  # reasons gathered on the way (reassigned, refused, ...)
+        self.refused = False
+
+
+class Accumulator:
+    """Own every in-flight request's rows; emit a Record when a request finishes, aborts or times out.
+
+    finish_grace_s: a finish that leaves rows missing waits this long for late deltas (they may come from
+    another producer, e.g. another pipeline stage) before the record is emitted as incomplete.
+    request_timeout_s: a request with no message for this long is emitted as incomplete (reason "timeout").
+    max_positions: per request; max_bytes: all in-flight rows together. Deltas beyond either are refused,
+    counted, and the request's record is marked incomplete.
+    """
+
+    def __init__(self, *, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
+                 max_positions: int = 1 << 21, max_bytes: int = 16 << 30, remember_finished: int = 100_000):
+        self.finish_grace_s = finish_grace_s
+        self.request_timeout_s = request_timeout_s
+        self.max_positions = max_positions
+        self.max_bytes = max_bytes
+        self.requests: dict[str, _Request] = {}
+        self.pending_finish: dict[str, _Request] = {}
+        self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember_finished
+        self.bytes_held = 0
+        self.stats = AccumulatorStats()
+
+    # ---- input --------------------------------------------------------------------------------------------------
+
+    def apply(self, h: wire.Header, frames: list, now: float) -> list[wire.Record]:
+        """Apply one message (header already decoded). Raises wire.ProtocolError for a malformed one."""
+        kind = h.kind
+        if kind == "delta":
+            self._delta(wire.parse_delta(h), frames, now)
+            return self._ready(now) if self.pending_finish else []
+        if kind == "open":
+            o = wire.parse_open(h)
+            self._open(o, frames, now)
+            if h.body.get("reassigned"):
+                self.mark(o.request_id, "consumer_lost", now)
+            return []
+        if kind == "finish":
+            return self._finish(wire.parse_finish(h), frames, now)
+        if kind == "abort":
+            rid, reason, n = wire.parse_abort(h)
+            return self._abort(rid, reason, n, now)
+        raise wire.ProtocolError("unexpected_kind", f"consumer does not take {kind!r} messages")
+
+    def _get(self, rid: str, now: float) -> _Request | None:
+        st = self.requests.get(rid)
+        if st is None:
+            if rid in self._finished_ids:
+                return None
+            st = self.requests[rid] = _Request(rid, now)
+        return st
+
+    def _open(self, o: wire.Open, frames: list, now: float) -> None:
+        st = self.requests.get(o.request_id)
+        if st is None or st.finish is not None:
+            self._finished_ids.pop(o.request_id, None)
+            if st is not None:
+                self.pending_finish.pop(o.request_id, None)
+                self._drop(st)
+            st = self.requests[o.request_id] = _Request(o.request_id, now)
+        if st.num_layers is not None and (st.num_layers, st.top_k) != (o.num_layers, o.top_k):
+            raise wire.ProtocolError("shape_mismatch", f"open for {o.request_id!r} says L={o.num_layers} "
+                                     f"K={o.top_k}, its rows so far are L={st.num_layers} K={st.top_k}")
+        if o.n_prompt_tokens:
+            if len(frames) != 1:
+                raise wire.ProtocolError("frame_count", f"open announces {o.n_prompt_tokens} prompt tokens "
+                                         f"but has {len(frames)} payload frames")
+            st.prompt_tokens = wire.tokens_from_frame(frames[0], o.n_prompt_tokens, "prompt token")
+        if not st.opened:
+            self.stats.opened += 1
+        st.opened = True
+        st.prompt_len, st.num_cached = o.prompt_len, o.num_cached
+        st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
+        st.last_seen = now
+
+    def mark(self, rid: str, note: str, now: float) -> None:
+        """Attach a reason (e.g. 'consumer_lost') that explains rows this consumer could not have seen."""
+        st = self._get(rid, now)
+        if st is not None and note not in st.notes:
+            st.notes.append(note)
+
+    def _delta(self, d: wire.Delta, frames: list, now: float) -> None:
+        wire.check_payload(d, frames)
+        if len(frames) == 1:
+            f = frames[0]
+            mv = memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")
+        else:
+            mv = memoryview(b"".join(bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames))
+        rb = d.row_bytes
+        key = (d.layer_lo, d.layer_hi)
+        L, K = d.num_layers, d.top_k
+        self.stats.delta_msgs += 1
+        off = 0
+        requests = self.requests
+        for rid, s, c in zip(d.request_ids, d.starts, d.counts):
+            nb = c * rb
+            chunk = mv[off:off + nb]
+            off += nb
+            st = requests.get(rid)
+            if st is None:
+                st = self._get(rid, now)
+                if st is None:
+                    self.stats.late_msgs += 1
+                    continue
+            if st.num_layers is None:
+                st.num_layers, st.top_k = L, K
+            elif st.num_layers != L or st.top_k != K:
+                self._refuse(st, c, f"delta with L={L} K={K} for a request of L={st.num_layers} K={st.top_k}")
+                continue
+            if s + c > self.max_positions or self.bytes_held + nb > self.max_bytes:
+                self._refuse(st, c, f"rows up to position {s + c} ({self.bytes_held + nb} bytes held) exceed "
+                                    f"max_positions={self.max_positions} / max_bytes={self.max_bytes}")
+                continue
+            rows = st.ranges.get(key)
+            if rows is None:
+                rows = st.ranges[key] = _Rows(rb)
+            before = len(rows.data)
+            rows.write(s, c, chunk)
+            self.bytes_held += len(rows.data) - before
+            st.last_seen = now
+        self.stats.rows += d.total_rows
+        self.stats.bytes += d.total_rows * rb
+
+    def _refuse(self, st: _Request, rows: int, why: str) -> None:
+        self.stats.refused_msgs += 1
+        self.stats.refused_rows += rows
+        if not st.refused:
+            log.warning("consumer refused rows for %r: %s", st.rid, why)
+        st.refused = True
+        if "consumer_refused" not in st.notes:
+            st.notes.append("consumer_refused")
+
+    def _finish(self, f: wire.Finish, frames: list, now: float) -> list[wire.Record]:
+        st = self._get(f.request_id, now)
+        if st is None:
+            self.stats.late_msgs += 1
+            return []
+        out_tokens = None
+        if f.n_output_tokens:
+            if len(frames) != 1:
+                raise wire.ProtocolError("frame_count", f"finish announces {f.n_output_tokens} output tokens "
+                                         f"but has {len(frames)} payload frames")
+            out_tokens = wire.tokens_from_frame(frames[0], f.n_output_tokens, "output token")
+        if st.prompt_len is None:
+            if f.prompt_len is None:
+                st.notes.append("no_open")
+                st.prompt_len = 0
+            else:
+                st.prompt_len = f.prompt_len
+                st.num_cached = f.num_cached or 0
+        st.finish = (f.num_output, f.reason, f.lost, out_tokens, False)
+        st.finish_at = now
+        st.last_seen = now
+        return self._try_emit(st, now, force=False)
+
+    def _abort(self, rid: str, reason: str, n: int | None, now: float) -> list[wire.Record]:
+        st = self.requests.get(rid)
+        if st is None:
+            self.stats.late_msgs += rid in self._finished_ids
+            return []
+        self.stats.aborted += 1
+        if st.prompt_len is None:
+            st.prompt_len = 0
+        st.finish = (n if n is not None else self._computed_outputs(st), reason, [], None, True)
+        st.finish_at = now
+        return self._try_emit(st, now, force=True)
+
+    def _computed_outputs(self, st: _Request) -> int:
+        n = max((r.n for r in st.ranges.values()), default=0)
+        return max(0, n - (st.prompt_len or 0))
+
+    # ---- output -------------------------------------------------------------------------------------------------
+
+    def _try_emit(self, st: _Request, now: float, force: bool) -> list[wire.Record]:
+        rec = self._build(st)
+        if not rec.complete and not force and now - st.finish_at < self.finish_grace_s:
+            self.pending_finish[st.rid] = st
+            return []
+        self.pending_finish.pop(st.rid, None)
+        self._emit_done(st, rec)
+        return [rec]
+
+    def _ready(self, now: float) -> list[wire.Record]:
+        out = []
+        for st in list(self.pending_finish.values()):
+            rec = self._build(st)
+            if rec.complete or now - st.finish_at >= self.finish_grace_s:
+                del self.pending_finish[st.rid]
+                self._emit_done(st, rec)
+                out.append(rec)
+        return out
+
+    def poll(self, now: float) -> list[wire.Record]:
+        """Emit what waited out its grace period, and time out silent requests. Call about once a second."""
+        out = self._ready(now) if self.pending_finish else []
+        cutoff = now - self.request_timeout_s
+        for st in [s for s in self.requests.values() if s.last_seen < cutoff and s.finish is None]:
+            self.stats.timed_out += 1
+            if st.prompt_len is None:
+                st.prompt_len = 0
+            st.finish = (self._computed_outputs(st), "timeout", [], None, True)
+            st.notes.append("timeout")
+            rec = self._build(st)
+            self._emit_done(st, rec)
+            out.append(rec)
+        return out
+
+    def _emit_done(self, st: _Request, rec: wire.Record) -> None:
+        self._drop(st)
+        self.requests.pop(st.rid, None)
+        self._finished_ids[st.rid] = None
+        if len(self._finished_ids) > self._remember:
+            self._finished_ids.popitem(last=False)
+        self.stats.finished += 1
+        if rec.complete:
+            self.stats.complete += 1
+        else:
+            self.stats.incomplete += 1
+
+    def _drop(self, st: _Request) -> None:
+        for r in st.ranges.values():
+            self.bytes_held -= len(r.data)
+        st.ranges = {}
+
+    def _build(self, st: _Request) -> wire.Record:
+        G, finish_reason, lost, out_tokens, aborted = st.finish
+        P, C = st.prompt_len, min(st.num_cached, st.prompt_len)
+        L = st.num_layers or 0
+        K = st.top_k or 0
+        total = P + G
+        need_hi = P + G - 1 if G > 0 else P        # the last output token is never fed to the model
+        arr = np.full((total, L, K), -1, dtype=wire.ROW_DTYPE)
+        missing: list[list[int]] = []
+        covered = np.zeros(L, dtype=bool)
+        for (lo, hi), rows in st.ranges.items():
+            m = min(rows.n, total)
+            if m:
+                src = np.frombuffer(rows.data, dtype=wire.ROW_DTYPE, count=m * (hi - lo) * K)
+                arr[:m, lo:hi] = src.reshape(m, hi - lo, K)
+            covered[lo:hi] = True
+            missing += rows.missing(C, need_hi)
+        arr[:C] = -1
+        if G > 0:
+            arr[total - 1] = -1
+        if L and not covered.all():
+            missing.append([C, need_hi])
+        missing = _merge(missing)
+        notes = list(st.notes)
+        if L == 0 and need_hi > C:
+            missing = [[C, need_hi]]
+        reason = ""
+        complete = not missing and not aborted and "no_open" not in notes
+        if not complete:
+            if aborted:
+                reason = finish_reason if finish_reason else "abort"
+            elif lost and any(a < m[1] and m[0] < b for a, b in lost for m in missing):
+                reason = "producer_queue_full"
+            elif notes:
+                reason = notes[0]
+            elif L and not covered.all():
+                reason = "layers_missing"
+            else:
+                reason = "rows_not_delivered"
+            if aborted:
+                finish_reason = "abort" if finish_reason in ("", "timeout") and not notes else finish_reason
+        layer_ids = np.asarray(st.layer_ids if st.layer_ids is not None else range(L), dtype=np.int32)
+        return wire.Record(st.rid, arr[:P], arr[P:], C, layer_ids, complete, [tuple(m) for m in missing],
+                           reason, finish_reason, st.prompt_tokens, out_tokens)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)

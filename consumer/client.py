@@ -1,0 +1,114 @@
+"""Trainer-side client: fetch finished records by request id (lossless) or subscribe to live ones by prefix."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator, Sequence
+
+import zmq
+
+from routing_replay import wire
+from routing_replay.ids import default_peer_id
+
+
+class RecordEvicted(RuntimeError):
+    """The consumer had to evict this record (its store bound was hit, no spill dir) before it was fetched."""
+
+
+class TrainerClient:
+    """Own one DEALER socket per consumer endpoint (sharded consumers each hold a part of the requests).
+
+    `fetch(ids)` asks every consumer; the one that owns a request answers as soon as its record is finished
+    (at once if it already is). Outstanding ids are asked again every `retry_interval_s`, so a consumer that
+    restarted, or a fetch that raced a reconnect, still answers. Not thread-safe: one thread per client.
+    """
+
+    def __init__(self, endpoints: str | Sequence[str], *, context: zmq.Context | None = None,
+                 client_id: str | None = None, retry_interval_s: float = 1.0):
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self._ctx = context or zmq.Context.instance()
+        self.client_id = client_id or default_peer_id("trainer")
+        self.retry_interval_s = retry_interval_s
+        self._socks = []
+        self._poller = zmq.Poller()
+        for ep in self.endpoints:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+            s.connect(ep)
+            self._socks.append(s)
+            self._poller.register(s, zmq.POLLIN)
+        self._early: dict[str, wire.Record] = {}
+        self._seq = 0
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(0)
+        self._socks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _send_all(self, kind: str, key, body: dict) -> None:
+        self._seq += 1
+        head = wire.pack_header(kind, self.client_id, 0, self._seq, key, body)
+        for s in self._socks:
+            s.send(head)
+
+    def _recv(self, timeout_ms: int) -> tuple[str, object] | None:
+        """One reply: ('record', Record) or ('error', (request_id, reason)), or None on timeout."""
+        for sock, _ in self._poller.poll(timeout_ms):
+            frames = sock.recv_multipart(copy=False)
+            h = wire.decode_header(frames[0].buffer)
+            if h.kind == "record":
+                return "record", wire.decode_record(h, frames[1:])
+            if h.kind == "error":
+                return "error", (h.key, h.body.get("reason", ""))
+        return None
+
+    def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0) -> dict[str, wire.Record]:
+        """Return {request_id: Record} for every id; raises TimeoutError naming the ids still missing."""
+        want = set(request_ids)
+        got = {rid: self._early.pop(rid) for rid in list(want) if rid in self._early}
+        deadline = time.monotonic() + timeout_s
+        next_ask = 0.0
+        while len(got) < len(want):
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(want - set(got))
+                raise TimeoutError(f"{len(missing)} of {len(want)} records not received in {timeout_s}s: "
+                                   f"{missing[:8]}")
+            if now >= next_ask:
+                outstanding = sorted(want - set(got))
+                for i in range(0, len(outstanding), 4096):
+                    self._send_all("fetch", outstanding[i:i + 4096],
+                                   {"timeout_ms": int(max(deadline - now, 0.001) * 1000)})
+                next_ask = now + self.retry_interval_s
+            r = self._recv(int(max(1, min(deadline, next_ask) - now) * 1000) or 1)
+            if r is None:
+                continue
+            kind, val = r
+            if kind == "record":
+                if val.request_id in want:
+                    got[val.request_id] = val
+                else:
+                    self._early[val.request_id] = val
+            elif val[1] == "evicted" and val[0] in want:
+                raise RecordEvicted(f"record {val[0]!r} was evicted by its consumer before it was fetched")
+        return got
+
+    def subscribe(self, prefix: str = "") -> None:
+        """Receive live records whose request id starts with prefix (best effort; fetch is the lossless path)."""
+        self._send_all("hello", self.client_id, {"subscribe": prefix})
+
+    def records(self, timeout_s: float | None = None) -> Iterator[wire.Record]:
+        """Yield records as they come (from subscribe); stops after timeout_s without one (None: never)."""
+        while True:
+            r = self._recv(-1 if timeout_s is None else int(timeout_s * 1000))
+            if r is None:
+                return
+            if r[0] == "record":
+                yield r[1]

@@ -1,0 +1,290 @@
+"""Run a consumer: receive routed messages from a broker, accumulate, and hand finished records to the sinks.
+
+Sinks: an npz directory (NpzWriter), a callback, and the trainer endpoint (`serve`): a ROUTER socket that
+answers `fetch` (lossless: records are kept in a RecordStore until fetched) and `subscribe` (live records whose
+request id starts with a prefix; a subscriber that cannot keep up loses records from the live view, which is
+counted and logged, never from the store).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Callable
+
+import zmq
+
+from consumer.accumulator import Accumulator
+from consumer.npz import NpzWriter, Progress
+from consumer.store import EVICTED, RecordStore
+from routing_replay import wire
+from routing_replay.ids import default_peer_id
+
+log = logging.getLogger("routing_replay.consumer")
+
+
+class Consumer:
+    """Own a consumer's sockets (DEALER to the broker, optional ROUTER for trainers) and its accumulator.
+
+    All sockets are created and used by the thread that calls `run()` (or the one `start()` makes).
+    """
+
+    def __init__(self, connect: str, *, consumer_id: str | None = None, npz_dir: str | None = None,
+                 shard_size: int = 0, serve: str | None = None, context: zmq.Context | None = None,
+                 store_max_bytes: int = 2 << 30, spill_dir: str | None = None,
+                 heartbeat_interval_ms: int = 1000, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
+                 max_bytes: int = 16 << 30, on_record: Callable[[wire.Record], None] | None = None,
+                 progress: bool = False, stats_interval_s: float = 10.0, rcvhwm: int = 100_000):
+        self.connect = connect
+        self.consumer_id = consumer_id or default_peer_id("consumer")
+        self.serve = serve
+        self._ctx = context or zmq.Context.instance()
+        self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
+                               max_bytes=max_bytes)
+        self.writer = NpzWriter(npz_dir, shard_size) if npz_dir else None
+        self.store = RecordStore(store_max_bytes, spill_dir) if serve else None
+        self.on_record = on_record
+        self.progress = Progress() if progress else None
+        self.heartbeat_interval_s = heartbeat_interval_ms / 1000
+        self.stats_interval_s = stats_interval_s
+        self.rcvhwm = rcvhwm
+        self.bad: dict[str, int] = defaultdict(int)
+        self.records_out = 0
+        self.msgs_in = 0
+        self.subscriber_drops = 0
+        self._waiters: dict[str, tuple[bytes, float]] = {}
+        self._subscribers: dict[bytes, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.ready = threading.Event()
+        self._seq = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self) -> "Consumer":
+        self._thread = threading.Thread(target=self._run_guarded, name=f"rr-consumer-{self.consumer_id}",
+                                        daemon=True)
+        self._thread.start()
+        self.ready.wait(10)
+        if self._failure:
+            raise RuntimeError(f"consumer failed to start: {self._failure}") from self._failure
+        return self
+
+    def _run_guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:
+            self._failure = e
+            log.exception("consumer %s failed", self.consumer_id)
+            self.ready.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop, write what is queued to disk, close sockets. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self.writer is not None:
+            self.writer.close()
+
+    # ---- loop ---------------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until stop() (or SIGINT in the CLI). Owns and closes its sockets."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.ROUTING_ID, self.consumer_id.encode())
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        server = None
+        try:
+            dealer.connect(self.connect)
+            poller = zmq.Poller()
+            poller.register(dealer, zmq.POLLIN)
+            if self.serve:
+                server = self._ctx.socket(zmq.ROUTER)
+                server.setsockopt(zmq.LINGER, 0)
+                server.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                server.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+                server.bind(self.serve)
+                self.serve = server.getsockopt_string(zmq.LAST_ENDPOINT)
+                poller.register(server, zmq.POLLIN)
+            self._send_ctl(dealer, "hello")
+            self.ready.set()
+            log.info("consumer %s connected to %s serve=%s npz_dir=%s", self.consumer_id, self.connect,
+                     self.serve, self.writer.dir if self.writer else None)
+            now = time.monotonic()
+            next_hb = now + self.heartbeat_interval_s
+            next_tick = now + 0.1
+            next_stats = now + self.stats_interval_s
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                now = time.monotonic()
+                if dealer in events:
+                    for _ in range(1000):      # bounded burst, then timers get their turn
+                        try:
+                            frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_broker_message(frames, now, server)
+                if server is not None and server in events:
+                    while True:
+                        try:
+                            frames = server.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_client_message(server, frames, now)
+                if now >= next_tick:
+                    for rec in self.acc.poll(now):
+                        self._emit(rec, server)
+                    self._expire_waiters(now)
+                    next_tick = now + 0.1
+                if now >= next_hb:
+                    self._send_ctl(dealer, "heartbeat")
+                    next_hb = now + self.heartbeat_interval_s
+                if self.progress is not None and self.writer is not None:
+                    self.progress.maybe(self.writer.records, self.writer.rows, self.writer.bytes, self.acc.in_flight)
+                if now >= next_stats:
+                    self._log_stats()
+                    next_stats = now + self.stats_interval_s
+            try:
+                self._send_ctl(dealer, "bye")
+            except zmq.ZMQError:
+                pass
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self.ready.set()
+            dealer.close(0)
+            if server is not None:
+                server.close(0)
+            self._log_stats()
+
+    def _send_ctl(self, sock: zmq.Socket, kind: str) -> None:
+        self._seq += 1
+        sock.send_multipart([wire.pack_header(kind, self.consumer_id, 0, self._seq, self.consumer_id, {})],
+                            zmq.NOBLOCK)
+
+    def _log_stats(self) -> None:
+        s = self.acc.stats
+        log.info("consumer %s records=%d complete=%d incomplete=%d aborted=%d timed_out=%d in_flight=%d "
+                 "delta_msgs=%d rows=%d MB=%.1f held_MB=%.1f late=%d refused=%d bad=%d %s store=%s "
+                 "subscriber_drops=%d", self.consumer_id, s.finished, s.complete, s.incomplete, s.aborted,
+                 s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.bytes / 1e6, self.acc.bytes_held / 1e6,
+                 s.late_msgs, s.refused_msgs, sum(self.bad.values()), dict(self.bad) if self.bad else "",
+                 f"{len(self.store)}/{self.store.bytes / 1e6:.1f}MB" if self.store is not None else "-",
+                 self.subscriber_drops)
+
+    def _count_bad(self, reason: str, err: Exception) -> None:
+        self.bad[reason] += 1
+        n = self.bad[reason]
+        if n == 1 or n % 1000 == 0:
+            log.warning("consumer %s dropped a bad message (%s, %d so far): %s", self.consumer_id, reason, n, err)
+
+    def _on_broker_message(self, frames: list, now: float, server) -> None:
+        self.msgs_in += 1
+        try:
+            if len(frames) > wire.MAX_FRAMES:
+                raise wire.ProtocolError("frame_count", f"{len(frames)} frames")
+            h = wire.decode_header(frames[0].buffer)
+            if h.kind in ("hello", "heartbeat", "error", "ack"):
+                if h.kind == "error":
+                    log.error("consumer %s: broker says: %s", self.consumer_id, h.body.get("reason"))
+                return
+            recs = self.acc.apply(h, frames[1:], now)
+        except wire.ProtocolError as e:
+            self._count_bad(e.reason, e)
+            return
+        for rec in recs:
+            self._emit(rec, server)
+
+    # ---- sinks --------------------------------------------------------------------------------------------------
+
+    def _emit(self, rec: wire.Record, server) -> None:
+        self.records_out += 1
+        if not rec.complete:
+            log.warning("consumer %s record %r incomplete: reason=%s missing=%s", self.consumer_id,
+                        rec.request_id[:64], rec.reason, rec.missing[:4])
+        if self.writer is not None:
+            self.writer.put(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+        if server is None:
+            return
+        frames = None
+        for client, prefix in list(self._subscribers.items()):
+            if rec.request_id.startswith(prefix):
+                frames = frames or wire.encode_record(rec, self.consumer_id, 0)
+                self._send_client(server, client, frames, subscriber=True)
+        w = self._waiters.pop(rec.request_id, None)
+        if w is not None and self._send_client(server, w[0], frames or wire.encode_record(rec, self.consumer_id, 0)):
+            return
+        self.store.put(rec)
+
+    def _send_client(self, server, client: bytes, frames: list, subscriber: bool = False) -> bool:
+        try:
+            server.send_multipart([client, *frames], zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            if subscriber:
+                self.subscriber_drops += 1
+                if self.subscriber_drops == 1 or self.subscriber_drops % 1000 == 0:
+                    log.warning("consumer %s: subscriber %r is slow, live records dropped=%d (fetch still has them)",
+                                self.consumer_id, client[:32], self.subscriber_drops)
+            return False
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away
+            if subscriber:
+                self._subscribers.pop(client, None)
+            log.info("consumer %s: client %r unreachable (%s)", self.consumer_id, client[:32], e)
+            return False
+
+    def _on_client_message(self, server, frames: list, now: float) -> None:
+        client = frames[0].bytes
+        try:
+            if len(frames) != 2:
+                raise wire.ProtocolError("frame_count", f"client message has {len(frames) - 1} frames, expected 1")
+            h = wire.decode_header(frames[1].buffer)
+            if h.kind == "fetch":
+                ids = h.key if isinstance(h.key, list) else [h.key]
+                for rid in ids:
+                    wire._request_id(rid)
+                timeout_ms = wire._int(h.body, "timeout_ms", 0, 1 << 31, 60_000)
+                self._fetch(server, client, ids, now + timeout_ms / 1000)
+            elif h.kind == "hello" and "subscribe" in h.body:
+                prefix = h.body["subscribe"]
+                if type(prefix) is not str or len(prefix) > wire.MAX_REQUEST_ID_LEN:
+                    raise wire.ProtocolError("bad_field", "subscribe prefix must be a str")
+                self._subscribers[client] = prefix
+                log.info("consumer %s: subscriber %r prefix=%r subscribers=%d", self.consumer_id, client[:32],
+                         prefix, len(self._subscribers))
+            elif h.kind == "bye":
+                self._subscribers.pop(client, None)
+            elif h.kind == "heartbeat":
+                pass
+            else:
+                raise wire.ProtocolError("unexpected_kind", f"trainer endpoint does not take {h.kind!r}")
+        except wire.ProtocolError as e:
+            self._count_bad(e.reason, e)
+            self._send_client(server, client, [wire.pack_header("error", self.consumer_id, 0, 0, "",
+                                                                {"reason": f"{e.reason}: {e}"[:200]})])
+
+    def _fetch(self, server, client: bytes, ids: list, deadline: float) -> None:
+        for rid in ids:
+            got = self.store.take(rid)
+            if got is None:
+                self._waiters[rid] = (client, deadline)
+            elif got == EVICTED:
+                self._send_client(server, client, [wire.pack_header("error", self.consumer_id, 0, 0, rid,
+                                                                    {"reason": "evicted"})])
+            elif not self._send_client(server, client, wire.encode_record(got, self.consumer_id, 0)):
+                self.store.put(got)
+
+    def _expire_waiters(self, now: float) -> None:
+        if self._waiters:
+            for rid in [r for r, (_, d) in self._waiters.items() if d < now]:
+                del self._waiters[rid]

@@ -1,0 +1,174 @@
+"""The `routing-replay` command: broker, consume, subscribe, synth and demo subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"
+DEFAULT_BACKEND = "tcp://127.0.0.1:5558"
+DEFAULT_SERVE = "tcp://127.0.0.1:5559"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def _die(prog: str, msg: str, code: int = 2) -> int:
+    print(f"routing-replay {prog}: {msg}", file=sys.stderr)
+    return code
+
+
+def _on_signals(stop) -> None:
+    def handler(signum, frame):
+        logging.getLogger("routing_replay").info("signal %d: shutting down", signum)
+        stop()
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_broker(a) -> int:
+    import zmq
+    from broker import Broker
+    b = Broker(a.frontend, a.backend, heartbeat_interval_ms=a.heartbeat_ms, liveness=a.liveness,
+               stats_interval_s=a.stats_interval, max_pending_bytes=a.max_pending_mb << 20)
+    try:
+        b.bind()
+    except zmq.ZMQError as e:
+        return _die("broker", f"cannot bind {a.frontend} / {a.backend}: {e}")
+    _on_signals(b.stop)
+    b.serve()
+    return 0
+
+
+def cmd_consume(a) -> int:
+    import zmq
+    from consumer import Consumer
+    c = Consumer(a.connect, consumer_id=a.consumer_id, npz_dir=a.npz_dir, shard_size=a.shard_size, serve=a.serve,
+                 store_max_bytes=a.store_mb << 20, spill_dir=a.spill_dir, heartbeat_interval_ms=a.heartbeat_ms,
+                 finish_grace_s=a.finish_grace_ms / 1000, request_timeout_s=a.request_timeout_s,
+                 progress=a.progress and a.npz_dir is not None, stats_interval_s=a.stats_interval)
+    _on_signals(c.stop)
+    try:
+        c.run()
+    except zmq.ZMQError as e:
+        return _die("consume", f"cannot connect {a.connect} / bind {a.serve}: {e}")
+    finally:
+        if c.writer is not None:
+            c.writer.close()
+            if c.progress is not None:
+                c.progress.maybe(c.writer.records, c.writer.rows, c.writer.bytes, c.acc.in_flight, force=True)
+    return 0
+
+
+def cmd_subscribe(a) -> int:
+    from consumer import TrainerClient
+    stop = threading.Event()
+    _on_signals(stop.set)
+    n = 0
+    with TrainerClient(a.connect) as client:
+        client.subscribe(a.prefix)
+        while not stop.is_set() and (a.count == 0 or n < a.count):
+            got = False
+            for rec in client.records(timeout_s=0.5):
+                got = True
+                n += 1
+                P, L, K = rec.prompt_routed_experts.shape
+                print(f"{rec.request_id} prompt={P} output={len(rec.routed_experts)} layers={L} top_k={K} "
+                      f"cached={rec.num_cached_tokens} complete={rec.complete} reason={rec.reason or '-'} "
+                      f"missing={rec.missing}", flush=True)
+                if a.count and n >= a.count:
+                    break
+                if stop.is_set():
+                    break
+            if not got and a.timeout and stop.wait(0):
+                break
+    return 0
+
+
+def cmd_synth(a) -> int:
+    from routing_replay import synthetic
+    return synthetic.main_from_args(a)
+
+
+def cmd_demo(a) -> int:
+    try:
+        from routing_replay import demo
+    except ImportError as e:
+        return _die("demo", f"the vLLM demo is not available: {e}")
+    return demo.main(a.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="routing-replay", description="Stream MoE routing decisions from inference "
+                                 "engines to RL trainers over ZeroMQ.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def common(p):
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--stats-interval", type=float, default=10.0, metavar="S", help="seconds between stats lines")
+        p.add_argument("--heartbeat-ms", type=int, default=1000)
+
+    p = sub.add_parser("broker", help="route producers' messages to consumers by request id",
+                       description="Producers connect to --frontend, consumers to --backend.")
+    p.add_argument("--frontend", default=DEFAULT_FRONTEND, help=f"endpoint producers connect to ({DEFAULT_FRONTEND})")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, help=f"endpoint consumers connect to ({DEFAULT_BACKEND})")
+    p.add_argument("--liveness", type=int, default=3, help="heartbeats a consumer may miss before it is dropped")
+    p.add_argument("--max-pending-mb", type=int, default=512, help="held while no consumer is live (MiB)")
+    common(p)
+    p.set_defaults(fn=cmd_broker)
+
+    p = sub.add_parser("consume", help="accumulate records from a broker; write npz and/or serve trainers",
+                       description="Connects to a broker's backend. With --npz-dir, writes one <request id>.npz per "
+                       "finished request (or shards). With --serve, trainers fetch and subscribe there.")
+    p.add_argument("--connect", default=DEFAULT_BACKEND, help=f"broker backend endpoint ({DEFAULT_BACKEND})")
+    p.add_argument("--npz-dir", help="write records here")
+    p.add_argument("--shard-size", type=int, default=0, help="N records per shard file with index.jsonl (0: one file "
+                   "per request)")
+    p.add_argument("--serve", help=f"bind the trainer endpoint here (e.g. {DEFAULT_SERVE})")
+    p.add_argument("--consumer-id", help="stable id (default: consumer:<host>:<pid>:<random>)")
+    p.add_argument("--store-mb", type=int, default=2048, help="records kept for fetch, in memory (MiB)")
+    p.add_argument("--spill-dir", help="beyond --store-mb, spill records here instead of evicting them")
+    p.add_argument("--finish-grace-ms", type=int, default=500, help="wait this long for late rows after a finish")
+    p.add_argument("--request-timeout-s", type=float, default=600.0, help="emit silent requests as incomplete")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    common(p)
+    p.set_defaults(fn=cmd_consume)
+
+    p = sub.add_parser("subscribe", help="print live records from consumers' trainer endpoints")
+    p.add_argument("--connect", nargs="+", default=[DEFAULT_SERVE], help="consumer --serve endpoints")
+    p.add_argument("--prefix", default="", help="only request ids starting with this")
+    p.add_argument("--count", type=int, default=0, help="exit after this many records (0: run until signalled)")
+    p.add_argument("--timeout", action="store_true", help=argparse.SUPPRESS)
+    common(p)
+    p.set_defaults(fn=cmd_subscribe)
+
+    p = sub.add_parser("synth", help="run a synthetic engine (no GPU, no vLLM) through a broker, or embedded",
+                       description="Publishes a deterministic workload (chunked prefill, decode, prefix hits, "
+                       "speculative overwrites, preemption, aborts) and checks the records it gets back.")
+    from routing_replay import synthetic
+    synthetic.add_arguments(p)
+    common(p)
+    p.set_defaults(fn=cmd_synth)
+
+    p = sub.add_parser("demo", help="vLLM on a generated tiny MoE model with capture on; npz to ./out; oracle check",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("--log-level", default="info", help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    _setup_logging(a.log_level)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Run broker and consumer inside the calling process (threads over inproc://), for one-machine use."""
+
+from __future__ import annotations
+
+import uuid
+
+import zmq
+
+from broker import Broker
+from consumer import Consumer
+from producer import Producer
+
+
+class EmbeddedPipeline:
+    """Own an in-process broker thread and consumer thread joined by inproc:// sockets on one zmq.Context.
+
+    Producers in the same process connect to `frontend` with `context=pipe.context` (see `producer()`).
+    Records go where a multi-process consumer would send them: `npz_dir`, the trainer endpoint `serve`,
+    and/or the `on_record` callback (called in the consumer thread).
+    """
+
+    def __init__(self, npz_dir: str | None = None, serve: str | None = None, *, shard_size: int = 0,
+                 context: zmq.Context | None = None, name: str | None = None, on_record=None, **consumer_kw):
+        self.context = context or zmq.Context.instance()
+        name = name or uuid.uuid4().hex[:12]
+        self.frontend = f"inproc://routing-replay-{name}-frontend"
+        backend = f"inproc://routing-replay-{name}-backend"
+        consumer_kw.setdefault("stats_interval_s", 60.0)
+        self.broker = Broker(self.frontend, backend, context=self.context, stats_interval_s=60.0)
+        self.broker.start()
+        self.consumer = Consumer(backend, npz_dir=npz_dir, shard_size=shard_size, serve=serve,
+                                 context=self.context, on_record=on_record, **consumer_kw)
+        self.consumer.start()
+        self.serve = self.consumer.serve
+        self._closed = False
+
+    def producer(self, **kw) -> Producer:
+        """A Producer connected to this pipeline (same context, as inproc requires)."""
+        return Producer(self.frontend, context=self.context, **kw)
+
+    def wait_idle(self, timeout_s: float = 30.0, quiet_s: float = 0.2) -> bool:
+        """Wait until no request is in flight and no message arrived for quiet_s. True if reached in time."""
+        import time
+        deadline = time.monotonic() + timeout_s
+        last, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            n = self.consumer.msgs_in
+            if n != last:
+                last, since = n, time.monotonic()
+            elif (self.consumer.acc.in_flight == 0 and not self.consumer.acc.pending_finish
+                  and time.monotonic() - since >= quiet_s):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Stop consumer then broker; records already finished are written. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.consumer.close()
+        self.broker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
