@@ -181,6 +181,12 @@ class Accumulator:
         return st
 
     def _open(self, o: wire.Open, frames: list, now: float) -> None:
+        tokens = None
+        if o.n_prompt_tokens:
+            if len(frames) != 1:
+                raise wire.ProtocolError("frame_count", f"open announces {o.n_prompt_tokens} prompt tokens "
+                                         f"but has {len(frames)} payload frames")
+            tokens = wire.tokens_from_frame(frames[0], o.n_prompt_tokens, "prompt token")
         st = self.requests.get(o.request_id)
         if st is None or st.finish is not None:
             self._finished_ids.pop(o.request_id, None)
@@ -191,11 +197,8 @@ class Accumulator:
         if st.num_layers is not None and (st.num_layers, st.top_k) != (o.num_layers, o.top_k):
             raise wire.ProtocolError("shape_mismatch", f"open for {o.request_id!r} says L={o.num_layers} "
                                      f"K={o.top_k}, its rows so far are L={st.num_layers} K={st.top_k}")
-        if o.n_prompt_tokens:
-            if len(frames) != 1:
-                raise wire.ProtocolError("frame_count", f"open announces {o.n_prompt_tokens} prompt tokens "
-                                         f"but has {len(frames)} payload frames")
-            st.prompt_tokens = wire.tokens_from_frame(frames[0], o.n_prompt_tokens, "prompt token")
+        if tokens is not None:
+            st.prompt_tokens = tokens
         if not st.opened:
             self.stats.opened += 1
         st.opened = True
@@ -261,16 +264,16 @@ class Accumulator:
             st.notes.append("consumer_refused")
 
     def _finish(self, f: wire.Finish, frames: list, now: float) -> list[wire.Record]:
-        st = self._get(f.request_id, now)
-        if st is None:
-            self.stats.late_msgs += 1
-            return []
         out_tokens = None
         if f.n_output_tokens:
             if len(frames) != 1:
                 raise wire.ProtocolError("frame_count", f"finish announces {f.n_output_tokens} output tokens "
                                          f"but has {len(frames)} payload frames")
             out_tokens = wire.tokens_from_frame(frames[0], f.n_output_tokens, "output token")
+        st = self._get(f.request_id, now)
+        if st is None:
+            self.stats.late_msgs += 1
+            return []
         if st.prompt_len is None:
             if f.prompt_len is None:
                 st.notes.append("no_open")
@@ -281,7 +284,7 @@ class Accumulator:
         st.finish = (f.num_output, f.reason, f.lost, out_tokens, False)
         st.finish_at = now
         st.last_seen = now
-        return self._try_emit(st, now, force=False)
+        return self._try_emit(st, now, force="no_open" in st.notes)
 
     def _abort(self, rid: str, reason: str, n: int | None, now: float) -> list[wire.Record]:
         st = self.requests.get(rid)

@@ -221,7 +221,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main_from_args(a) -> int:
     """`routing-replay synth`: publish a workload; in embedded mode also check every record bit for bit."""
     from producer import Producer
-    specs = workload(a.requests, seed=a.seed, prefix=a.prefix, max_prompt=600, max_output=64)
+    specs = workload(a.requests, seed=a.seed, prefix=a.prefix)
     eng = SyntheticEngine(num_layers=a.num_layers, top_k=a.top_k, num_experts=a.num_experts,
                           token_budget=a.token_budget, log_every_s=1.0)
     t0 = time.monotonic()

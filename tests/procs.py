@@ -1,0 +1,93 @@
+"""Start real `routing-replay` processes for tests and read their bound endpoints from their log lines."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+BIN = [sys.executable, "-m", "routing_replay.cli"]
+
+
+class Proc:
+    """Own one child process and a thread draining its stderr into `lines` (so its pipe never fills)."""
+
+    def __init__(self, args: list[str], env: dict | None = None):
+        self.args = args
+        e = dict(os.environ, PYTHONUNBUFFERED="1")
+        if env:
+            e.update(env)
+        self.p = subprocess.Popen(BIN + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._drain, daemon=True)
+        self._t.start()
+
+    def _drain(self) -> None:
+        for line in self.p.stdout:
+            self.lines.append(line)
+            self._q.put(line)
+
+    def wait_for(self, pattern: str, timeout_s: float = 20.0) -> re.Match:
+        rx = re.compile(pattern)
+        for line in list(self.lines):
+            m = rx.search(line)
+            if m:
+                return m
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            m = rx.search(line)
+            if m:
+                return m
+            if self.p.poll() is not None and self._q.empty():
+                break
+        raise TimeoutError(f"{self.args[0]}: no line matching {pattern!r} in {timeout_s}s; "
+                           f"rc={self.p.poll()}; output:\n{''.join(self.lines[-30:])}")
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+            try:
+                self.p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+        self._t.join(5)
+        return self.p.returncode
+
+    def kill9(self) -> None:
+        self.p.kill()
+        self.p.wait(5)
+
+
+def start_broker(frontend: str = "tcp://127.0.0.1:*", backend: str = "tcp://127.0.0.1:*", *extra: str) -> tuple:
+    b = Proc(["broker", "--frontend", frontend, "--backend", backend, "--stats-interval", "1", *extra])
+    m = b.wait_for(r"broker frontend=(\S+) backend=(\S+)")
+    return b, m.group(1), m.group(2)
+
+
+def start_consumer(backend: str, *extra: str) -> Proc:
+    c = Proc(["consume", "--connect", backend, "--stats-interval", "1", "--no-progress", *extra])
+    c.wait_for(r"consumer (\S+) connected")
+    return c
+
+
+def wait_until(pred, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} not reached in {timeout_s}s")

@@ -1,0 +1,253 @@
+"""Accumulator tests on decoded messages alone (no sockets): every record checked bit for bit."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from consumer import Accumulator
+from routing_replay import wire
+from routing_replay.synthetic import true_rows
+
+L, K, E = 3, 2, 16
+
+
+def rows(seed, lo, hi, variant=0, layers=(0, L)):
+    return true_rows(seed, np.arange(lo, hi), L, K, E, variant)[:, layers[0]:layers[1]]
+
+
+class Feed:
+    """Build wire messages and apply them to an accumulator, collecting emitted records."""
+
+    def __init__(self, **kw):
+        self.acc = Accumulator(**kw)
+        self.now = 0.0
+        self.out = {}
+        self.seq = 0
+
+    def _apply(self, kind, key, body, frames=()):
+        self.seq += 1
+        h = wire.decode_header(wire.pack_header(kind, "p", 0, self.seq, key, body))
+        for r in self.acc.apply(h, list(frames), self.now):
+            self.out[r.request_id] = r
+
+    def open(self, rid, P, C=0, layer_ids=None, tokens=None):
+        body = {"prompt_len": P, "num_cached": C, "num_layers": L, "top_k": K,
+                "layer_ids": layer_ids or list(range(L))}
+        frames = []
+        if tokens is not None:
+            body["n_prompt_tokens"] = len(tokens)
+            frames = [np.asarray(tokens, np.int32).tobytes()]
+        self._apply("open", rid, body, frames)
+
+    def delta(self, items, layers=(0, L)):
+        ids = [i[0] for i in items]
+        body = wire.delta_body([i[1] for i in items], [len(i[2]) for i in items], L, K, *layers)
+        payload = b"".join(np.ascontiguousarray(i[2], np.int16).tobytes() for i in items)
+        self._apply("delta", ids, body, [payload])
+
+    def finish(self, rid, G, **kw):
+        self._apply("finish", rid, {"num_output": G, "reason": "stop", **kw})
+
+    def abort(self, rid):
+        self._apply("abort", rid, {"reason": "abort"})
+
+    def tick(self, dt):
+        self.now += dt
+        for r in self.acc.poll(self.now):
+            self.out[r.request_id] = r
+
+
+def expected(seed, P, G, C):
+    full = rows(seed, 0, P + G)
+    full[:C] = -1
+    full[P + G - 1] = -1
+    return full[:P], full[P:]
+
+
+def check(rec, seed, P, G, C):
+    ep, eg = expected(seed, P, G, C)
+    assert rec.complete, (rec.reason, rec.missing)
+    assert rec.missing == [] and rec.reason == ""
+    assert rec.prompt_routed_experts.dtype == np.int16 and rec.prompt_routed_experts.shape == (P, L, K)
+    assert rec.routed_experts.shape == (G, L, K)
+    np.testing.assert_array_equal(rec.prompt_routed_experts, ep)
+    np.testing.assert_array_equal(rec.routed_experts, eg)
+    assert rec.num_cached_tokens == C
+
+
+def test_chunked_prefill_then_decode_interleaved():
+    f = Feed()
+    f.open("a", 10)
+    f.open("b", 6, C=4)
+    f.delta([("a", 0, rows(1, 0, 4)), ("b", 4, rows(2, 4, 6))])
+    f.delta([("a", 4, rows(1, 4, 10)), ("b", 6, rows(2, 6, 7))])
+    for p in range(10, 12):
+        f.delta([("a", p, rows(1, p, p + 1)), ("b", p - 3, rows(2, p - 3, p - 2))])
+    f.finish("a", 3)     # positions 0..11 computed; output tokens at 10, 11, 12 -> row 12 is -1
+    f.finish("b", 4)     # positions 4..8 computed; outputs at 6..9 -> row 9 is -1
+    check(f.out["a"], 1, 10, 3, 0)
+    check(f.out["b"], 2, 6, 4, 4)
+    assert f.acc.in_flight == 0 and f.acc.bytes_held == 0
+    assert (f.acc.stats.finished, f.acc.stats.complete) == (2, 2)
+
+
+def test_overwrites_win_spec_decode_and_recompute():
+    f = Feed()
+    f.open("a", 4)
+    f.delta([("a", 0, rows(5, 0, 4, variant=2))])          # stale pass (preempted) ...
+    f.delta([("a", 4, rows(5, 4, 7, variant=1))])          # ... with garbage drafts beyond
+    f.delta([("a", 0, rows(5, 0, 5))])                      # recompute overwrites [0, 5)
+    f.delta([("a", 5, rows(5, 5, 6))])                      # overwrites 5, leaves 6 (garbage) past the end
+    f.finish("a", 3)                                        # needs [0, 6), row 6 is the last token's: -1
+    check(f.out["a"], 5, 4, 3, 0)
+
+
+def test_hole_is_missing_then_filled_within_grace():
+    f = Feed(finish_grace_s=1.0)
+    f.open("a", 4)
+    f.delta([("a", 0, rows(3, 0, 2))])
+    f.delta([("a", 4, rows(3, 4, 6))])        # positions 2, 3 not yet delivered
+    f.finish("a", 3)
+    assert "a" not in f.out                   # waits for late rows
+    f.delta([("a", 2, rows(3, 2, 4))])        # e.g. from another producer
+    check(f.out["a"], 3, 4, 3, 0)
+
+
+def test_hole_reported_after_grace():
+    f = Feed(finish_grace_s=0.5)
+    f.open("a", 6, C=1)
+    f.delta([("a", 1, rows(3, 1, 2))])
+    f.delta([("a", 4, rows(3, 4, 8))])
+    f.finish("a", 3)
+    assert "a" not in f.out
+    f.tick(0.6)
+    r = f.out["a"]
+    assert not r.complete and r.missing == [(2, 4)] and r.reason == "rows_not_delivered"
+    ep, eg = expected(3, 6, 3, 1)
+    ep[2:4] = -1
+    np.testing.assert_array_equal(r.prompt_routed_experts, ep)
+    np.testing.assert_array_equal(r.routed_experts, eg)
+
+
+def test_producer_loss_named_in_reason():
+    f = Feed(finish_grace_s=0.0)
+    f.open("a", 4)
+    f.delta([("a", 0, rows(3, 0, 2))])
+    f.finish("a", 2, lost=[[2, 4]])
+    r = f.out["a"]
+    assert (r.complete, r.missing, r.reason) == (False, [(2, 5)], "producer_queue_full")
+
+
+def test_pipeline_parallel_layer_ranges_merge():
+    f = Feed(finish_grace_s=1.0)
+    f.open("a", 5)
+    f.delta([("a", 0, rows(9, 0, 5, layers=(0, 1)))], layers=(0, 1))
+    f.delta([("a", 5, rows(9, 5, 6, layers=(0, 1)))], layers=(0, 1))
+    f.finish("a", 2)                                         # stage 0 finished first: layers 1..2 missing
+    assert "a" not in f.out
+    f.delta([("a", 0, rows(9, 0, 6, layers=(1, 3)))], layers=(1, 3))
+    check(f.out["a"], 9, 5, 2, 0)
+
+
+def test_pipeline_parallel_missing_stage_reported():
+    f = Feed(finish_grace_s=0.0)
+    f.open("a", 3)
+    f.delta([("a", 0, rows(9, 0, 4, layers=(0, 1)))], layers=(0, 1))
+    f.finish("a", 2)
+    r = f.out["a"]
+    assert (r.complete, r.missing, r.reason) == (False, [(0, 4)], "layers_missing")
+
+
+def test_abort_emits_incomplete_with_rows_so_far():
+    f = Feed()
+    f.open("a", 8)
+    f.delta([("a", 0, rows(4, 0, 5))])
+    f.abort("a")
+    r = f.out["a"]
+    assert (r.complete, r.reason, r.finish_reason) == (False, "abort", "abort")
+    assert r.prompt_routed_experts.shape == (8, L, K) and r.routed_experts.shape == (0, L, K)
+    np.testing.assert_array_equal(r.prompt_routed_experts[:5], rows(4, 0, 5))
+    assert (r.prompt_routed_experts[5:] == -1).all()
+    assert r.missing == [(5, 8)]
+
+
+def test_timeout_emits_incomplete_and_frees_memory():
+    f = Feed(request_timeout_s=10)
+    f.open("a", 8)
+    f.delta([("a", 0, rows(4, 0, 3))])
+    f.tick(5)
+    assert "a" not in f.out
+    f.tick(6)
+    r = f.out["a"]
+    assert (r.complete, r.reason) == (False, "timeout")
+    assert f.acc.bytes_held == 0 and f.acc.in_flight == 0
+
+
+def test_late_delta_after_finish_is_counted_not_resurrected():
+    f = Feed()
+    f.open("a", 2)
+    f.delta([("a", 0, rows(1, 0, 3))])
+    f.finish("a", 2)
+    f.delta([("a", 3, rows(1, 3, 4))])
+    assert f.acc.in_flight == 0 and f.acc.stats.late_msgs == 1
+
+
+def test_delta_before_open_and_finish_carrying_prompt_len():
+    f = Feed()
+    f.delta([("a", 2, rows(6, 2, 5))])
+    f.finish("a", 2, prompt_len=4, num_cached=2)
+    check(f.out["a"], 6, 4, 2, 2)
+    assert list(f.out["a"].moe_layer_ids) == [0, 1, 2]
+
+
+def test_finish_without_any_open_or_prompt_len_is_flagged():
+    f = Feed()
+    f.delta([("a", 0, rows(6, 0, 3))])
+    f.finish("a", 1)
+    assert (f.out["a"].complete, f.out["a"].reason) == (False, "no_open")
+
+
+def test_position_bound_refused_and_other_requests_intact():
+    f = Feed(max_positions=100, finish_grace_s=0)
+    f.open("a", 2)
+    f.open("b", 2)
+    f.delta([("b", 0, rows(2, 0, 2)), ("a", 99, rows(1, 99, 101))])
+    f.delta([("b", 2, rows(2, 2, 3))])
+    f.finish("b", 2)
+    f.finish("a", 2)
+    check(f.out["b"], 2, 2, 2, 0)
+    assert (f.out["a"].complete, f.out["a"].reason) == (False, "consumer_refused")
+    assert f.acc.stats.refused_rows == 2
+
+
+def test_shape_change_for_request_refused():
+    f = Feed()
+    f.open("a", 2)
+    with pytest.raises(wire.ProtocolError) as e:
+        f._apply("open", "a", {"prompt_len": 2, "num_cached": 0, "num_layers": L + 1, "top_k": K})
+    assert e.value.reason == "shape_mismatch"
+
+
+def test_tokens_ride_along():
+    g = Feed()
+    g.open("a", 3, tokens=[5, 6, 7])
+    g.delta([("a", 0, rows(1, 0, 4))])
+    g.seq += 1
+    h = wire.decode_header(wire.pack_header("finish", "p", 0, g.seq, "a", {"num_output": 2, "n_output_tokens": 2}))
+    (r,) = g.acc.apply(h, [np.array([8, 9], np.int32).tobytes()], 0.0)
+    assert r.prompt_token_ids.tolist() == [5, 6, 7] and r.output_token_ids.tolist() == [8, 9]
+    check(r, 1, 3, 2, 0)
+
+
+def test_memory_close_to_record_bytes():
+    f = Feed()
+    n_req, P = 50, 2000
+    for i in range(n_req):
+        f.open(f"r{i}", P)
+    for start in range(0, P, 100):
+        f.delta([(f"r{i}", start, rows(i, start, start + 100)) for i in range(n_req)])
+    held = sum(sys.getsizeof(r.data) for st in f.acc.requests.values() for r in st.ranges.values())
+    assert f.acc.bytes_held == n_req * P * L * K * 2
+    record_bytes = n_req * P * L * K * 2
+    assert record_bytes <= held <= 1.2 * record_bytes

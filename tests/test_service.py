@@ -1,0 +1,213 @@
+"""Producer back-pressure, the trainer service (fetch, subscribe, eviction, spill), npz layouts, the CLI."""
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from consumer import RecordEvicted, RecordStore, TrainerClient, load_records, safe_filename, write_record
+from consumer.npz import NpzWriter
+from producer import Producer
+from routing_replay import wire
+from routing_replay.embedded import EmbeddedPipeline
+from routing_replay.synthetic import SyntheticEngine, expected_record, true_rows, workload
+from tests.procs import Proc, start_broker, start_consumer, wait_until
+
+L, K, E = 4, 2, 16
+
+
+class Blocked:
+    """Deferred rows whose result() waits for a gate: stalls the producer thread like a slow network."""
+
+    def __init__(self, arr, gate):
+        self.arr, self.gate = arr, gate
+        self.shape, self.dtype = arr.shape, arr.dtype
+        self.released = 0
+
+    def result(self):
+        self.gate.wait(30)
+        return self.arr
+
+    def release(self):
+        self.released += 1
+
+
+def test_producer_never_blocks_and_reports_what_the_bound_dropped():
+    got = {}
+    gate = threading.Event()
+    with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
+        row_bytes = L * K * 2
+        p = pipe.producer(num_layers=L, top_k=K, max_queue_bytes=10 * row_bytes)
+        p.open("a", prompt_len=20)
+        first = Blocked(true_rows(1, np.arange(0, 4), L, K, E), gate)
+        assert p.publish_rows(["a"], [0], [4], first)                    # the thread stalls on this one
+        results = [p.publish_rows(["a"], [s], [4], true_rows(1, np.arange(s, s + 4), L, K, E))
+                   for s in range(4, 20, 4)]
+        assert results == [True, False, False, False]                    # 4 + 4 rows fit in 10, the rest not
+        assert (p.stats.dropped_msgs, p.stats.dropped_rows) == (3, 12)
+        p.finish("a", num_output_tokens=2)
+        gate.set()
+        assert p.flush(10)
+        p.close()
+        assert first.released == 1
+        assert pipe.wait_idle(10)
+    r = got["a"]
+    assert (r.complete, r.reason, r.missing) == (False, "producer_queue_full", [(8, 21)])
+    np.testing.assert_array_equal(r.prompt_routed_experts[:8], true_rows(1, np.arange(8), L, K, E))
+    assert (r.prompt_routed_experts[8:] == -1).all() and (r.routed_experts == -1).all()
+
+
+def test_producer_validates_shapes_at_the_caller():
+    with EmbeddedPipeline() as pipe, pipe.producer(num_layers=L, top_k=K) as p:
+        with pytest.raises(ValueError, match=r"rows must be \(n, 4, 2\) int16"):
+            p.publish_rows(["a"], [0], [1], np.zeros((1, L, K + 1), np.int16))
+        with pytest.raises(ValueError, match="rows has 2 rows, counts add up to 1"):
+            p.publish_rows(["a"], [0], [1], np.zeros((2, L, K), np.int16))
+        with pytest.raises(ValueError, match="int16"):
+            p.publish([("a", 0, np.zeros((1, L, K), np.int32))])
+        with pytest.raises(ValueError, match="num_cached_tokens"):
+            p.open("a", prompt_len=3, num_cached_tokens=4)
+
+
+def test_fetch_before_and_after_finish_and_subscribe(tmp_path):
+    specs = workload(20, seed=7, prefix="t", features=False)
+    with EmbeddedPipeline(serve="tcp://127.0.0.1:*") as pipe:
+        with TrainerClient(pipe.serve) as early, TrainerClient(pipe.serve) as sub:
+            sub.subscribe("t-1")       # t-1, t-10 .. t-19
+            # ask for half of the records before they exist
+            want_early = [s.request_id for s in specs[:10]]
+            result = {}
+            th = threading.Thread(target=lambda: result.update(early.fetch(want_early, timeout_s=30)))
+            th.start()
+            eng = SyntheticEngine(num_layers=L, top_k=K, num_experts=E)
+            with pipe.producer(num_layers=L, top_k=K) as p:
+                eng.run(p, specs)
+                p.flush(10)
+            th.join(30)
+            assert set(result) == set(want_early)
+            live = {r.request_id: r for r in sub.records(timeout_s=2)}
+            assert set(live) == {s.request_id for s in specs if s.request_id.startswith("t-1")}
+            later = early.fetch([s.request_id for s in specs[10:]], timeout_s=30)
+        for s in specs:
+            r = result.get(s.request_id) or later[s.request_id]
+            assert r.equals(expected_record(s, L, K, E))
+            if s.request_id in live:
+                assert live[s.request_id].equals(r)
+        assert len(pipe.consumer.store) == 0     # fetched records leave the store
+
+
+def _record(rid, n=100):
+    return wire.Record(rid, np.zeros((n, L, K), np.int16), np.ones((3, L, K), np.int16), 0,
+                       np.arange(L, dtype=np.int32), True)
+
+
+def test_store_evicts_with_report_or_spills(tmp_path):
+    s = RecordStore(max_bytes=3 * _record("x").nbytes)
+    for i in range(5):
+        s.put(_record(f"r{i}"))
+    assert (len(s), s.evicted) == (3, 2)
+    assert s.take("r0") == "evicted" and s.take("r1") == "evicted"
+    assert s.take("r4").equals(_record("r4"))
+    assert s.take("nope") is None
+    sp = RecordStore(max_bytes=2 * _record("x").nbytes, spill_dir=tmp_path / "spill")
+    for i in range(5):
+        sp.put(_record(f"r{i}"))
+    assert (sp.evicted, sp.spilled, len(sp)) == (0, 3, 5)
+    for i in range(5):
+        assert sp.take(f"r{i}").equals(_record(f"r{i}"))
+    assert list((tmp_path / "spill").iterdir()) == []
+
+
+def test_fetch_of_evicted_record_raises(tmp_path):
+    with EmbeddedPipeline(serve="tcp://127.0.0.1:*", store_max_bytes=1) as pipe:
+        with pipe.producer(num_layers=L, top_k=K) as p:
+            for rid in ("a", "b"):
+                p.open(rid, prompt_len=2)
+                p.publish_rows([rid], [0], [2], true_rows(1, np.arange(2), L, K, E))
+                p.finish(rid, num_output_tokens=1)
+            p.flush(10)
+        assert pipe.wait_idle(10)
+        with TrainerClient(pipe.serve) as t:
+            assert t.fetch(["b"], timeout_s=10)["b"].complete
+            with pytest.raises(RecordEvicted, match="'a'"):
+                t.fetch(["a"], timeout_s=10)
+            with pytest.raises(TimeoutError, match="never"):
+                t.fetch(["never"], timeout_s=0.5)
+
+
+@pytest.mark.parametrize("rid", ["../../etc/x", "/etc/passwd", "..", ".", "a/b", "a\x00b", "x" * 10_000,
+                                 "日本語", "%2E%2E"])
+def test_request_ids_never_escape_the_npz_dir(tmp_path, rid):
+    d = tmp_path / "out"
+    d.mkdir()
+    path = write_record(d, _record(rid, 2))
+    assert path.parent == d and len(path.name) < 255
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [path.name]
+    assert load_records(d)[rid].equals(_record(rid, 2))
+
+
+def test_safe_filenames_are_distinct():
+    ids = ["a/b", "a%2Fb", "a_b", "..", "%2E.", ".", "x" * 500, "x" * 499 + "y"]
+    assert len({safe_filename(i) for i in ids}) == len(ids)
+
+
+def test_shards_with_index_and_loader(tmp_path):
+    w = NpzWriter(tmp_path, shard_size=3)
+    recs = [_record(f"s/{i}", i + 1) for i in range(7)]
+    for r in recs:
+        w.put(r)
+    w.close()
+    assert sorted(p.name for p in tmp_path.glob("*.npz")) == ["shard-000000.npz", "shard-000001.npz",
+                                                              "shard-000002.npz"]
+    assert len((tmp_path / "index.jsonl").read_text().splitlines()) == 7
+    got = load_records(tmp_path)
+    assert all(got[r.request_id].equals(r) for r in recs) and len(got) == 7
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_cli_help_and_errors(tmp_path):
+    for sub in ("broker", "consume", "subscribe", "synth"):
+        out = subprocess.run([sys.executable, "-m", "routing_replay.cli", sub, "--help"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0 and "--log-level" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "routing_replay.cli", "broker", "--frontend", "tcp://256.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("routing-replay broker: cannot bind tcp://256.0.0.1:1")
+    nosub = subprocess.run([sys.executable, "-m", "routing_replay.cli"], capture_output=True, text=True, timeout=60)
+    assert nosub.returncode == 2
+
+
+def test_bind_conflict_exits_with_reason(tmp_path):
+    b1, fe, be = start_broker(f"ipc://{tmp_path}/f", "tcp://127.0.0.1:*")
+    try:
+        out = subprocess.run([sys.executable, "-m", "routing_replay.cli", "broker", "--frontend",
+                              f"ipc://{tmp_path}/f2", "--backend", be], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "Address already in use" in out.stderr.splitlines()[-1]
+    finally:
+        assert b1.stop() == 0
+
+
+def test_subscribe_cli_prints_matching_records(tmp_path):
+    broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b")
+    c = start_consumer(be, "--serve", "tcp://127.0.0.1:*")
+    serve = c.wait_for(r"serve=(\S+)").group(1)
+    sub = Proc(["subscribe", "--connect", serve, "--prefix", "keep-", "--count", "3"])
+    broker.wait_for("consumers=1")
+    try:
+        wait_until(lambda: any("subscriber" in x for x in c.lines), 20, "subscription registered")
+        with Producer(fe, num_layers=L, top_k=K) as p:
+            for rid in ("keep-1", "drop-1", "keep-2", "keep-3"):
+                p.open(rid, prompt_len=2)
+                p.publish_rows([rid], [0], [2], true_rows(1, np.arange(2), L, K, E))
+                p.finish(rid, num_output_tokens=1)
+        assert sub.p.wait(30) == 0
+        printed = [x for x in sub.lines if x.startswith(("keep-", "drop-"))]
+        assert [x.split()[0] for x in printed] == ["keep-1", "keep-2", "keep-3"]
+        assert "prompt=2 output=1 layers=4 top_k=2 cached=0 complete=True" in printed[0]
+    finally:
+        sub.stop()
+        c.stop()
+        broker.stop()

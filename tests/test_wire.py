@@ -1,0 +1,113 @@
+"""Codec tests on bytes alone: round trips, and every kind of malformed header refused with its reason."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from routing_replay import wire
+
+
+def delta_header(ids=("a", "b"), starts=(0, 5), counts=(3, 1), L=4, K=2, **extra):
+    body = wire.delta_body(starts, counts, L, K)
+    body.update(extra)
+    return wire.pack_header("delta", "p1", 7, 9, list(ids), body)
+
+
+def test_delta_round_trip():
+    h = wire.decode_header(delta_header())
+    assert (h.version, h.kind, h.producer, h.epoch, h.seq) == (1, "delta", "p1", 7, 9)
+    d = wire.parse_delta(h)
+    assert d.request_ids == ["a", "b"]
+    assert list(d.starts) == [0, 5] and list(d.counts) == [3, 1]
+    assert (d.num_layers, d.top_k, d.layer_lo, d.layer_hi, d.row_bytes, d.total_rows) == (4, 2, 0, 4, 16, 4)
+    wire.check_payload(d, [bytes(64)])
+    wire.check_payload(d, [bytes(48), bytes(16)])   # split on the request boundary
+
+
+def test_layer_range_round_trip():
+    body = wire.delta_body([0], [2], 8, 2, layer_lo=4, layer_hi=8)
+    d = wire.parse_delta(wire.decode_header(wire.pack_header("delta", "p", 0, 0, ["x"], body)))
+    assert (d.layer_lo, d.layer_hi, d.row_bytes) == (4, 8, 16)
+
+
+def test_open_finish_abort_round_trip():
+    o = wire.parse_open(wire.decode_header(wire.pack_header(
+        "open", "p", 0, 1, "r", {"prompt_len": 10, "num_cached": 4, "num_layers": 3, "top_k": 2,
+                                 "layer_ids": [0, 2, 3], "n_prompt_tokens": 10})))
+    assert (o.request_id, o.prompt_len, o.num_cached, o.num_layers, o.top_k, o.layer_ids, o.n_prompt_tokens) == \
+        ("r", 10, 4, 3, 2, [0, 2, 3], 10)
+    f = wire.parse_finish(wire.decode_header(wire.pack_header(
+        "finish", "p", 0, 2, "r", {"num_output": 5, "reason": "length", "lost": [[3, 6]]})))
+    assert (f.num_output, f.reason, f.lost, f.prompt_len) == (5, "length", [(3, 6)], None)
+    assert wire.parse_abort(wire.decode_header(wire.pack_header("abort", "p", 0, 3, "r", {}))) == ("r", "abort", None)
+
+
+def test_record_round_trip():
+    rng = np.random.default_rng(0)
+    rec = wire.Record("r/1", rng.integers(-1, 8, (5, 3, 2)).astype(np.int16),
+                      rng.integers(-1, 8, (4, 3, 2)).astype(np.int16), 2, np.array([0, 2, 3], np.int32), False,
+                      [(6, 8)], "rows_not_delivered", "stop", np.arange(5, dtype=np.int32), None)
+    frames = [bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in wire.encode_record(rec, "c", 1)]
+    back = wire.decode_record(wire.decode_header(frames[0]), frames[1:])
+    assert back.equals(rec)
+    assert back.missing == [(6, 8)] and back.output_token_ids is None
+
+
+@pytest.mark.parametrize("frame,reason", [
+    (b"", "undecodable"),
+    (b"\xc1\xff\x00garbage", "undecodable"),
+    (msgpack.packb({"a": 1}), "bad_header"),
+    (msgpack.packb([1, "delta", "p", 0, 0]), "bad_header"),
+    (msgpack.packb([2, "delta", "p", 0, 0, [], {}]), "bad_version"),
+    (msgpack.packb(["1", "delta", "p", 0, 0, [], {}]), "bad_version"),
+    (msgpack.packb([1, "teleport", "p", 0, 0, [], {}]), "unknown_kind"),
+    (msgpack.packb([1, "delta", "p", -1, 0, [], {}]), "bad_header"),
+    (msgpack.packb([1, "delta", "p", 0, 0, [], []]), "bad_header"),
+    (msgpack.packb([1, "delta", 5, 0, 0, [], {}]), "bad_header"),
+    (b"\x00" * (wire.MAX_HEADER_BYTES + 1), "header_too_large"),
+])
+def test_bad_headers_refused(frame, reason):
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.decode_header(frame)
+    assert e.value.reason == reason
+
+
+@pytest.mark.parametrize("key,body,reason", [
+    (["a"], {"start": [0], "count": [1], "num_layers": 4}, "missing_field"),
+    (["a"], {"start": [0], "count": [1, 2], "num_layers": 4, "top_k": 2}, "bad_field"),
+    (["a"], {"start": [1.5], "count": [1], "num_layers": 4, "top_k": 2}, "bad_field"),
+    (["a"], {"start": ["x"], "count": [1], "num_layers": 4, "top_k": 2}, "bad_field"),
+    (["a"], {"start": [-1], "count": [1], "num_layers": 4, "top_k": 2}, "out_of_range"),
+    (["a"], {"start": [0], "count": [wire.MAX_ROWS_PER_DELTA + 1], "num_layers": 4, "top_k": 2}, "out_of_range"),
+    (["a", "b"], {"start": [0, 0], "count": [wire.MAX_ROWS_PER_DELTA, 1], "num_layers": 4, "top_k": 2},
+     "too_large"),
+    (["a"], {"start": [0], "count": [1], "num_layers": 1 << 20, "top_k": 2}, "bad_field"),
+    (["a"], {"start": [0], "count": [1], "num_layers": 4, "top_k": 0}, "bad_field"),
+    (["a"], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2, "layer_lo": 3, "layer_hi": 2}, "bad_field"),
+    ([7], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2}, "bad_request_id"),
+    ([""], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2}, "bad_request_id"),
+    (["x" * (wire.MAX_REQUEST_ID_LEN + 1)], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2},
+     "bad_request_id"),
+    ("a", {"start": [0], "count": [1], "num_layers": 4, "top_k": 2}, "bad_field"),
+])
+def test_bad_delta_bodies_refused(key, body, reason):
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.parse_delta(wire.decode_header(wire.pack_header("delta", "p", 0, 0, key, body)))
+    assert e.value.reason == reason
+
+
+def test_payload_size_and_split_checked():
+    d = wire.parse_delta(wire.decode_header(delta_header()))
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.check_payload(d, [bytes(63)])
+    assert e.value.reason == "size_mismatch"
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.check_payload(d, [bytes(40), bytes(24)])
+    assert e.value.reason == "split_mid_request"
+
+
+def test_open_with_cached_beyond_prompt_refused():
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.parse_open(wire.decode_header(wire.pack_header(
+            "open", "p", 0, 1, "r", {"prompt_len": 4, "num_cached": 5, "num_layers": 3, "top_k": 2})))
+    assert e.value.reason == "bad_field"
