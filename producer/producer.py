@@ -49,7 +49,8 @@ class Producer:
 
     Rows are handed over: after `publish_rows(..., rows)` the caller must not modify `rows`. `rows` may also be a
     deferred object with `result() -> np.ndarray` (called in the background thread) and optionally `release()`
-    (called once its bytes were copied into the socket, or when it is dropped).
+    (called once its bytes were copied into the socket, or when it is dropped). A deferred object with
+    `dropped=True` (capture's host ring was full) is counted and reported lost the same way, never waited on.
     """
 
     def __init__(self, endpoint: str, *, num_layers: int, top_k: int, moe_layer_ids: Sequence[int] | None = None,
@@ -168,7 +169,7 @@ class Producer:
                 raise ValueError(f"rows has {shape[0]} rows, counts add up to {total}")
         nbytes = total * self.row_bytes
         item = ("delta", list(request_ids), list(starts), list(counts), rows)
-        if self._put(item, nbytes, True):
+        if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
             return True
         self.stats.dropped_msgs += 1
         self.stats.dropped_rows += total

@@ -1,0 +1,96 @@
+"""Keep one step's top-k expert ids of every MoE layer in one device buffer allocated at start-up, graph-safely.
+
+Layout: `buffer` is (num_layers, max_tokens, top_k), layer-major, `dtype` (int16 by default; logical expert ids
+must be below 2**15). Layer l's rows for a step of n tokens are `buffer[l, :n]`, a contiguous (n, K) block:
+- so the end-of-step fused copy takes the multi-tensor fast path (`torch._foreach_copy_` needs source and
+  destination of equal strides: one kernel for all layers, casting int64/int32 to int16 on the way);
+- so a router that owns its top-k call can write straight into `layer_view(l)[:n]` (with dtype=torch.int64 the
+  view is a valid `torch.topk(..., out=(values, view))` target and nothing at all is copied during the step).
+`AsyncCopier` turns the rows of a step into (n, L, K) when it snapshots them.
+
+Two ways `record` writes (chosen at construction, `fused=`):
+- fused (default): `record(l, ids)` only keeps a reference to `ids`; when the last layer records (or on an
+  explicit `flush()`) one `_foreach_copy_` writes every layer. Each layer's top-k tensor stays alive until then,
+  which under CUDA graph capture means it is not reused by the graph pool: the addresses stay valid on replay.
+- per-layer: `record(l, ids)` copies at once, one small kernel per layer (~1.7 us each inside a graph on H100).
+
+Graph safety: `record`, `flush` and `layer_view` allocate nothing, never read device values on the host and
+branch only on Python-side facts fixed at capture time (shapes, dtypes, the layer number). The same code runs
+eagerly, under `torch.cuda.graph` capture and on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+class RoutingCache:
+    """Own the worst-case (num_layers, max_tokens, top_k) routing buffer, its per-layer views, and the
+    references to this step's top-k tensors until the fused copy has consumed them."""
+
+    def __init__(self, max_tokens: int, num_layers: int, top_k: int, device="cpu", dtype=torch.int16,
+                 *, fused: bool = True):
+        if max_tokens < 1 or num_layers < 1 or top_k < 1:
+            raise ValueError(f"max_tokens={max_tokens}, num_layers={num_layers}, top_k={top_k} must be >= 1")
+        if dtype not in (torch.int16, torch.int32, torch.int64):
+            raise ValueError(f"cache dtype must be int16, int32 or int64, got {dtype}")
+        self.max_tokens = int(max_tokens)
+        self.num_layers = int(num_layers)
+        self.top_k = int(top_k)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.fused = fused
+        # -1 marks rows no router has written: a bug shows up as an impossible expert id, not as stale data.
+        self.buffer = torch.full((num_layers, max_tokens, top_k), -1, dtype=dtype, device=self.device)
+        self._views = [self.buffer[i] for i in range(num_layers)]
+        self._held: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s (max_tokens, top_k) block; its first n rows are the current step's."""
+        return self._views[layer]
+
+    def _check(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"MoE layer {layer} outside the cache's [0, {self.num_layers})")
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.top_k or topk_ids.shape[0] > self.max_tokens:
+            raise ValueError(f"layer {layer}: top-k ids of shape {tuple(topk_ids.shape)}, the cache takes "
+                             f"(n <= {self.max_tokens}, {self.top_k})")
+        if topk_ids.dtype not in _ID_DTYPES:
+            raise ValueError(f"layer {layer}: top-k ids must be an integer tensor, got {topk_ids.dtype}")
+        if topk_ids.device != self.device:
+            raise ValueError(f"layer {layer}: top-k ids on {topk_ids.device}, the cache is on {self.device}")
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Router hook: store this step's (n, K) top-k expert ids of MoE layer `layer` (0-based among MoE
+        layers). Graph-safe; with fused=True the write happens when the last layer records (or at flush())."""
+        self._check(layer, topk_ids)
+        n = topk_ids.shape[0]
+        if not self.fused or not topk_ids.is_contiguous():
+            # A strided source would push the whole fused list off the multi-tensor fast path.
+            self._views[layer][:n].copy_(topk_ids)
+            self._held[layer] = None
+        else:
+            self._held[layer] = topk_ids
+        if layer == self.num_layers - 1:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every held top-k tensor into its layer view with one fused copy per source dtype, then drop
+        the references. record() calls it on the last layer; call it yourself when a step ends elsewhere
+        (a pipeline stage that does not own the last layer). Graph-safe; a no-op when nothing is held."""
+        held = self._held
+        by_dtype: dict = {}
+        for layer, src in enumerate(held):
+            if src is not None:
+                dsts, srcs = by_dtype.setdefault(src.dtype, ([], []))
+                dsts.append(self._views[layer][:src.shape[0]])
+                srcs.append(src)
+                held[layer] = None
+        for dsts, srcs in by_dtype.values():
+            torch._foreach_copy_(dsts, srcs)

@@ -1,0 +1,222 @@
+"""Move each step's routing rows from the device cache to a pinned host ring without stalling the engine.
+
+Per `submit(segments)` (engine thread, right after the forward):
+  1. compute stream: one kernel snapshots the step's rows out of the cache into a device staging ring, as
+     (n, L, K) int16 in request order (transpose and narrowing happen in this copy). The snapshot is what lets
+     the next step overwrite the cache at once: copying straight from the cache on a side stream would race
+     with the next step's router writes unless the compute stream waited for the D2H (vLLM's aux-output
+     connector snapshots on the main stream for the same reason). Segments that are not one contiguous run
+     are gathered with `index_select` through an index uploaded from the pinned index ring.
+  2. side stream: `side.wait_stream(main)`, one contiguous non_blocking copy staging -> pinned host ring,
+     `event.record(side)`. The compute stream never waits on it.
+  3. returns a `PendingRows`; the producer's thread calls `result()` (waits on the event there, never on the
+     engine thread), copies the bytes out, and calls `release()`.
+On CPU the snapshot goes straight into the host ring and result() does not wait; everything else is the same.
+
+Ring sizing and back-pressure: staging and host ring share one row allocator (`RowRing`) of
+(num_slots + 1) * max_rows rows, so `num_slots` worst-case steps of max_rows rows can be in flight at once,
+and small (decode) steps pack densely instead of taking a slot each. A range is reused only after release()
+and after its copy event has passed. When the ring is full (the consumer fell behind), the step is DROPPED,
+not waited for: nothing is copied, `stats.dropped_steps/dropped_rows` count it, and `submit` returns a
+PendingRows with `dropped=True`. `Producer.publish_rows` treats such an object as a lost delta (its
+positions go into the request's `finish` as `lost`, so the consumer marks the record incomplete).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from capture.cache import RoutingCache
+from capture.ring import RowRing
+
+ROW_DTYPE = np.dtype("<i2")
+
+
+@dataclass
+class CopierStats:
+    submitted_steps: int = 0
+    submitted_rows: int = 0
+    dropped_steps: int = 0         # steps refused because the ring was full
+    dropped_rows: int = 0
+    skipped_steps: int = 0         # submit() with no rows: nothing copied at all
+
+
+class PendingRows:
+    """Own one step's (n, L, K) int16 rows in the host ring until they are consumed: the copy event to wait
+    on (in the consumer's thread) and the ring range to free."""
+
+    __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released")
+
+    def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False):
+        self.shape = shape
+        self.dtype = ROW_DTYPE
+        self.dropped = dropped
+        self._copier = copier
+        self._lo = lo
+        self._handle = handle
+        self._event = event
+        self._waited = event is None
+        self._released = dropped
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.shape[2] * ROW_DTYPE.itemsize
+
+    def done(self) -> bool:
+        """True when result() would not wait (never blocks, never syncs)."""
+        return self._waited or self._event.query()
+
+    def result(self) -> np.ndarray:
+        """Wait for the copy (in the calling thread) and return the rows: a read-only view into the host ring,
+        valid until release()."""
+        if self.dropped:
+            raise RuntimeError(f"step of {self.shape[0]} rows was dropped: the host ring was full")
+        if self._released:
+            raise RuntimeError("rows were released; result() must come before release()")
+        if not self._waited:
+            self._event.synchronize()
+            self._waited = True
+        view = self._copier._host_np[self._lo:self._lo + self.shape[0]]
+        view.flags.writeable = False
+        return view
+
+    def release(self) -> None:
+        """Give the ring range back (idempotent). Released before the copy finished, the range stays taken
+        until its event has passed; the caller never waits."""
+        if self._released:
+            return
+        self._released = True
+        self._copier._release(self._handle, self._event, self._waited)
+
+
+class AsyncCopier:
+    """Own the device staging ring, the pinned host ring, the index rings, the side stream and the events that
+    carry each step's rows of one RoutingCache to the host."""
+
+    def __init__(self, cache: RoutingCache, num_slots: int = 2, max_rows: int | None = None):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        max_rows = cache.max_tokens if max_rows is None else int(max_rows)
+        if not 1 <= max_rows <= cache.max_tokens:
+            raise ValueError(f"max_rows={max_rows} outside [1, cache.max_tokens={cache.max_tokens}]")
+        self.cache = cache
+        self.num_slots = num_slots
+        self.max_rows = max_rows
+        self.capacity_rows = (num_slots + 1) * max_rows
+        self.stats = CopierStats()
+        L, K, cap = cache.num_layers, cache.top_k, self.capacity_rows
+        self._src = cache.buffer.transpose(0, 1)            # (max_tokens, L, K) view of the cache
+        self._ring = RowRing(cap)
+        self._cuda = cache.device.type == "cuda"
+        if self._cuda:
+            dev = cache.device
+            self._stage = torch.empty((cap, L, K), dtype=torch.int16, device=dev)
+            self._host = torch.empty((cap, L, K), dtype=torch.int16, pin_memory=True)
+            self._idx_host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self._idx_dev = torch.empty(cap, dtype=torch.int64, device=dev)
+            self._stream = torch.cuda.Stream(device=dev)
+            self._events: list = []
+        else:
+            self._stage = None
+            self._host = torch.empty((cap, L, K), dtype=torch.int16)
+            self._idx_host = torch.empty(cap, dtype=torch.int64)
+            self._idx_dev = self._idx_host
+            self._stream = None
+        self._host_np = self._host.numpy()
+        self._idx_np = self._idx_host.numpy()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host ring bytes (pinned on CUDA), index ring included."""
+        return self._host.nbytes + self._idx_host.nbytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes this copier allocated (staging and index rings; the cache is counted by the cache)."""
+        return 0 if not self._cuda else self._stage.nbytes + self._idx_dev.nbytes
+
+    @property
+    def in_flight_rows(self) -> int:
+        return self._ring.used_rows
+
+    def _runs(self, segments: Sequence[tuple[int, int]]) -> tuple[list, int]:
+        T = self.cache.max_tokens
+        runs: list = []
+        total = 0
+        for seg in segments:
+            off, n = int(seg[0]), int(seg[1])
+            if off < 0 or n < 0 or off + n > T:
+                raise ValueError(f"segment (offset={off}, rows={n}) outside the cache's {T} token rows")
+            if n == 0:
+                continue
+            total += n
+            if runs and runs[-1][1] == off:
+                runs[-1][1] = off + n
+            else:
+                runs.append([off, off + n])
+        return runs, total
+
+    def submit(self, segments: Sequence[tuple[int, int]]) -> PendingRows | None:
+        """Start copying this step's rows: segments are (token_offset_in_batch, n_rows) in request order.
+
+        Call on the engine thread right after the forward, on the stream that ran it. Returns None (and
+        copies nothing) when the segments hold no rows, a PendingRows with dropped=True when the ring is full.
+        """
+        runs, n = self._runs(segments)
+        if n == 0:
+            self.stats.skipped_steps += 1
+            return None
+        if n > self.max_rows:
+            raise ValueError(f"step has {n} rows, the copier was sized for max_rows={self.max_rows}")
+        shape = (n, self.cache.num_layers, self.cache.top_k)
+        got = self._ring.alloc(n)
+        if got is None:
+            self.stats.dropped_steps += 1
+            self.stats.dropped_rows += n
+            return PendingRows(self, shape, 0, None, None, dropped=True)
+        lo, handle = got
+        self.stats.submitted_steps += 1
+        self.stats.submitted_rows += n
+        if not self._cuda:
+            self._snapshot(runs, self._host[lo:lo + n], lo, n)
+            return PendingRows(self, shape, lo, handle, None)
+        stage = self._stage[lo:lo + n]
+        self._snapshot(runs, stage, lo, n)
+        main = torch.cuda.current_stream(self.cache.device)
+        side = self._stream
+        side.wait_stream(main)
+        event = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
+        with torch.cuda.stream(side):
+            self._host[lo:lo + n].copy_(stage, non_blocking=True)
+            event.record(side)
+        return PendingRows(self, shape, lo, handle, event)
+
+    def _snapshot(self, runs: list, dst: torch.Tensor, lo: int, n: int) -> None:
+        if len(runs) == 1:
+            a, b = runs[0]
+            dst.copy_(self._src[a:b])
+            return
+        idx = self._idx_np[lo:lo + n]
+        pos = 0
+        for a, b in runs:
+            idx[pos:pos + b - a] = np.arange(a, b)
+            pos += b - a
+        index = self._idx_dev[lo:lo + n]
+        if self._cuda:
+            index.copy_(self._idx_host[lo:lo + n], non_blocking=True)
+        if self.cache.dtype == torch.int16:
+            torch.index_select(self._src, 0, index, out=dst)
+        else:
+            dst.copy_(torch.index_select(self._src, 0, index))
+
+    def _release(self, handle, event, waited: bool) -> None:
+        if waited:
+            self._ring.free(handle)
+            if event is not None:
+                self._events.append(event)          # its copy has landed: the event can be recorded again
+        else:
+            self._ring.free(handle, fence=event)    # the range stays taken until the event has passed

@@ -1,0 +1,245 @@
+"""CPU tests of capture/: the row ring, the routing cache (fused and per-layer) and the asynchronous copier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capture import AsyncCopier, RoutingCache, RowRing
+
+
+def _ids(n: int, K: int, E: int, seed: int, dtype=torch.int64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, E, (n, K), generator=g).to(dtype)
+
+
+def _step(cache: RoutingCache, n: int, seed: int, dtype=torch.int64) -> np.ndarray:
+    """Record one step of n tokens into every layer; return the expected (n, L, K) int16 rows."""
+    per_layer = [_ids(n, cache.top_k, 128, seed * 1000 + layer, dtype) for layer in range(cache.num_layers)]
+    for layer, ids in enumerate(per_layer):
+        cache.record(layer, ids)
+    return torch.stack(per_layer, dim=1).to(torch.int16).numpy()
+
+
+class _Fence:
+    def __init__(self):
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+
+# ---- RowRing -------------------------------------------------------------------------------------------------
+
+
+def test_ring_alloc_wrap_and_in_order_reclaim():
+    r = RowRing(10)
+    a = r.alloc(4)
+    b = r.alloc(4)
+    assert (a[0], b[0]) == (0, 4)
+    assert r.alloc(3) is None                   # 2 rows left before the end, and rows 0..3 are taken
+    r.free(a[1])
+    c = r.alloc(3)                              # wraps: rows 8, 9 are wasted until c is reclaimed
+    assert c[0] == 0 and r.used_rows == 4 + 2 + 3
+    assert r.alloc(2) is None                   # only row 3 is free
+    r.free(c[1])                                # freed out of order: stays taken behind b
+    assert r.used_rows == 9 and r.live_ranges == 2
+    r.free(b[1])
+    assert r.used_rows == 0 and r.live_ranges == 0
+    assert r.alloc(10)[0] == 0                  # empty ring starts over at row 0
+
+
+def test_ring_fence_keeps_rows_until_it_passes():
+    r = RowRing(8)
+    a = r.alloc(8)
+    fence = _Fence()
+    r.free(a[1], fence=fence)
+    assert r.alloc(1) is None
+    fence.passed = True
+    assert r.alloc(8)[0] == 0
+
+
+def test_ring_free_is_idempotent_and_sizes_are_checked():
+    r = RowRing(4)
+    a = r.alloc(2)
+    r.free(a[1])
+    r.free(a[1])
+    assert r.used_rows == 0
+    with pytest.raises(ValueError):
+        r.alloc(5)
+    with pytest.raises(ValueError):
+        r.alloc(0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(S=st.integers(1, 4), M=st.integers(1, 9),
+       ops=st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 8)), max_size=60))
+def test_ring_fits_num_slots_worst_case_steps(S, M, ops):
+    """With capacity (S+1)*M, an allocation of <= M rows always succeeds while fewer than S ranges are
+    unreclaimed (live, or freed but behind an older live one), and unreclaimed ranges never overlap."""
+    r = RowRing((S + 1) * M)
+    fifo: list = []                      # [lo, n, handle, freed] in allocation order, as the ring reclaims them
+    for do_alloc, n, pick in ops:
+        if do_alloc:
+            n = min(n, M)
+            got = r.alloc(n)
+            if len(fifo) < S:
+                assert got is not None, (S, M, [(x[0], x[1], x[3]) for x in fifo], n)
+            if got is not None:
+                lo = got[0]
+                for other in fifo:
+                    assert lo + n <= other[0] or other[0] + other[1] <= lo
+                fifo.append([lo, n, got[1], False])
+        else:
+            live = [x for x in fifo if not x[3]]
+            if live:
+                victim = live[pick % len(live)]
+                r.free(victim[2])
+                victim[3] = True
+                while fifo and fifo[0][3]:
+                    fifo.pop(0)
+        assert r.live_ranges == len(fifo)
+
+
+# ---- RoutingCache --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("in_dtype", [torch.int64, torch.int32, torch.int16])
+def test_cache_record_writes_each_layer(fused, in_dtype):
+    cache = RoutingCache(16, 3, 4, fused=fused)
+    want = _step(cache, 5, seed=1, dtype=in_dtype)
+    assert cache.buffer.shape == (3, 16, 4) and cache.buffer.dtype == torch.int16
+    for layer in range(3):
+        assert np.array_equal(cache.layer_view(layer)[:5].numpy(), want[:, layer])
+        assert (cache.layer_view(layer)[5:] == -1).all()
+    assert cache.nbytes == 3 * 16 * 4 * 2
+
+
+def test_fused_cache_writes_nothing_before_the_last_layer():
+    cache = RoutingCache(8, 3, 2, fused=True)
+    cache.record(0, _ids(4, 2, 8, 0))
+    cache.record(1, _ids(4, 2, 8, 1))
+    assert (cache.buffer == -1).all()
+    cache.record(2, _ids(4, 2, 8, 2))
+    assert np.array_equal(cache.layer_view(1)[:4].numpy(), _ids(4, 2, 8, 1).numpy())
+
+
+def test_fused_cache_flush_handles_a_partial_step_and_strided_input():
+    cache = RoutingCache(8, 3, 2, fused=True)
+    strided = _ids(6, 4, 8, 5)[:, ::2]          # (6, 2), not contiguous: copied at once
+    cache.record(1, strided)
+    assert np.array_equal(cache.layer_view(1)[:6].numpy(), strided.numpy())
+    cache.record(0, _ids(3, 2, 8, 6))
+    cache.flush()                               # a pipeline stage without the last layer ends its step
+    assert np.array_equal(cache.layer_view(0)[:3].numpy(), _ids(3, 2, 8, 6).numpy())
+    cache.flush()                               # nothing held: no-op
+    assert (cache.layer_view(2) == -1).all()
+
+
+def test_cache_direct_topk_out_into_int64_view():
+    cache = RoutingCache(8, 2, 3, dtype=torch.int64)
+    logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    values = torch.empty(5, 3)
+    torch.topk(logits, 3, out=(values, cache.layer_view(0)[:5]))
+    assert np.array_equal(cache.layer_view(0)[:5].numpy(), torch.topk(logits, 3).indices.numpy())
+
+
+def test_cache_rejects_bad_input_with_the_values():
+    cache = RoutingCache(4, 2, 3)
+    with pytest.raises(IndexError, match="MoE layer 2"):
+        cache.record(2, _ids(1, 3, 8, 0))
+    with pytest.raises(ValueError, match=r"\(5, 3\)"):
+        cache.record(0, _ids(5, 3, 8, 0))
+    with pytest.raises(ValueError, match=r"\(2, 2\)"):
+        cache.record(0, _ids(2, 2, 8, 0))
+    with pytest.raises(ValueError, match="integer"):
+        cache.record(0, torch.zeros(2, 3))
+    with pytest.raises(ValueError):
+        RoutingCache(0, 2, 3)
+    with pytest.raises(ValueError):
+        RoutingCache(4, 2, 3, dtype=torch.float32)
+
+
+# ---- AsyncCopier on CPU ----------------------------------------------------------------------------------------
+
+
+def test_copier_one_run_gives_rows_in_request_layout():
+    cache = RoutingCache(32, 4, 2)
+    cp = AsyncCopier(cache, num_slots=2, max_rows=16)
+    want = _step(cache, 12, seed=3)
+    p = cp.submit([(0, 5), (5, 7)])
+    assert p.shape == (12, 4, 2) and p.dtype == np.dtype("<i2") and not p.dropped and p.done()
+    rows = p.result()
+    assert rows.flags.c_contiguous and np.array_equal(rows, want)
+    p.release()
+    p.release()
+    assert cp.in_flight_rows == 0
+    assert (cp.stats.submitted_steps, cp.stats.submitted_rows) == (1, 12)
+    assert cp.capacity_rows == 48 and cp.host_bytes == 48 * 4 * 2 * 2 + 48 * 8 and cp.device_bytes == 0
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int16, torch.int64])
+def test_copier_gathers_segments_out_of_batch_order(cache_dtype):
+    cache = RoutingCache(32, 3, 2, dtype=cache_dtype)
+    cp = AsyncCopier(cache)
+    want = _step(cache, 10, seed=4)
+    # request order differs from batch order, one request (rows 3..4) does not want routing, one has 0 rows
+    p = cp.submit([(7, 3), (0, 3), (6, 0), (5, 1)])
+    assert np.array_equal(p.result(), np.concatenate([want[7:10], want[0:3], want[5:6]]))
+    p.release()
+
+
+def test_copier_skips_steps_without_rows():
+    cache = RoutingCache(8, 2, 2)
+    cp = AsyncCopier(cache)
+    assert cp.submit([]) is None
+    assert cp.submit([(3, 0)]) is None
+    assert cp.stats.skipped_steps == 2 and cp.stats.submitted_steps == 0 and cp.in_flight_rows == 0
+
+
+def test_copier_rejects_bad_segments():
+    cache = RoutingCache(8, 2, 2)
+    cp = AsyncCopier(cache, max_rows=4)
+    with pytest.raises(ValueError, match="offset=6, rows=3"):
+        cp.submit([(6, 3)])
+    with pytest.raises(ValueError, match="offset=-1"):
+        cp.submit([(-1, 1)])
+    with pytest.raises(ValueError, match="5 rows.*max_rows=4"):
+        cp.submit([(0, 5)])
+    with pytest.raises(ValueError):
+        AsyncCopier(cache, max_rows=9)
+    with pytest.raises(ValueError):
+        AsyncCopier(cache, num_slots=0)
+
+
+def test_held_rows_survive_later_steps_and_full_ring_drops_counted():
+    """A slow consumer holds rows: later steps never overwrite them; once the ring is full, steps are dropped
+    (counted, nothing copied) and the held rows are still exact. Releasing makes room again."""
+    cache = RoutingCache(8, 2, 3)
+    cp = AsyncCopier(cache, num_slots=2, max_rows=8)      # 24 rows
+    held, wants = [], []
+    for step in range(6):                                 # 6 steps x 4 rows = 24 rows: all fit
+        wants.append(_step(cache, 4, seed=10 + step))
+        held.append(cp.submit([(0, 4)]))
+    assert all(not p.dropped for p in held) and cp.in_flight_rows == 24
+    _step(cache, 4, seed=99)
+    dropped = cp.submit([(0, 2), (2, 2)])
+    assert dropped.dropped and dropped.shape == (4, 2, 3)
+    assert (cp.stats.dropped_steps, cp.stats.dropped_rows, cp.stats.submitted_steps) == (1, 4, 6)
+    with pytest.raises(RuntimeError, match="dropped"):
+        dropped.result()
+    dropped.release()
+    for p, want in zip(held, wants):
+        assert np.array_equal(p.result(), want)
+    held[1].release()                       # out of order: nothing reclaimed yet
+    assert cp.submit([(0, 4)]).dropped
+    held[0].release()                       # ranges 0 and 1 come back together
+    want = _step(cache, 8, seed=7)
+    p = cp.submit([(0, 8)])
+    assert not p.dropped and np.array_equal(p.result(), want)
+    with pytest.raises(RuntimeError, match="released"):
+        p.release() or p.result()

@@ -1,0 +1,232 @@
+"""GPU tests of capture/: CUDA graph capture and replay with changing batch sizes, no host sync in the step,
+the pinned ring under a slow consumer, and the HF adapter on CUDA. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from capture import AsyncCopier, RoutingCache
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+L, E, K, H = 6, 64, 8, 256
+SIZES = (1, 7, 64, 200)          # captured batch sizes (a step of n tokens replays the smallest size >= n)
+
+
+class ToyRouters:
+    """L router layers (GEMM, softmax, top-k) feeding a RoutingCache; the routers' own top-k ids are also
+    copied to `ref`, a plain int64 side output that does not go through the cache."""
+
+    def __init__(self, cache: RoutingCache, max_tokens: int, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.w = [torch.randn(H, E, device="cuda", generator=g) for _ in range(L)]
+        self.p = [torch.randn(E, H, device="cuda", generator=g) * 0.05 for _ in range(L)]
+        self.cache = cache
+        self.ref = torch.zeros(L, max_tokens, K, dtype=torch.int64, device="cuda")
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        for layer in range(L):
+            logits = x @ self.w[layer]
+            vals, ids = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
+            self.cache.record(layer, ids)
+            self.ref[layer, :n].copy_(ids)
+            x = x + torch.tanh(logits @ self.p[layer]) * vals[:, :1]
+        return x
+
+
+def _capture(routers: ToyRouters, max_tokens: int):
+    """One CUDA graph per size in SIZES, sharing one static input buffer."""
+    x_static = torch.zeros(max_tokens, H, device="cuda")
+    graphs = {}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for n in SIZES:                     # warm-up outside capture (cuBLAS handles, workspaces)
+            routers.step(x_static[:n])
+    torch.cuda.current_stream().wait_stream(s)
+    pool = torch.cuda.graph_pool_handle()
+    for n in sorted(SIZES, reverse=True):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            routers.step(x_static[:n])
+        graphs[n] = g
+    return x_static, graphs
+
+
+def _segments(rng: np.random.Generator, n: int) -> list:
+    """Requests of random lengths tiling [0, n), some left out (no routing wanted), in shuffled order."""
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, rng.integers(0, 6)), replace=False)) if n > 1 else []
+    bounds = [0, *cuts.tolist(), n] if n > 1 else [0, 1]
+    segs = [(a, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+    keep = [s for s in segs if rng.random() < 0.8]
+    rng.shuffle(keep)
+    return keep
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_replay_rows_match_router_topk_across_batch_sizes(fused):
+    max_tokens = max(SIZES)
+    cache = RoutingCache(max_tokens, L, K, device="cuda", fused=fused)
+    copier = AsyncCopier(cache, num_slots=2)
+    routers = ToyRouters(cache, max_tokens)
+    x_static, graphs = _capture(routers, max_tokens)
+    rng = np.random.default_rng(1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    in_flight: list = []
+    checked = 0
+    for step in range(80):
+        n = int(rng.integers(1, max_tokens + 1))
+        size = min(s for s in SIZES if s >= n)
+        x_static[:size].normal_(generator=gen)
+        segs = _segments(rng, n)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphs[size].replay()
+            pending = copier.submit(segs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ref = routers.ref.transpose(0, 1).cpu().numpy()          # (max_tokens, L, K), this step's router output
+        want = np.concatenate([ref[a:a + c] for a, c in segs]).astype(np.int16) if segs else None
+        if pending is None:
+            assert not segs or sum(c for _, c in segs) == 0
+            continue
+        assert not pending.dropped
+        in_flight.append((pending, want))
+        while len(in_flight) > 2:                  # consume with a lag: rows stay valid while later steps run
+            p, w = in_flight.pop(0)
+            assert np.array_equal(p.result(), w)
+            p.release()
+            checked += 1
+    for p, w in in_flight:
+        assert np.array_equal(p.result(), w)
+        p.release()
+        checked += 1
+    assert checked == copier.stats.submitted_steps and copier.stats.dropped_steps == 0 and checked > 50
+    assert copier.in_flight_rows == 0
+
+
+def test_eager_record_and_submit_do_not_sync_the_host():
+    cache = RoutingCache(256, L, K, device="cuda", fused=True)
+    copier = AsyncCopier(cache, num_slots=2)
+    routers = ToyRouters(cache, 256)
+    x = torch.randn(100, H, device="cuda")
+    routers.step(x)                               # warm-up (cuBLAS init may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        routers.step(x)
+        p1 = copier.submit([(0, 100)])
+        p2 = copier.submit([(50, 10), (0, 20), (90, 10)])            # gather path: index upload from pinned
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = routers.ref.transpose(0, 1).cpu().numpy().astype(np.int16)
+    assert np.array_equal(p1.result(), ref[:100])
+    assert np.array_equal(p2.result(), np.concatenate([ref[50:60], ref[0:20], ref[90:100]]))
+    p1.release()
+    p2.release()
+
+
+def test_direct_topk_into_int64_cache_view_under_graph():
+    """The router writes its top-k straight into the cache view (no copy in the step at all)."""
+    n = 64
+    cache = RoutingCache(n, 2, K, device="cuda", dtype=torch.int64)
+    copier = AsyncCopier(cache)
+    x = torch.zeros(n, H, device="cuda")
+    w = torch.randn(H, E, device="cuda")
+    vals = torch.empty(n, K, device="cuda")
+
+    def step():
+        for layer in range(2):
+            torch.topk(torch.softmax(x @ w * (layer + 1), -1), K, -1, out=(vals, cache.layer_view(layer)[:n]))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for seed in range(5):
+        x.copy_(torch.randn(n, H, generator=torch.Generator().manual_seed(seed)))
+        g.replay()
+        p = copier.submit([(0, n)])
+        want = np.stack([torch.topk(torch.softmax(x @ w * (layer + 1), -1), K, -1).indices.cpu().numpy()
+                         for layer in range(2)], axis=1).astype(np.int16)
+        assert np.array_equal(p.result(), want)
+        p.release()
+
+
+def test_ring_under_a_slow_consumer_drops_counted_and_keeps_held_rows_exact():
+    """The consumer thread is held back: the engine thread never waits, the ring fills, later steps are
+    dropped and counted; once the consumer runs, every delivered step is exact, and the ring is reusable."""
+    n, max_tokens = 48, 64
+    cache = RoutingCache(max_tokens, L, K, device="cuda")
+    copier = AsyncCopier(cache, num_slots=2, max_rows=max_tokens)      # 192 rows: 4 steps of 48
+    routers = ToyRouters(cache, max_tokens)
+    gate = threading.Event()
+    work: queue.Queue = queue.Queue()
+    results: list = []
+
+    def consumer():
+        gate.wait(30)
+        while True:
+            item = work.get(timeout=30)
+            if item is None:
+                return
+            p, want = item
+            results.append(np.array_equal(p.result(), want))
+            p.release()
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    x = torch.randn(n, H, device="cuda")
+    outcomes = []
+    for step in range(10):
+        x = x.roll(1, 0)
+        routers.step(x)
+        p = copier.submit([(0, n)])
+        outcomes.append(p.dropped)
+        if not p.dropped:
+            want = routers.ref[:, :n].transpose(0, 1).cpu().numpy().astype(np.int16)
+            work.put((p, want))
+    assert outcomes == [False] * 4 + [True] * 6
+    assert (copier.stats.submitted_steps, copier.stats.dropped_steps, copier.stats.dropped_rows) == (4, 6, 6 * n)
+    gate.set()
+    work.put(None)
+    t.join(30)
+    assert not t.is_alive() and results == [True] * 4
+    assert copier.in_flight_rows == 0
+    routers.step(x)
+    p = copier.submit([(0, n)])
+    assert not p.dropped
+    p.release()                         # released before anyone waited: the range is fenced by its event
+    assert copier.in_flight_rows in (0, n)
+    torch.cuda.synchronize()
+    assert not copier.submit([(0, 1)]).dropped and copier._ring.live_ranges == 1
+
+
+def test_hf_adapter_on_cuda_matches_router_topk(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from routing_replay.hf_adapter import HFRoutingAdapter
+    from routing_replay.models import make_tiny_model
+    from test_hf_adapter import PROMPTS, CollectSink, _check_rows, reference
+
+    for arch in ("qwen3_moe_mixed", "mixtral"):
+        model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / arch, arch)).cuda().eval()
+        sink = CollectSink()
+        rids = ["a", "b", "c"]
+        with HFRoutingAdapter(model, sink, max_tokens=64) as ad:
+            outputs = ad.generate(PROMPTS, request_ids=rids, max_new_tokens=6)
+        ref_out, ref_rows = reference(model, PROMPTS, 6)
+        assert outputs == ref_out
+        _check_rows(sink.rows_by_request(), rids, ref_rows, len(PROMPTS[0]), outputs)
