@@ -1,0 +1,154 @@
+"""Find the MoE layers of a loaded vLLM model and point their routers' capture hooks at one RoutingCache.
+
+How the hook is reached (vLLM 0.25.1 and 0.32 alike): every MoE block is a `MoERunner` module holding a
+`BaseRouter`. For modular MoE kernels (every CPU backend for unquantized weights, the Triton GPU path)
+`MoERunner._apply_quant_method` calls `router.select_experts()` -> `BaseRouter._select_experts()`, which
+computes the top-k and calls `router.capture_fn(topk_ids)` with the *logical* expert ids, before any EPLB
+mapping to physical replicas. `BaseRouter.set_capture_fn` is the public setter vLLM's own capturer uses.
+The same hook runs inside `torch.compile`d models (the MoE block is the opaque custom op `vllm.moe_forward`,
+so the Python hook runs eagerly) and is recorded into CUDA graphs when it is bound before capture.
+
+What breaks it, and what happens then:
+- Monolithic MoE kernels (`quant_method.is_monolithic`: FlashInfer/TRT-LLM fused routing on GPU, the zentorch
+  int4 and ARM W4A8 kernels on CPU, which route through `cpu_router.select_experts()` and never call the
+  hook): refused at bind time with the kernel's name.
+- A router object replaced after binding (a weight reload that rebuilds layers) or another capturer calling
+  `set_capture_fn` over ours: the plugin re-binds after `reload_weights`, `wake_up` and weight updates; any
+  other loss is caught per step (see `CaptureBinding.calls` and the -1 sentinel in worker.py) and fails loudly.
+- Sequence parallelism or an unexpected data-parallel dispatch layout: the hook sees a token count it cannot
+  map to this rank's batch and raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+MAX_EXPERT_ID = (1 << 15) - 1       # ids travel as int16
+
+
+@dataclass
+class MoELayer:
+    """One MoE block of the model: its module, its router, and the model layer index it sits in."""
+
+    layer_id: int
+    name: str
+    module: torch.nn.Module
+    router: object
+    top_k: int
+    num_experts: int
+
+
+def _moe_runner_cls():
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    return MoERunner
+
+
+def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
+    """The MoE blocks of `model` in layer order (only this pipeline stage's layers exist in `model`)."""
+    runner_cls = _moe_runner_cls()
+    layers: list[MoELayer] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, runner_cls):
+            continue
+        router = module.router
+        if module.is_monolithic:
+            kernel = type(getattr(module.routed_experts, "quant_method", None)).__name__
+            raise NotImplementedError(
+                f"routing-replay: MoE layer {name} uses the monolithic kernel {kernel}, which computes its "
+                "routing inside the kernel and never calls the router's capture hook. Use a modular MoE "
+                "backend (e.g. unquantized weights) or unset ROUTING_REPLAY_BROKER.")
+        if not callable(getattr(router, "set_capture_fn", None)):
+            raise NotImplementedError(f"routing-replay: router {type(router).__name__} of MoE layer {name} "
+                                      "has no set_capture_fn")
+        top_k = int(router.top_k)
+        num_experts = int(getattr(router, "global_num_experts", 0) or 0)
+        if num_experts - 1 > MAX_EXPERT_ID:
+            raise ValueError(f"MoE layer {name} has {num_experts} experts; int16 rows hold ids up to "
+                             f"{MAX_EXPERT_ID}")
+        layers.append(MoELayer(int(module.layer_id), name, module, router, top_k, num_experts))
+    layers.sort(key=lambda m: m.layer_id)
+    ids = [m.layer_id for m in layers]
+    if len(set(ids)) != len(ids):
+        raise NotImplementedError(f"routing-replay: several MoE blocks share a layer index: {ids}")
+    ks = {m.top_k for m in layers}
+    if len(ks) > 1:
+        raise NotImplementedError(f"routing-replay: MoE layers use different top_k values {sorted(ks)}")
+    return layers
+
+
+def local_rows(topk_ids: torch.Tensor, dp_rank: int) -> torch.Tensor:
+    """The rows of `topk_ids` that belong to this data-parallel rank's batch (vLLM's own capturer does the
+    same): all of them without DP, or this rank's span when naive dispatch gathered every rank's tokens."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return topk_ids
+    dp = get_forward_context().dp_metadata
+    if dp is None:
+        return topk_ids
+    sizes = dp.num_tokens_across_dp_cpu
+    n = topk_ids.shape[0]
+    local = int(sizes[dp_rank])
+    total = int(sizes.sum())
+    if n == local:
+        return topk_ids
+    if n == total:
+        end = int(sizes[:dp_rank + 1].sum())
+        return topk_ids[end - local:end]
+    raise NotImplementedError(f"routing-replay: router saw {n} tokens; this DP rank has {local} of {total}. "
+                              "Sequence-parallel or other MoE dispatch layouts are not supported.")
+
+
+@dataclass
+class CaptureBinding:
+    """Own the capture hooks bound to one model's routers: which cache row each MoE layer writes, whether
+    recording is on for the current step, and how many layers recorded since the last reset."""
+
+    layers: list[MoELayer]
+    record: Callable[[int, torch.Tensor], None]
+    dp_rank: int = 0
+    dp_size: int = 1
+    gate: bool = False                 # True: hooks record only while `active` (eager execution only)
+    active: bool = True
+    calls: int = 0
+    hooks: list = field(default_factory=list)
+
+    def bind(self) -> None:
+        """(Re)install one hook per MoE layer; an existing foreign hook is kept and called after ours."""
+        self.hooks = []
+        for idx, layer in enumerate(self.layers):
+            prev = getattr(layer.router, "capture_fn", None)
+            if getattr(prev, "_routing_replay", None) is self:
+                prev = getattr(prev, "_routing_replay_prev", None)
+            hook = self._make_hook(idx, prev)
+            layer.router.set_capture_fn(hook)
+            self.hooks.append(hook)
+
+    def _make_hook(self, idx: int, prev):
+        record, binding = self.record, self
+        dp_rank = self.dp_rank
+        needs_dp = self.dp_size > 1
+
+        def hook(topk_ids: torch.Tensor) -> None:
+            if binding.active:
+                binding.calls += 1
+                record(idx, local_rows(topk_ids, dp_rank) if needs_dp else topk_ids)
+            if prev is not None:
+                prev(topk_ids)
+
+        hook._routing_replay = self
+        hook._routing_replay_prev = prev
+        return hook
+
+    def bound(self) -> bool:
+        """True if every router still holds the hook installed by the last bind()."""
+        return all(layer.router.capture_fn is hook for layer, hook in zip(self.layers, self.hooks))
+
+    def unbind(self) -> None:
+        for layer, hook in zip(self.layers, self.hooks):
+            if layer.router.capture_fn is hook:
+                layer.router.set_capture_fn(hook._routing_replay_prev)
+        self.hooks = []

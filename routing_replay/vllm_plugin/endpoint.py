@@ -1,0 +1,39 @@
+"""Connect a worker's Producer to where ROUTING_REPLAY_BROKER says, starting the embedded pipeline if asked."""
+
+from __future__ import annotations
+
+import logging
+
+from producer import Producer
+from routing_replay.vllm_plugin.settings import ENV_BROKER, Settings
+
+log = logging.getLogger("routing_replay.vllm")
+
+
+class Sink:
+    """Own a worker's Producer and, in embedded mode, the in-process broker + consumer it publishes to."""
+
+    def __init__(self, settings: Settings, *, single_publisher: bool, **producer_kw):
+        self.pipeline = None
+        if settings.embedded:
+            if not single_publisher:
+                raise NotImplementedError(
+                    f"{ENV_BROKER}=embedded runs broker and consumer inside the one worker that publishes; "
+                    "with data or pipeline parallelism several workers publish. Run `routing-replay broker` "
+                    f"and `routing-replay consume` and set {ENV_BROKER}=tcp://HOST:PORT instead.")
+            from routing_replay.embedded import EmbeddedPipeline
+            self.pipeline = EmbeddedPipeline(npz_dir=settings.npz_dir, serve=settings.serve)
+            self.producer = self.pipeline.producer(**producer_kw)
+            self.endpoint = self.pipeline.frontend
+        else:
+            self.producer = Producer(settings.broker, **producer_kw)
+            self.endpoint = settings.broker
+        log.info("routing-replay: producer %s publishing to %s%s", self.producer.producer_id, self.endpoint,
+                 f" (embedded; npz_dir={settings.npz_dir}, serve={settings.serve})" if self.pipeline else "")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued, then (embedded) let the consumer write what finished, then stop. Idempotent."""
+        self.producer.close(timeout_s)
+        if self.pipeline is not None:
+            self.pipeline.wait_idle(timeout_s=min(timeout_s, 5.0))
+            self.pipeline.close()

@@ -1,0 +1,46 @@
+"""Map vLLM's internal request ids back to the ids users see, so records are keyed like RequestOutput.
+
+vLLM (0.25 and 0.32 alike) renames every request on the way in (`InputProcessor.assign_request_id`):
+the internal id is `f"{request_id}-{8 random hex chars}"` unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is
+set. With `n > 1` the sampling is split into child requests `f"{index}_{internal id of the parent}"`
+(`ParentRequest.get_child_info`). Stripping the random suffix therefore gives:
+
+    n == 1   record key = RequestOutput.request_id                      e.g. "7", "chatcmpl-abc"
+    n > 1    record key = f"{CompletionOutput.index}_{request_id}"       e.g. "0_7", "1_7"
+
+`record_key()` computes the same key on the trainer's side. The OpenAI server builds its engine request ids
+from the response id: chat completions use the response id itself ("chatcmpl-..."), completions append the
+prompt's position in the batch ("cmpl-...-0", "cmpl-...-1", ...).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+
+
+def randomized_ids() -> bool:
+    """Whether vLLM appends its random suffix (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION unset or false)."""
+    v = os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "").strip().lower()
+    return v not in ("1", "true", "yes", "on")
+
+
+def external_key(internal_id: str, randomized: bool = True) -> str:
+    """The record key of an engine-internal request id (suffix stripped, child index kept)."""
+    if randomized:
+        m = _SUFFIX.search(internal_id)
+        if m is None:
+            raise ValueError(f"request id {internal_id!r} lacks vLLM's random '-xxxxxxxx' suffix; "
+                             "is VLLM_DISABLE_REQUEST_ID_RANDOMIZATION set in the engine but not here?")
+        return internal_id[:m.start()]
+    return internal_id
+
+
+def record_key(request_id: str, index: int = 0, n: int = 1) -> str:
+    """Key of the record for sample `index` of a request with `n` samples (RequestOutput.request_id,
+    CompletionOutput.index, SamplingParams.n)."""
+    if not 0 <= index < max(n, 1):
+        raise ValueError(f"sample index {index} outside [0, n={n})")
+    return request_id if n == 1 else f"{index}_{request_id}"

@@ -1,0 +1,139 @@
+"""vLLM general plugin entry point: check the vLLM version and wrap the worker and scheduler methods we hook.
+
+`register()` runs in every vLLM process (front end, engine core, workers) through the `vllm.general_plugins`
+entry point. It does nothing unless ROUTING_REPLAY_BROKER is set. Otherwise it wraps, at class level and
+without touching vLLM's files:
+
+  vllm.v1.worker.gpu_worker.Worker (CPUWorker inherits it)
+    load_model            after: bind the capture hooks, allocate the cache, start the producer (before
+                          profiling and CUDA-graph capture, which come later in engine start-up)
+    execute_model         before/after: WorkerCapture.pre_step / post_step
+    reload_weights, wake_up, finish_weight_update
+                          after: re-bind the hooks (a reload may rebuild layers)
+    shutdown              before: flush and close the producer (and the embedded pipeline)
+  vllm.v1.core.sched.scheduler.Scheduler
+    _free_request, schedule   see scheduler_hooks.py
+  vllm.v1.engine.core_client.InprocClient
+    get_output            see scheduler_hooks.py (in-process engines only)
+
+Supported: vLLM 0.32.x (the CPU build in CI, V1 model runner) and 0.25.1 (GPU). Any other version raises at
+start-up; vLLM propagates exceptions from plugin functions, so the engine does not start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from routing_replay.vllm_plugin import settings as _settings
+
+log = logging.getLogger("routing_replay.vllm")
+
+SUPPORTED_VLLM = ("0.32.x", "0.25.1")
+_ATTR = "_routing_replay"
+_installed = False
+
+
+def check_version(version: str) -> None:
+    """Raise RuntimeError unless `version` (vllm.__version__) is one routing-replay was built against."""
+    base = version.split("+")[0]
+    parts = base.split(".")
+    if base == "0.25.1" or (len(parts) >= 2 and parts[0] == "0" and parts[1] == "32"):
+        return
+    raise RuntimeError(f"routing-replay supports vLLM {' and '.join(SUPPORTED_VLLM)}; this is vLLM {version}. "
+                       f"Unset {_settings.ENV_BROKER} to run without routing capture.")
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point. Idempotent; inert unless ROUTING_REPLAY_BROKER is set."""
+    global _installed
+    s = _settings.current()
+    if not s.enabled or _installed:
+        return
+    import vllm
+
+    check_version(vllm.__version__)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from routing_replay.vllm_plugin import scheduler_hooks
+
+    from vllm.v1.engine.core_client import InprocClient
+
+    scheduler_hooks.install(Scheduler)
+    scheduler_hooks.install_inproc_flush(InprocClient)
+    _install_worker_hooks(Worker)
+    _installed = True
+    log.info("routing-replay: plugin active (vLLM %s, %s=%s, requests=%s)", vllm.__version__,
+             _settings.ENV_BROKER, s.broker, s.requests)
+
+
+def capture_of(worker):
+    """The WorkerCapture attached to a vLLM worker (None if the plugin is inert or this rank does not publish)."""
+    return getattr(worker, _ATTR, None)
+
+
+def _install_worker_hooks(cls) -> None:
+    if getattr(cls, "_routing_replay_hooked", False):
+        return
+    from routing_replay.vllm_plugin.worker import WorkerCapture
+
+    def after(name, fn):
+        orig = getattr(cls, name)
+
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            fn(self)
+            return out
+
+        setattr(cls, name, wrapper)
+
+    def on_load(worker) -> None:
+        old = getattr(worker, _ATTR, None)
+        if old is not None:
+            old.close()
+        s = _settings.current()
+        cap = WorkerCapture(worker, s) if s.enabled else None
+        setattr(worker, _ATTR, cap if cap is not None and cap.publisher else None)
+
+    def rebinder(reason):
+        def fn(worker) -> None:
+            cap = getattr(worker, _ATTR, None)
+            if cap is not None:
+                cap.rebind(reason)
+        return fn
+
+    after("load_model", on_load)
+    for name in ("reload_weights", "wake_up", "finish_weight_update"):
+        if hasattr(cls, name):
+            after(name, rebinder(name))
+
+    orig_execute = cls.execute_model
+
+    @functools.wraps(orig_execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        cap = self.__dict__.get(_ATTR)
+        if cap is None:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        cap.pre_step(scheduler_output)
+        out = orig_execute(self, scheduler_output, *args, **kwargs)
+        cap.post_step(scheduler_output)
+        return out
+
+    cls.execute_model = execute_model
+
+    orig_shutdown = cls.shutdown
+
+    @functools.wraps(orig_shutdown)
+    def shutdown(self, *args, **kwargs):
+        cap = self.__dict__.pop(_ATTR, None)
+        try:
+            if cap is not None:
+                cap.close()
+        finally:
+            out = orig_shutdown(self, *args, **kwargs)
+        return out
+
+    cls.shutdown = shutdown
+    cls._routing_replay_hooked = True

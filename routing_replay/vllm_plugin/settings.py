@@ -1,0 +1,94 @@
+"""Read the ROUTING_REPLAY_* environment variables and decide which requests are captured.
+
+    ROUTING_REPLAY_BROKER     unset: the plugin is inert. `tcp://host:port` (any ZeroMQ endpoint): publish to an
+                              external broker. `embedded`: run broker and consumer inside the engine.
+    ROUTING_REPLAY_NPZ_DIR    embedded only: write one npz file per finished request into this directory.
+    ROUTING_REPLAY_SERVE      embedded only: ZeroMQ endpoint where trainers subscribe and fetch records.
+    ROUTING_REPLAY_REQUESTS   `all` (default): every request, unless it sets
+                              `extra_args={"return_routed_experts": False}`. `opt-in`: only requests that set
+                              `extra_args={"return_routed_experts": True}` (OpenAI server: `vllm_xargs`).
+
+Settings are read when a worker binds to its model and, cheaply and memoised, whenever the scheduler finishes
+a request, so two engines started one after the other in one process may use different settings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+ENV_BROKER = "ROUTING_REPLAY_BROKER"
+ENV_NPZ_DIR = "ROUTING_REPLAY_NPZ_DIR"
+ENV_SERVE = "ROUTING_REPLAY_SERVE"
+ENV_REQUESTS = "ROUTING_REPLAY_REQUESTS"
+EMBEDDED = "embedded"
+EXTRA_ARG = "return_routed_experts"
+REQUEST_MODES = ("all", "opt-in")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One reading of the environment: where routing goes and which requests are captured."""
+
+    broker: str                      # "" when the plugin is off
+    npz_dir: str | None = None
+    serve: str | None = None
+    requests: str = "all"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.broker)
+
+    @property
+    def embedded(self) -> bool:
+        return self.broker == EMBEDDED
+
+    def captures(self, sampling_params: Any) -> bool:
+        """True if a request with these SamplingParams is captured. Pooling requests (None) never are."""
+        if sampling_params is None or not self.broker:
+            return False
+        extra = getattr(sampling_params, "extra_args", None)
+        flag = extra.get(EXTRA_ARG) if extra else None
+        if flag is None:
+            return self.requests == "all"
+        return _truthy(flag, f"extra_args[{EXTRA_ARG!r}]")
+
+
+def _truthy(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"{what} must be a boolean, got {value!r}")
+
+
+def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str) -> Settings:
+    if requests not in REQUEST_MODES:
+        raise ValueError(f"{ENV_REQUESTS}={requests!r}: choose one of {', '.join(REQUEST_MODES)}")
+    if broker and broker != EMBEDDED and "://" not in broker:
+        raise ValueError(f"{ENV_BROKER}={broker!r}: expected a ZeroMQ endpoint such as tcp://host:5557, "
+                         f"or {EMBEDDED!r}")
+    if broker and broker != EMBEDDED and (npz_dir or serve):
+        raise ValueError(f"{ENV_NPZ_DIR} and {ENV_SERVE} apply to {ENV_BROKER}={EMBEDDED} only; with an external "
+                         f"broker ({broker}) run `routing-replay consume --npz-dir DIR` next to it instead")
+    return Settings(broker, npz_dir or None, serve or None, requests)
+
+
+_cache: tuple[tuple, Settings] | None = None
+
+
+def current() -> Settings:
+    """Settings for the environment as it is now (memoised on the raw values; raises ValueError if invalid)."""
+    global _cache
+    env = os.environ
+    raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
+           env.get(ENV_REQUESTS, "all").strip().lower() or "all")
+    cached = _cache
+    if cached is not None and cached[0] == raw:
+        return cached[1]
+    s = _validate(*raw)
+    _cache = (raw, s)
+    return s
