@@ -243,3 +243,36 @@ def test_held_rows_survive_later_steps_and_full_ring_drops_counted():
     assert not p.dropped and np.array_equal(p.result(), want)
     with pytest.raises(RuntimeError, match="released"):
         p.release() or p.result()
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), n=st.integers(1, 40), as_array=st.booleans())
+def test_copier_any_segment_list_gives_the_rows_in_request_order(data, n, as_array):
+    """Short lists (Python path) and long lists or arrays (vectorized path) give the same exact rows."""
+    cache = RoutingCache(40, 2, 2)
+    cp = AsyncCopier(cache, num_slots=1, max_rows=40)
+    want = _step(cache, n, seed=n)
+    m = data.draw(st.integers(0, 30))
+    segs = []
+    for _ in range(m):
+        off = data.draw(st.integers(0, n - 1))
+        segs.append((off, data.draw(st.integers(0, n - off))))
+    total = sum(c for _, c in segs)
+    if total > 40:
+        with pytest.raises(ValueError, match="max_rows=40"):
+            cp.submit(np.array(segs, dtype=np.int64) if as_array else segs)
+        return
+    p = cp.submit(np.array(segs, dtype=np.int64).reshape(-1, 2) if as_array else segs)
+    if total == 0:
+        assert p is None
+        return
+    assert np.array_equal(p.result(), np.concatenate([want[a:a + c] for a, c in segs]))
+    p.release()
+    assert cp.in_flight_rows == 0
+
+
+def test_copier_rejects_bad_segments_in_long_lists():
+    cache = RoutingCache(64, 2, 2)
+    cp = AsyncCopier(cache)
+    with pytest.raises(ValueError, match="offset=60, rows=5"):
+        cp.submit([(i, 1) for i in range(20)] + [(60, 5)])

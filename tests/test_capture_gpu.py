@@ -3,8 +3,10 @@ the pinned ring under a slow consumer, and the HF adapter on CUDA. Skipped witho
 
 from __future__ import annotations
 
+import importlib.util
 import queue
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,7 +76,7 @@ def _segments(rng: np.random.Generator, n: int) -> list:
 def test_graph_replay_rows_match_router_topk_across_batch_sizes(fused):
     max_tokens = max(SIZES)
     cache = RoutingCache(max_tokens, L, K, device="cuda", fused=fused)
-    copier = AsyncCopier(cache, num_slots=2)
+    copier = AsyncCopier(cache, num_slots=3)            # 3 steps in flight while the consumer lags by 2
     routers = ToyRouters(cache, max_tokens)
     x_static, graphs = _capture(routers, max_tokens)
     rng = np.random.default_rng(1)
@@ -219,7 +221,11 @@ def test_hf_adapter_on_cuda_matches_router_topk(tmp_path):
 
     from routing_replay.hf_adapter import HFRoutingAdapter
     from routing_replay.models import make_tiny_model
-    from test_hf_adapter import PROMPTS, CollectSink, _check_rows, reference
+    spec = importlib.util.spec_from_file_location("_hf_helpers", Path(__file__).with_name("test_hf_adapter.py"))
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    PROMPTS, CollectSink, _check_rows, reference = (helpers.PROMPTS, helpers.CollectSink, helpers._check_rows,
+                                                    helpers.reference)
 
     for arch in ("qwen3_moe_mixed", "mixtral"):
         model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / arch, arch)).cuda().eval()
