@@ -22,6 +22,7 @@ What breaks it, and what happens then:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import thread_time_ns
 from typing import Callable
 
 import torch
@@ -114,6 +115,8 @@ class CaptureBinding:
     gate: bool = False                 # True: hooks record only while `active` (eager execution only)
     active: bool = True
     calls: int = 0
+    timing: bool = False               # benchmarks: add the hooks' engine-thread CPU time to hook_ns
+    hook_ns: int = 0
     hooks: list = field(default_factory=list)
 
     def bind(self) -> None:
@@ -134,8 +137,11 @@ class CaptureBinding:
 
         def hook(topk_ids: torch.Tensor) -> None:
             if binding.active:
+                t0 = thread_time_ns() if binding.timing else 0
                 binding.calls += 1
                 record(idx, local_rows(topk_ids, dp_rank) if needs_dp else topk_ids)
+                if t0:
+                    binding.hook_ns += thread_time_ns() - t0
             if prev is not None:
                 prev(topk_ids)
 

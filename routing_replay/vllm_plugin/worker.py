@@ -14,9 +14,11 @@ Per step (`Worker.execute_model`, engine thread):
   after the forward   rows of captured requests are found with the runner's own batch layout: request i of
                       `input_batch.req_ids` owns batch tokens query_start_loc[i]..query_start_loc[i+1], the
                       first at absolute position `input_batch.num_computed_tokens_cpu[i]` (read after
-                      execute_model, i.e. after vLLM's deferred spec-decode corrections); one
-                      `AsyncCopier.submit(segments)` and one `Producer.publish_rows(...)`, both non-blocking.
-                      The producer's thread waits for the copy, checks for -1 rows, sends, releases.
+                      execute_model, i.e. after vLLM's deferred spec-decode corrections); one non-blocking
+                      `AsyncCopier.submit(segments)` snapshots them. Up to MAX_BATCH_STEPS consecutive steps
+                      are then handed to `Producer.publish_rows` as one delta (flushed earlier before any
+                      finish/abort, and when half the copier's ring is used): the producer's thread waits for
+                      the copies, checks for -1 rows, sends, and releases them.
 Steps with no captured request do nothing beyond two dict/set checks: no copy, no message.
 
 Positions are absolute, so chunked prefill, preemption + recompute (a re-sent position overwrites) and
@@ -43,6 +45,9 @@ from routing_replay.vllm_plugin.settings import Settings
 log = logging.getLogger("routing_replay.vllm")
 
 
+MAX_BATCH_STEPS = 16          # steps per delta message at most
+
+
 class LostHookError(RuntimeError):
     """A MoE layer did not record its routing in a step that captured a request: never publish stale rows."""
 
@@ -55,34 +60,66 @@ class WorkerStats:
     opened: int = 0
     finished: int = 0
     aborted: int = 0
-    host_ns: int = 0                # time spent in pre_step + post_step (engine thread)
+    host_ns: int = 0                # engine-thread CPU time in pre_step + post_step (only while `timing`)
     rebinds: int = 0
 
 
-class _CheckedRows:
-    """Own one step's PendingRows on its way through the producer: refuse rows that no router wrote."""
+class _BatchedRows:
+    """Own the PendingRows of consecutive steps on their way through the producer as one delta: the producer's
+    thread concatenates them (C speed), refuses rows no router wrote (-1), sends, and releases every part."""
 
-    __slots__ = ("_pending", "shape", "dtype", "dropped", "_what")
+    __slots__ = ("_parts", "shape", "dtype", "dropped")
 
-    def __init__(self, pending, what: str):
-        self._pending = pending
-        self.shape = pending.shape
-        self.dtype = pending.dtype
-        self.dropped = pending.dropped
-        self._what = what
+    def __init__(self, parts: list):
+        self._parts = parts
+        n = sum(p.shape[0] for p in parts)
+        self.shape = (n, *parts[0].shape[1:])
+        self.dtype = parts[0].dtype
+        self.dropped = False
 
     def result(self) -> np.ndarray:
-        rows = self._pending.result()
+        arrays = [p.result() for p in self._parts]
+        rows = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         if rows.size and int(rows.min()) < 0:
             bad = np.argwhere((rows < 0).any(axis=2))
-            raise LostHookError(f"routing-replay: {len(bad)} (row, layer) cells of {self._what} were never written "
-                                f"by a router (first: row {bad[0][0]}, local MoE layer {bad[0][1]}); a capture "
+            raise LostHookError(f"routing-replay: {len(bad)} (row, layer) cells were never written by a router "
+                                f"(first: row {bad[0][0]} of {len(rows)}, local MoE layer {bad[0][1]}); a capture "
                                 "hook was lost (e.g. a layer rebuilt after binding). Refusing to publish stale "
                                 "routing.")
         return rows
 
     def release(self) -> None:
-        self._pending.release()
+        for p in self._parts:
+            p.release()
+
+
+class _StepBatch:
+    """Own the copied-but-unpublished rows of consecutive engine steps until they leave as one delta message.
+
+    Batching leaves the records' timing unchanged (a record is emitted at its request's finish, and a finish
+    flushes the batch first) and divides the per-message cost of producer, broker and consumer by the number
+    of steps batched."""
+
+    __slots__ = ("parts", "keys", "starts", "counts", "rows")
+
+    def __init__(self):
+        self.parts: list = []
+        self.keys: list = []
+        self.starts: list = []
+        self.counts: list = []
+        self.rows = 0
+
+    def add(self, pending, keys: list, starts: list, counts: list) -> None:
+        self.parts.append(pending)
+        self.keys += keys
+        self.starts += starts
+        self.counts += counts
+        self.rows += pending.shape[0]
+
+    def take(self):
+        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts))
+        self.__init__()
+        return out
 
 
 def _v1_runner_cls():
@@ -106,6 +143,7 @@ class WorkerCapture:
         self.runner = runner
         self.settings = settings
         self.stats = WorkerStats()
+        self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
         vc = worker.vllm_config
         pc = vc.parallel_config
         tp, pp = get_tp_group(), get_pp_group()
@@ -137,7 +175,10 @@ class WorkerCapture:
                          int(getattr(vc.compilation_config, "max_cudagraph_capture_size", 0) or 0))
         self.device = runner.device
         self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device)
-        self.copier = AsyncCopier(self.cache, num_slots=4)
+        self.copier = AsyncCopier(self.cache, num_slots=2)
+        self.batch = _StepBatch()
+        self.max_batch_steps = MAX_BATCH_STEPS
+        self.max_batch_rows = max(1, max_tokens // 2)        # leaves the copier's ring room for the next steps
         eager = self.device.type == "cpu" or bool(vc.model_config.enforce_eager)
         self.binding = CaptureBinding(layers, self.cache.record,
                                       dp_rank=int(pc.data_parallel_rank), dp_size=int(pc.data_parallel_size),
@@ -173,10 +214,11 @@ class WorkerCapture:
     # ---- per step ----------------------------------------------------------------------------------------------
 
     def pre_step(self, so) -> None:
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns() if self.timing else 0
         self.stats.steps += 1
         tracked = self.tracked
-        if tracked and so.finished_req_ids:
+        if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
+            self._flush()                           # a request's rows go out before its finish
             notes = getattr(so, scheduler_hooks.ATTR, None)
             for rid in so.finished_req_ids:
                 key = tracked.pop(rid, None)
@@ -199,7 +241,8 @@ class WorkerCapture:
         if active:
             b.calls = 0
             self.cache.buffer[:, :so.total_num_scheduled_tokens].fill_(-1)
-        self.stats.host_ns += time.perf_counter_ns() - t0
+        if t0:
+            self.stats.host_ns += time.thread_time_ns() - t0
 
     def _close_request(self, rid: str, key: str, notes) -> None:
         info = notes.get(rid) if notes is not None else None
@@ -226,7 +269,7 @@ class WorkerCapture:
     def post_step(self, so) -> None:
         if not self.active:
             return
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns() if self.timing else 0
         self.active = False
         b = self.binding
         self.cache.flush()
@@ -236,29 +279,43 @@ class WorkerCapture:
         runner = self.runner
         ib = runner.input_batch
         n = ib.num_reqs
-        req_ids = ib.req_ids
-        qsl = runner.query_start_loc.np
-        computed = ib.num_computed_tokens_cpu
         tracked = self.tracked
-        segments, keys, starts, counts = [], [], [], []
-        for i in range(n):
-            key = tracked.get(req_ids[i])
-            if key is None:
-                continue
-            a = int(qsl[i])
-            c = int(qsl[i + 1]) - a
-            if c <= 0:
-                continue
-            segments.append((a, c))
-            keys.append(key)
-            starts.append(int(computed[i]))
-            counts.append(c)
+        keys = [tracked.get(r) for r in ib.req_ids[:n]]
+        qsl = runner.query_start_loc.np[:n + 1]
+        first = qsl[:-1]
+        count = qsl[1:] - first
+        computed = ib.num_computed_tokens_cpu[:n]
+        if None in keys or not count.all():
+            sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
+            keys = [k for k, on in zip(keys, sel.tolist()) if on]
+            first, count, computed = first[sel], count[sel], computed[sel]
+        if not keys:
+            if t0:
+                self.stats.host_ns += time.thread_time_ns() - t0
+            return
+        counts = count.tolist()
+        if int(first[-1]) + counts[-1] - int(first[0]) == sum(counts):
+            segments = [(int(first[0]), sum(counts))]           # one contiguous run: the common case
+        else:
+            segments = list(zip(first.tolist(), counts))
         pending = self.copier.submit(segments)
-        if pending is not None:
-            self.producer.publish_rows(keys, starts, counts, _CheckedRows(pending, f"{len(keys)} requests"))
-            self.stats.active_steps += 1
-            self.stats.rows += pending.shape[0]
-        self.stats.host_ns += time.perf_counter_ns() - t0
+        starts = computed.tolist()
+        if pending.dropped:                                  # host ring full: publish as lost, keep order
+            self._flush()
+            self.producer.publish_rows(keys, starts, counts, pending)
+        else:
+            self.batch.add(pending, keys, starts, counts)
+            if len(self.batch.parts) >= self.max_batch_steps or self.batch.rows >= self.max_batch_rows:
+                self._flush()
+        self.stats.active_steps += 1
+        self.stats.rows += pending.shape[0]
+        if t0:
+            self.stats.host_ns += time.thread_time_ns() - t0
+
+    def _flush(self) -> None:
+        """Hand the batched steps to the producer as one delta (no-op when nothing is batched)."""
+        if self.batch.parts:
+            self.producer.publish_rows(*self.batch.take())
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -267,5 +324,8 @@ class WorkerCapture:
         if self.binding is not None:
             self.binding.unbind()
         if self.sink is not None:
-            self.sink.close()
-            self.sink = None
+            try:
+                self._flush()
+            finally:
+                self.sink.close()
+                self.sink = None

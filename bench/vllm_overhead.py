@@ -1,0 +1,162 @@
+"""Measure what routing capture costs a real vLLM engine: generate throughput with capture on vs off, same
+engine, same workload, rounds interleaved; and the host time the plugin adds to each engine step.
+
+Default workload: 64 concurrent requests, 256-token prompts (random byte tokens, no shared prefix), 128 output
+tokens each (ignore_eos), greedy, on the tiny random-weight Qwen3-MoE model (routing_replay.models).
+"Off" rounds opt every request out (`extra_args={"return_routed_experts": False}`): the plugin is loaded and
+its hooks are installed, but no row is copied and no message is sent. "On" rounds capture every request.
+
+The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's counters can be read: host time
+per step = pre_step + post_step (engine thread, around `Worker.execute_model`) + the router hooks (inside the
+forward). With --broker external the broker and consumer run as `routing-replay` CLI processes; with
+--broker embedded they run inside the engine (see docs/VLLM.md).
+
+    python bench/vllm_overhead.py [--rounds 3] [--broker embedded|external] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "routing-replay-models", "qwen3_moe"))
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="on/off pairs (interleaved), after one warm-up pair")
+    ap.add_argument("--broker", choices=["embedded", "external"], default="embedded")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="rr-bench-"))
+    procs = []
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
+    npz_dir = work / "npz"
+    if a.broker == "embedded":
+        os.environ["ROUTING_REPLAY_BROKER"] = "embedded"
+        os.environ["ROUTING_REPLAY_NPZ_DIR"] = str(npz_dir)
+    else:
+        fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+        cli = [sys.executable, "-m", "routing_replay.cli"]
+        procs.append(subprocess.Popen(cli + ["broker", "--frontend", fe, "--backend", be, "--log-level", "warning"]))
+        procs.append(subprocess.Popen(cli + ["consume", "--connect", be, "--npz-dir", str(npz_dir),
+                                             "--log-level", "warning", "--no-progress"]))
+        os.environ["ROUTING_REPLAY_BROKER"] = fe
+        os.environ.pop("ROUTING_REPLAY_NPZ_DIR", None)
+    try:
+        return _run(a, npz_dir, procs)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(a, npz_dir: Path, procs: list) -> int:
+    import psutil
+
+    from routing_replay.models import make_tiny_model
+
+    model = make_tiny_model(a.model_dir, "qwen3_moe")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    import routing_replay.vllm_plugin as plugin
+
+    plugin.register()          # no-op if vLLM already loaded it
+    llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=a.prompt_len + a.output_len + 16,
+              kv_cache_memory_bytes=512 << 20, distributed_executor_backend="uni", seed=0)
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    cap = plugin.capture_of(worker)
+    cap.timing = cap.binding.timing = True
+    helpers = [psutil.Process(p.pid) for p in procs]
+    rnd = random.Random(0)
+    prompts = [{"prompt_token_ids": [rnd.randrange(256) for _ in range(a.prompt_len)]} for _ in range(a.requests)]
+
+    def one_round(capture: bool) -> dict:
+        sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True,
+                            extra_args={"return_routed_experts": capture})
+        st, b = cap.stats, cap.binding
+        s0, h0, k0 = st.steps, st.host_ns, b.hook_ns
+        c0 = time.process_time() + sum(sum(h.cpu_times()[:2]) for h in helpers)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        cpu = time.process_time() + sum(sum(h.cpu_times()[:2]) for h in helpers) - c0
+        steps = st.steps - s0
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"capture": capture, "seconds": dt, "steps": steps, "output_tok_s": out_tokens / dt,
+                "total_tok_s": (out_tokens + a.requests * a.prompt_len) / dt,
+                "host_us_per_step": (st.host_ns - h0) / steps / 1e3, "hook_us_per_step": (b.hook_ns - k0) / steps / 1e3,
+                "cpu_us_per_step": cpu / steps * 1e6}
+
+    one_round(False), one_round(True)                      # warm-up
+    rounds = []
+    for i in range(a.rounds):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for c in order:
+            rounds.append(one_round(c))
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rounds[-1].items()}),
+                  flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+    off = [r for r in rounds if not r["capture"]]
+    on = [r for r in rounds if r["capture"]]
+    med = lambda rs, k: statistics.median(r[k] for r in rs)          # noqa: E731
+    res = {
+        "vllm": vllm.__version__, "broker": a.broker, "requests": a.requests, "prompt_len": a.prompt_len,
+        "output_len": a.output_len, "rounds": a.rounds,
+        "off_output_tok_s": med(off, "output_tok_s"), "on_output_tok_s": med(on, "output_tok_s"),
+        "off_total_tok_s": med(off, "total_tok_s"), "on_total_tok_s": med(on, "total_tok_s"),
+        "steps_per_round": med(on, "steps"),
+        "plugin_host_us_per_step_on": med(on, "host_us_per_step") + med(on, "hook_us_per_step"),
+        "pre_post_us_per_step_on": med(on, "host_us_per_step"), "hooks_us_per_step_on": med(on, "hook_us_per_step"),
+        "plugin_host_us_per_step_off": med(off, "host_us_per_step") + med(off, "hook_us_per_step"),
+        "cpu_us_per_step_off": med(off, "cpu_us_per_step"), "cpu_us_per_step_on": med(on, "cpu_us_per_step"),
+        "off_output_tok_s_range": [min(r["output_tok_s"] for r in off), max(r["output_tok_s"] for r in off)],
+        "on_output_tok_s_range": [min(r["output_tok_s"] for r in on), max(r["output_tok_s"] for r in on)],
+    }
+    res["throughput_loss_pct"] = 100 * (1 - res["on_output_tok_s"] / res["off_output_tok_s"])
+    records = len(list(npz_dir.glob("*.npz"))) if npz_dir.exists() else 0
+    res["records_written"] = records
+    print(f"\nvLLM {res['vllm']}, broker {a.broker}, {a.requests} requests x ({a.prompt_len} prompt + "
+          f"{a.output_len} output) tokens, {a.rounds} on/off pairs (medians)")
+    lo, hi = res["off_output_tok_s_range"]
+    print(f"  capture off : {res['off_output_tok_s']:8.0f} output tok/s  ({res['off_total_tok_s']:.0f} total tok/s; "
+          f"rounds {lo:.0f}..{hi:.0f})")
+    lo, hi = res["on_output_tok_s_range"]
+    print(f"  capture on  : {res['on_output_tok_s']:8.0f} output tok/s  ({res['on_total_tok_s']:.0f} total tok/s; "
+          f"rounds {lo:.0f}..{hi:.0f})")
+    print(f"  throughput lost (medians): {res['throughput_loss_pct']:.2f} %")
+    print(f"  plugin engine-thread CPU time per step, capture on : {res['plugin_host_us_per_step_on']:.1f} us "
+          f"(pre/post {res['pre_post_us_per_step_on']:.1f} + hooks {res['hooks_us_per_step_on']:.1f}); "
+          f"capture off: {res['plugin_host_us_per_step_off']:.1f} us")
+    print(f"  records written: {records}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
