@@ -60,6 +60,7 @@ class WorkerStats:
     opened: int = 0
     finished: int = 0
     aborted: int = 0
+    preempted: int = 0              # preemptions vLLM reported (any request)
     host_ns: int = 0                # engine-thread CPU time in pre_step + post_step (only while `timing`)
     rebinds: int = 0
 
@@ -216,6 +217,8 @@ class WorkerCapture:
     def pre_step(self, so) -> None:
         t0 = time.thread_time_ns() if self.timing else 0
         self.stats.steps += 1
+        if so.preempted_req_ids:
+            self.stats.preempted += len(so.preempted_req_ids)
         tracked = self.tracked
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             self._flush()                           # a request's rows go out before its finish

@@ -1,0 +1,297 @@
+"""Unit tests of the vLLM plugin's parts that need no engine: settings, request keys, version check, scheduler
+notes, binding hooks, step batching, and the HF oracle on a generated model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from routing_replay import wire
+from routing_replay.vllm_plugin import keys, plugin, scheduler_hooks, settings
+from routing_replay.vllm_plugin.binding import CaptureBinding
+from routing_replay.vllm_plugin.worker import LostHookError, _StepBatch
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for k in (settings.ENV_BROKER, settings.ENV_NPZ_DIR, settings.ENV_SERVE, settings.ENV_REQUESTS):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+class SP:
+    def __init__(self, extra=None):
+        self.extra_args = extra
+
+
+# ---- settings --------------------------------------------------------------------------------------------------
+
+
+def test_settings_inert_without_broker(env):
+    s = settings.current()
+    assert not s.enabled
+    assert not s.captures(SP())
+    # register() without ROUTING_REPLAY_BROKER imports nothing (not even vllm) and wraps nothing
+    code = ("import sys, routing_replay.vllm_plugin as p; p.register(); "
+            "print(sorted(m for m in ('vllm', 'torch', 'capture', 'producer', 'zmq') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("ROUTING_REPLAY_")})
+    assert out.stdout.strip() == "[]"
+
+
+def test_settings_all_and_opt_in(env):
+    env.setenv(settings.ENV_BROKER, "tcp://127.0.0.1:5557")
+    s = settings.current()
+    assert s.enabled and not s.embedded and s.requests == "all"
+    assert s.captures(SP()) is True
+    assert s.captures(SP({})) is True
+    assert s.captures(SP({"return_routed_experts": False})) is False
+    assert s.captures(SP({"return_routed_experts": "false"})) is False
+    assert s.captures(None) is False                      # pooling requests
+    env.setenv(settings.ENV_REQUESTS, "opt-in")
+    s = settings.current()
+    assert s.requests == "opt-in"
+    assert s.captures(SP()) is False
+    assert s.captures(SP({"return_routed_experts": True})) is True
+    assert s.captures(SP({"return_routed_experts": 1})) is True
+    with pytest.raises(ValueError, match="must be a boolean"):
+        s.captures(SP({"return_routed_experts": "maybe"}))
+
+
+@pytest.mark.parametrize("var,value,match", [
+    (settings.ENV_REQUESTS, "some", "choose one of all, opt-in"),
+    (settings.ENV_BROKER, "localhost:5557", "expected a ZeroMQ endpoint"),
+    (settings.ENV_NPZ_DIR, "/tmp/x", "apply to ROUTING_REPLAY_BROKER=embedded only"),
+])
+def test_settings_refuse_bad_values(env, var, value, match):
+    env.setenv(settings.ENV_BROKER, "tcp://127.0.0.1:5557")
+    env.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        settings.current()
+
+
+def test_settings_embedded(env):
+    env.setenv(settings.ENV_BROKER, "embedded")
+    env.setenv(settings.ENV_NPZ_DIR, "/tmp/out")
+    env.setenv(settings.ENV_SERVE, "tcp://127.0.0.1:5559")
+    s = settings.current()
+    assert s.embedded and s.npz_dir == "/tmp/out" and s.serve == "tcp://127.0.0.1:5559"
+
+
+# ---- request keys ----------------------------------------------------------------------------------------------
+
+
+def test_external_key_strips_vllm_suffix_only():
+    assert keys.external_key("7-0123abcd") == "7"
+    assert keys.external_key("my-id-with-dashes-deadbeef") == "my-id-with-dashes"
+    assert keys.external_key("2_chatcmpl-xyz-89abcdef") == "2_chatcmpl-xyz"      # n > 1 child
+    assert keys.external_key("cmpl-1-0-0000ffff") == "cmpl-1-0"
+    assert keys.external_key("plain", randomized=False) == "plain"
+    with pytest.raises(ValueError, match="lacks vLLM's random"):
+        keys.external_key("no-suffix")
+    with pytest.raises(ValueError):
+        keys.external_key("x-0123ABCD")                  # vLLM's suffix is lowercase hex
+
+
+def test_record_key_matches_vllm_child_naming():
+    assert keys.record_key("7") == "7"
+    assert keys.record_key("7", 0, 1) == "7"
+    assert [keys.record_key("7", i, 3) for i in range(3)] == ["0_7", "1_7", "2_7"]
+    with pytest.raises(ValueError):
+        keys.record_key("7", 3, 3)
+
+
+def test_vllm_suffix_format_is_what_we_strip():
+    """Pin the vLLM behaviour the key mapping relies on."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    req = SimpleNamespace(request_id="abc-1", external_req_id=None)
+    InputProcessor.assign_request_id(req)
+    assert req.external_req_id == "abc-1"
+    assert req.request_id.startswith("abc-1-") and len(req.request_id) == len("abc-1") + 9
+    assert keys.external_key(req.request_id) == "abc-1"
+
+
+def test_check_version():
+    for ok in ("0.32.0", "0.32.1", "0.25.1", "0.25.1+cu129", "0.32.0+cpu"):
+        plugin.check_version(ok)
+    for bad in ("0.25.0", "0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match="supports vLLM 0.32.x and 0.25.1"):
+            plugin.check_version(bad)
+
+
+# ---- scheduler notes -------------------------------------------------------------------------------------------
+
+
+def test_scheduler_notes_travel_with_the_next_schedule(env):
+    env.setenv(settings.ENV_BROKER, "embedded")
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    class Out:
+        pass
+
+    class FakeScheduler:
+        def __init__(self):
+            self.freed = []
+
+        def _free_request(self, request, delay_free_blocks=False):
+            self.freed.append(request.request_id)
+
+        def schedule(self, throttle=False):
+            return Out()
+
+    class Req:
+        def __init__(self, rid, status, out, extra=None):
+            self.request_id, self.status, self.output_token_ids = rid, status, out
+            self.sampling_params = SP(extra)
+
+        def get_finished_reason(self):
+            return {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}.get(self.status)
+
+    scheduler_hooks.install(FakeScheduler)
+    scheduler_hooks.install(FakeScheduler)             # idempotent
+    s = FakeScheduler()
+    assert getattr(s.schedule(), scheduler_hooks.ATTR) == {}
+    s._free_request(Req("a-00000000", RequestStatus.FINISHED_STOPPED, [5, 6, 7]))
+    s._free_request(Req("b-00000000", RequestStatus.FINISHED_ABORTED, []))
+    s._free_request(Req("c-00000000", RequestStatus.FINISHED_STOPPED, [1], {"return_routed_experts": False}))
+    assert s.freed == ["a-00000000", "b-00000000", "c-00000000"]
+    notes = getattr(s.schedule(), scheduler_hooks.ATTR)
+    assert notes == {"a-00000000": scheduler_hooks.Finished(3, "stop", [5, 6, 7]),
+                     "b-00000000": scheduler_hooks.Finished(0, "abort", [])}
+    assert getattr(s.schedule(), scheduler_hooks.ATTR) == {}
+
+
+# ---- binding ---------------------------------------------------------------------------------------------------
+
+
+class FakeRouter:
+    def __init__(self):
+        self.capture_fn = None
+
+    def set_capture_fn(self, fn):
+        self.capture_fn = fn
+
+
+class FakeLayer:
+    def __init__(self, lid):
+        self.layer_id, self.router = lid, FakeRouter()
+
+
+def test_binding_records_gates_counts_and_chains():
+    got = []
+    foreign = []
+    layers = [FakeLayer(0), FakeLayer(2), FakeLayer(3)]
+    layers[1].router.capture_fn = foreign.append          # another capturer was there first
+    b = CaptureBinding(layers, lambda i, ids: got.append((i, ids.tolist())), gate=True)
+    b.bind()
+    assert b.bound()
+    ids = torch.tensor([[1, 2]])
+    for layer in layers:
+        layer.router.capture_fn(ids)
+    assert got == [(0, [[1, 2]]), (1, [[1, 2]]), (2, [[1, 2]])] and b.calls == 3
+    assert len(foreign) == 1                               # chained, still called
+    b.active, b.calls = False, 0
+    layers[0].router.capture_fn(ids)
+    assert b.calls == 0 and len(got) == 3                  # gated off: nothing recorded
+    b.bind()                                               # re-bind keeps the foreign hook, not ours twice
+    b.active = True
+    layers[1].router.capture_fn(ids)
+    assert len(foreign) == 2 and b.calls == 1
+    layers[2].router.set_capture_fn(None)                  # lost hook
+    assert not b.bound()
+    b.unbind()
+    assert layers[0].router.capture_fn is None and layers[1].router.capture_fn == foreign.append
+
+
+# ---- step batching ---------------------------------------------------------------------------------------------
+
+
+class FakePending:
+    def __init__(self, rows, dropped=False):
+        self.rows = rows
+        self.shape, self.dtype, self.dropped = rows.shape, rows.dtype, dropped
+        self.released = 0
+
+    def result(self):
+        return self.rows
+
+    def release(self):
+        self.released += 1
+
+
+def test_step_batch_concatenates_in_order_and_releases_all():
+    a = FakePending(np.arange(2 * 3 * 2, dtype=np.int16).reshape(2, 3, 2))
+    b = FakePending(np.arange(100, 100 + 3 * 3 * 2, dtype=np.int16).reshape(3, 3, 2))
+    batch = _StepBatch()
+    batch.add(a, ["x", "y"], [10, 20], [1, 1])
+    batch.add(b, ["x", "y"], [11, 21], [1, 2])
+    ks, starts, counts, rows = batch.take()
+    assert (ks, starts, counts) == (["x", "y", "x", "y"], [10, 20, 11, 21], [1, 1, 1, 2])
+    assert rows.shape == (5, 3, 2) and not rows.dropped
+    assert np.array_equal(rows.result(), np.concatenate([a.rows, b.rows]))
+    rows.release()
+    assert a.released == b.released == 1
+    assert batch.parts == [] and batch.rows == 0
+
+
+def test_step_batch_refuses_unwritten_rows():
+    r = np.zeros((2, 3, 2), np.int16)
+    r[1, 2] = -1
+    batch = _StepBatch()
+    batch.add(FakePending(r), ["x"], [0], [2])
+    _, _, _, rows = batch.take()
+    with pytest.raises(LostHookError, match="never written by a router .*row 1 of 2, local MoE layer 2"):
+        rows.result()
+
+
+# ---- oracle ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_model():
+    from routing_replay.vllm_plugin.testing import tiny_model
+    return tiny_model("qwen3_moe_mixed")
+
+
+def _record_from(oracle, prompt, output, cached):
+    ref = oracle.routing(np.array(prompt + output))
+    ref[:cached] = -1
+    ref[-1] = -1
+    P = len(prompt)
+    return wire.Record("r", ref[:P].copy(), ref[P:].copy(), cached, np.array(oracle.layer_ids, np.int32), True,
+                       prompt_token_ids=np.array(prompt, np.int32), output_token_ids=np.array(output, np.int32))
+
+
+def test_oracle_accepts_its_own_routing_and_catches_errors(mixed_model):
+    from routing_replay.oracle import Oracle, verify
+
+    o = Oracle(str(mixed_model))
+    assert o.layer_ids == [0, 2, 3] and o.top_k == 2           # qwen3_moe_mixed: layer 1 is dense
+    rng = np.random.default_rng(0)
+    prompt, output = rng.integers(0, 256, 40).tolist(), rng.integers(0, 256, 9).tolist()
+    rec = _record_from(o, prompt, output, 16)
+    v = o.check(rec)
+    assert v.ok and v.rows == (40 + 9 - 16 - 1) * 3 and v.agree == v.rows
+    rec.routed_experts[2, 1] = rec.routed_experts[2, 1, ::-1]    # order within a row does not matter
+    assert o.check(rec).ok
+    e = rec.routed_experts[3, 0]
+    rec.routed_experts[3, 0] = [e[0], (e[1] + 1) % 8 if (e[1] + 1) % 8 != e[0] else (e[1] + 2) % 8]
+    v = o.check(rec)
+    assert not v.ok and v.agree == v.rows - 1 and v.mismatches[0][:2] == (40 + 3, 0)
+    rec = _record_from(o, prompt, output, 16)
+    rec.prompt_routed_experts[20] = -1                           # a hole where routing was computed
+    rec.routed_experts[-1] = 0                                   # routing where the last token has none
+    v = o.check(rec)
+    assert [p for p, _ in v.sentinel_errors] == [48, 20]
+    verdict = verify([_record_from(o, prompt, output, 0)], str(mixed_model), oracle=o)
+    assert verdict.ok and verdict.agreement == 1.0 and "100.000%" in verdict.summary()
