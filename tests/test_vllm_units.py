@@ -185,6 +185,7 @@ class FakeRouter:
 class FakeLayer:
     def __init__(self, lid):
         self.layer_id, self.router = lid, FakeRouter()
+        self.module = self
 
 
 def test_binding_records_gates_counts_and_chains():

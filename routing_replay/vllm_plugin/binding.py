@@ -32,14 +32,18 @@ MAX_EXPERT_ID = (1 << 15) - 1       # ids travel as int16
 
 @dataclass
 class MoELayer:
-    """One MoE block of the model: its module, its router, and the model layer index it sits in."""
+    """One MoE block of the model: its module and the model layer index it sits in."""
 
     layer_id: int
     name: str
     module: torch.nn.Module
-    router: object
     top_k: int
     num_experts: int
+
+    @property
+    def router(self):
+        """The module's router as it is now (a rebuild may have replaced the one seen at bind time)."""
+        return self.module.router
 
 
 def _moe_runner_cls():
@@ -69,7 +73,7 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         if num_experts - 1 > MAX_EXPERT_ID:
             raise ValueError(f"MoE layer {name} has {num_experts} experts; int16 rows hold ids up to "
                              f"{MAX_EXPERT_ID}")
-        layers.append(MoELayer(int(module.layer_id), name, module, router, top_k, num_experts))
+        layers.append(MoELayer(int(module.layer_id), name, module, top_k, num_experts))
     layers.sort(key=lambda m: m.layer_id)
     ids = [m.layer_id for m in layers]
     if len(set(ids)) != len(ids):

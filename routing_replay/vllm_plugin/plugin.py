@@ -14,7 +14,7 @@ without touching vLLM's files:
   vllm.v1.core.sched.scheduler.Scheduler
     _free_request, schedule   see scheduler_hooks.py
   vllm.v1.engine.core_client.InprocClient
-    get_output            see scheduler_hooks.py (in-process engines only)
+    get_output, abort_requests   see scheduler_hooks.py (in-process engines only)
 
 Supported: vLLM 0.32.x (the CPU build in CI, V1 model runner) and 0.25.1 (GPU). Any other version raises at
 start-up; vLLM propagates exceptions from plugin functions, so the engine does not start.

@@ -15,8 +15,9 @@ have run one more step for it) and why it ended. Two wrappers on `vllm.v1.core.s
 A worker hears of a finish only with the next step. The engine-core busy loop (`LLM` by default, `vllm serve`)
 runs that step at once, because the scheduler still `has_requests()`. The in-process client
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, external_launcher) steps only while `LLM.generate` waits for unfinished
-requests, so the finishes of the last requests of a `generate()` call would wait for the next call; a wrapper
-on `InprocClient.get_output` runs that one empty step when finish notes are owed and nothing is left to run.
+requests, so the finishes of the last requests of a `generate()` call would wait for the next call; wrappers
+on `InprocClient.get_output` and `InprocClient.abort_requests` run that one empty step when finish notes are
+owed and nothing is left to run.
 """
 
 from __future__ import annotations
@@ -86,24 +87,36 @@ def install(scheduler_cls) -> None:
     scheduler_cls._routing_replay_hooked = True
 
 
+def _deliver_owed(client) -> None:
+    """Run one (empty) engine step if finish notes are owed to the workers and nothing else will step."""
+    core = client.engine_core
+    sched = core.scheduler
+    if _NOTES in sched.__dict__ and not sched.has_unfinished_requests():
+        extra, executed = core.step_fn()
+        core.post_step(model_executed=executed)
+        more = extra.get(0) if extra else None
+        if more is not None and more.outputs:
+            log.warning("routing-replay: dropped %d outputs of a flush step", len(more.outputs))
+
+
 def install_inproc_flush(client_cls) -> None:
-    """Wrap `client_cls.get_output` (vLLM's InprocClient) to deliver owed finish notes at once (idempotent)."""
+    """Wrap `client_cls.get_output` and `abort_requests` (vLLM's InprocClient) so that finish notes owed to the
+    workers are delivered at once, also after the front end aborted the last request (stop strings)."""
     if getattr(client_cls, "_routing_replay_hooked", False):
         return
-    orig = client_cls.get_output
+    orig_get, orig_abort = client_cls.get_output, client_cls.abort_requests
 
-    @functools.wraps(orig)
+    @functools.wraps(orig_get)
     def get_output(self):
-        out = orig(self)
-        core = self.engine_core
-        sched = core.scheduler
-        if _NOTES in sched.__dict__ and not sched.has_unfinished_requests():
-            extra, executed = core.step_fn()
-            core.post_step(model_executed=executed)
-            more = extra.get(0) if extra else None
-            if more is not None and more.outputs:
-                out.outputs.extend(more.outputs)
+        out = orig_get(self)
+        _deliver_owed(self)
         return out
 
+    @functools.wraps(orig_abort)
+    def abort_requests(self, request_ids):
+        orig_abort(self, request_ids)
+        _deliver_owed(self)
+
     client_cls.get_output = get_output
+    client_cls.abort_requests = abort_requests
     client_cls._routing_replay_hooked = True
