@@ -1,0 +1,82 @@
+"""Real vLLM with a KV cache too small for its load, so requests are preempted and recomputed; on the model with
+dense layers mixed in (MoE layer ids 0, 2, 3). Then bfloat16: its agreement with the oracle is reported, with
+-1 placement still exact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+vllm = pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+
+from routing_replay.oracle import Oracle, verify  # noqa: E402
+from routing_replay.vllm_plugin import capture_of  # noqa: E402
+from routing_replay.vllm_plugin.testing import inprocess_llm, shutdown, tiny_model, wait_records, worker_of  # noqa: E402
+
+ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS")
+BLOCK_BYTES = 128 * 4 * 1 * 64 * 2 * 4           # tokens x attention layers x kv heads x head dim x (k, v) x fp32
+
+
+@pytest.fixture
+def embedded(tmp_path):
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(tmp_path),
+                      ROUTING_REPLAY_REQUESTS="all")
+    os.environ.pop("ROUTING_REPLAY_SERVE", None)
+    yield tmp_path
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _run(llm, n, rnd, **sp):
+    prompts = [{"prompt_token_ids": [rnd.randrange(256) for _ in range(rnd.randrange(60, 220))]} for _ in range(n)]
+    return llm.generate(prompts, SamplingParams(ignore_eos=True, **sp), use_tqdm=False)
+
+
+def test_preemption_and_recompute_give_exact_records(embedded):
+    model = tiny_model("qwen3_moe_mixed")
+    llm = inprocess_llm(model, max_model_len=512, kv_cache_memory_bytes=10 * BLOCK_BYTES,
+                        max_num_batched_tokens=256)
+    try:
+        cap = capture_of(worker_of(llm))
+        assert cap.layer_ids == [0, 2, 3]
+        outs = _run(llm, 12, random.Random(0), max_tokens=150, temperature=0.7)
+        assert cap.stats.preempted > 0, "the KV cache was meant to force preemption"
+        recs = wait_records(embedded, [o.request_id for o in outs])
+    finally:
+        shutdown(llm)
+    oracle = Oracle(str(model))
+    for o in outs:
+        r = recs[o.request_id]
+        assert r.complete and r.finish_reason == "length"
+        assert r.output_token_ids.tolist() == list(o.outputs[0].token_ids)
+        assert r.moe_layer_ids.tolist() == [0, 2, 3]
+        v = oracle.check(r)
+        assert v.ok, (o.request_id, v.mismatches[:3], v.sentinel_errors[:3])
+        assert v.rows == (len(o.prompt_token_ids) + 150 - 1 - r.num_cached_tokens) * 3
+
+
+def test_bfloat16_agreement(embedded, record_property):
+    model = tiny_model("qwen3_moe", dtype="bfloat16")
+    llm = inprocess_llm(model, dtype="bfloat16", max_num_batched_tokens=256)
+    try:
+        outs = _run(llm, 16, random.Random(1), max_tokens=48, temperature=0)
+        recs = wait_records(embedded, [o.request_id for o in outs])
+    finally:
+        shutdown(llm)
+    records = [recs[o.request_id] for o in outs]
+    assert all(r.complete for r in records)
+    v = verify(records, str(model), dtype="bfloat16")
+    record_property("bf16_agreement", v.agreement)
+    print(f"\n{v.summary()}")
+    assert v.sentinel_errors == 0 and not any(r.error for r in v.records)
+    assert v.agreement > 0.9
