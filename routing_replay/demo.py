@@ -1,0 +1,173 @@
+"""The main job: vLLM with routing capture on a generated tiny MoE model, records to npz, checked by the oracle.
+
+    routing-replay demo [--out ./out] [--requests 64] [--arch qwen3_moe] [--inprocess]
+
+1. Generates a random-weight MoE checkpoint (routing_replay.models; cached under the temp dir).
+2. Starts vLLM (`LLM(...)`, vLLM's own process layout unless --inprocess) with ROUTING_REPLAY_BROKER=embedded
+   and ROUTING_REPLAY_NPZ_DIR=OUT: broker and consumer run inside the engine, one npz file per request.
+3. Runs a workload of requests that share a few long prefixes (so vLLM's prefix cache hits, in 128-token
+   blocks on CPU), prompts longer than the chunked-prefill budget, sampled outputs. Rounds with capture off
+   (every request opted out) and on alternate; the prefix cache is reset before each round.
+4. Waits for the records of the capture-on rounds, recomputes every routing decision with HF transformers
+   (routing_replay.oracle) and prints a summary. Exit status 1 if the oracle disagrees or a record is missing
+   or incomplete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _workload(n: int, prefixes: int, prefix_len: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    heads = [[rnd.randrange(256) for _ in range(prefix_len)] for _ in range(prefixes)]
+    return [heads[i % prefixes] + [rnd.randrange(256) for _ in range(rnd.randrange(16, 200))] for i in range(n)]
+
+
+def _clear(out: Path) -> int:
+    """Remove the npz files and shard index a previous demo left in OUT (nothing else)."""
+    n = 0
+    for p in list(out.glob("*.npz")) + list(out.glob("index.jsonl")):
+        p.unlink()
+        n += 1
+    return n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="routing-replay demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="./out", help="directory for the npz records (old *.npz there are removed)")
+    ap.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3_moe_mixed", "mixtral"])
+    ap.add_argument("--requests", type=int, default=64, help="requests per round")
+    ap.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
+    ap.add_argument("--prefix-len", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="capture off/on pairs")
+    ap.add_argument("--inprocess", action="store_true", help="run vLLM's engine in this process")
+    a = ap.parse_args(argv)
+
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    removed = _clear(out)
+    os.environ["ROUTING_REPLAY_BROKER"] = "embedded"
+    os.environ["ROUTING_REPLAY_NPZ_DIR"] = str(out)
+    os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
+    os.environ.pop("ROUTING_REPLAY_SERVE", None)
+
+    from routing_replay.vllm_plugin.testing import tiny_model
+
+    t_start = time.monotonic()
+    model = tiny_model(a.arch)
+    print(f"model: {model} ({a.arch}, float32){f'; removed {removed} old files from {out}' if removed else ''}",
+          flush=True)
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    import routing_replay.vllm_plugin as plugin
+
+    plugin.register()
+    engine_kw = dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=1024,
+                     max_num_batched_tokens=1024, enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
+                     seed=0)
+    if a.inprocess:
+        from routing_replay.vllm_plugin.testing import inprocess_llm
+        llm = inprocess_llm(model, **{k: v for k, v in engine_kw.items() if k != "model"})
+    else:
+        llm = LLM(**engine_kw)
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = [{"prompt_token_ids": p} for p in _workload(a.requests, a.prefixes, a.prefix_len, seed=0)]
+
+    def round_(capture: bool):
+        sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.8, ignore_eos=True,
+                            extra_args={"return_routed_experts": capture})
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
+        return outs, tokens / dt, sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+    round_(False)                                   # warm-up
+    off, on, captured = [], [], []
+    for i in range(a.rounds):
+        for capture in ((False, True) if i % 2 == 0 else (True, False)):
+            outs, tok_s, out_s = round_(capture)
+            (on if capture else off).append((tok_s, out_s))
+            if capture:
+                captured += outs
+            print(f"round {len(on) + len(off)}: capture {'on ' if capture else 'off'} {tok_s:8.0f} tok/s "
+                  f"({out_s:.0f} output tok/s)", flush=True)
+
+    from consumer import load_records
+    from routing_replay.oracle import verify
+    from routing_replay.vllm_plugin.testing import wait_records
+
+    ids = [o.request_id for o in captured]
+    missing_err = ""
+    try:
+        wait_records(out, ids, timeout_s=60)
+    except TimeoutError as e:
+        missing_err = str(e)
+    if a.inprocess:
+        from routing_replay.vllm_plugin.testing import shutdown
+        shutdown(llm)
+    else:
+        llm.llm_engine.engine_core.shutdown()
+    recs = load_records(out)
+    records = [recs[i] for i in ids if i in recs]
+    verdict = verify(records, str(model))
+
+    by_id = {o.request_id: o for o in captured}
+    mismatched_tokens = [r.request_id for r in records
+                         if r.output_token_ids is None
+                         or r.output_token_ids.tolist() != list(by_id[r.request_id].outputs[0].token_ids)
+                         or r.num_cached_tokens != by_id[r.request_id].num_cached_tokens]
+    complete = sum(r.complete for r in records)
+    prompt_rows = sum(r.prompt_routed_experts.shape[0] for r in records)
+    cached_rows = sum(r.num_cached_tokens for r in records)
+    output_rows = sum(r.routed_experts.shape[0] for r in records)
+    off_tok = statistics.median(t for t, _ in off)
+    on_tok = statistics.median(t for t, _ in on)
+    ok = verdict.ok and not missing_err and complete == len(ids) and not mismatched_tokens
+
+    shape = f"{records[0].prompt_routed_experts.shape[1]} MoE layers, top-{records[0].prompt_routed_experts.shape[2]}" \
+        if records else "no records"
+    rows = [
+        ("vLLM", f"{vllm.__version__}, {'in-process' if a.inprocess else 'multi-process'} engine, "
+                 f"{a.arch} float32 ({shape})"),
+        ("requests captured", f"{len(ids)} ({a.rounds} rounds x {a.requests}; {a.prefixes} shared prefixes of "
+                              f"{a.prefix_len} tokens)"),
+        ("records", f"{len(records)} written, {complete} complete"),
+        ("tokens", f"{prompt_rows:,} prompt + {output_rows:,} output"),
+        ("prefix-cached rows", f"{cached_rows:,} of {prompt_rows:,} prompt rows are -1 "
+                               f"(block size {block})"),
+        ("throughput, capture off", f"{off_tok:,.0f} tok/s (median of {len(off)})"),
+        ("throughput, capture on", f"{on_tok:,.0f} tok/s ({100 * (on_tok / off_tok - 1):+.1f}%)"),
+        ("oracle (HF transformers)", f"{'PASS' if verdict.ok else 'FAIL'}: {verdict.rows:,} (token, layer) rows, "
+                                     f"{100 * verdict.agreement:.3f}% identical top-k sets, "
+                                     f"{verdict.sentinel_errors} -1 misplacements"),
+        ("npz", f"{out} ({len(recs)} files)"),
+        ("wall time", f"{time.monotonic() - t_start:.0f} s"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"  {k:<{w}}  {v}")
+    if missing_err:
+        print(f"\nFAIL: {missing_err}")
+    if mismatched_tokens:
+        print(f"\nFAIL: records whose tokens or cached count differ from vLLM's outputs: {mismatched_tokens[:5]}")
+    if not verdict.ok:
+        print("\n" + verdict.summary())
+    print(f"\n{'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
