@@ -1,6 +1,7 @@
-"""Real vLLM with a KV cache too small for its load, so requests are preempted and recomputed; on the model with
-dense layers mixed in (MoE layer ids 0, 2, 3). Then bfloat16: its agreement with the oracle is reported, with
--1 placement still exact.
+"""Real vLLM in configurations that need their own engine: a KV cache too small for the load (preemption and
+recompute) on the model with dense layers mixed in (MoE layer ids 0, 2, 3); n-gram speculative decoding
+(rejected drafts' rows are overwritten); bfloat16, whose agreement with the oracle is reported (-1 placement
+still exact).
 """
 
 from __future__ import annotations
@@ -80,3 +81,24 @@ def test_bfloat16_agreement(embedded, record_property):
     print(f"\n{v.summary()}")
     assert v.sentinel_errors == 0 and not any(r.error for r in v.records)
     assert v.agreement > 0.9
+
+
+def test_speculative_decoding_gives_exact_records(embedded):
+    """Last in the module: vLLM's n-gram proposer loads numba, after which vLLM 0.32 cannot create another
+    engine in this process (triton_utils/dispatcher.py trips over a numba object in sys.modules)."""
+    model = tiny_model("qwen3_moe")
+    llm = inprocess_llm(model, max_num_batched_tokens=256, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    try:
+        cap = capture_of(worker_of(llm))
+        outs = _run(llm, 8, random.Random(2), max_tokens=40, temperature=0)
+        assert cap.stats.spec_steps > 0, "no draft tokens were verified"
+        recs = wait_records(embedded, [o.request_id for o in outs])
+    finally:
+        shutdown(llm)
+    oracle = Oracle(str(model))
+    for o in outs:
+        r = recs[o.request_id]
+        assert r.complete and r.output_token_ids.tolist() == list(o.outputs[0].token_ids)
+        v = oracle.check(r)
+        assert v.ok and v.rows == (len(o.prompt_token_ids) + 40 - 1 - r.num_cached_tokens) * 4, v.mismatches[:3]

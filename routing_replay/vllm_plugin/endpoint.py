@@ -7,7 +7,7 @@ import logging
 from producer import Producer
 from routing_replay.vllm_plugin.settings import ENV_BROKER, Settings
 
-log = logging.getLogger("routing_replay.vllm")
+log = logging.getLogger("vllm.routing_replay")
 
 
 class Sink:

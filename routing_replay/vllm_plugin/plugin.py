@@ -27,7 +27,7 @@ import logging
 
 from routing_replay.vllm_plugin import settings as _settings
 
-log = logging.getLogger("routing_replay.vllm")
+log = logging.getLogger("vllm.routing_replay")
 
 SUPPORTED_VLLM = ("0.32.x", "0.25.1")
 _ATTR = "_routing_replay"

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from routing_replay.vllm_plugin import settings as _settings
 
-log = logging.getLogger("routing_replay.vllm")
+log = logging.getLogger("vllm.routing_replay")
 
 ATTR = "routing_replay_finished"
 _NOTES = "_routing_replay_finished"

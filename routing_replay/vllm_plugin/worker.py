@@ -42,7 +42,7 @@ from routing_replay.vllm_plugin.binding import CaptureBinding, find_moe_layers
 from routing_replay.vllm_plugin.endpoint import Sink
 from routing_replay.vllm_plugin.settings import Settings
 
-log = logging.getLogger("routing_replay.vllm")
+log = logging.getLogger("vllm.routing_replay")
 
 
 MAX_BATCH_STEPS = 16          # steps per delta message at most
@@ -61,6 +61,7 @@ class WorkerStats:
     finished: int = 0
     aborted: int = 0
     preempted: int = 0              # preemptions vLLM reported (any request)
+    spec_steps: int = 0             # steps that verified speculative draft tokens
     host_ns: int = 0                # engine-thread CPU time in pre_step + post_step (only while `timing`)
     rebinds: int = 0
 
@@ -219,6 +220,8 @@ class WorkerCapture:
         self.stats.steps += 1
         if so.preempted_req_ids:
             self.stats.preempted += len(so.preempted_req_ids)
+        if so.scheduled_spec_decode_tokens:
+            self.stats.spec_steps += 1
         tracked = self.tracked
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             self._flush()                           # a request's rows go out before its finish
