@@ -37,13 +37,14 @@ CHUNK = 256
 def eng(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ENV}
     npz = tmp_path_factory.mktemp("npz")
-    os.environ.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all")
-    os.environ.pop("ROUTING_REPLAY_SERVE", None)
+    serve = f"ipc://{tmp_path_factory.mktemp('serve')}/trainer"
+    os.environ.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all",
+                      ROUTING_REPLAY_SERVE=serve)
     model = tiny_model("qwen3_moe")
     llm = inprocess_llm(model, max_num_batched_tokens=CHUNK, enable_prefix_caching=True, max_num_seqs=64)
     cap = capture_of(worker_of(llm))
     assert cap is not None and cap.layer_ids == [0, 1, 2, 3]
-    yield Engine(llm, npz, Oracle(str(model)), cap)
+    yield Engine(llm, npz, Oracle(str(model)), cap, serve)
     shutdown(llm)
     for k, v in saved.items():
         if v is None:
@@ -53,8 +54,8 @@ def eng(tmp_path_factory):
 
 
 class Engine:
-    def __init__(self, llm, npz, oracle, cap):
-        self.llm, self.npz, self.oracle, self.cap = llm, npz, oracle, cap
+    def __init__(self, llm, npz, oracle, cap, serve):
+        self.llm, self.npz, self.oracle, self.cap, self.serve = llm, npz, oracle, cap, serve
 
     def generate(self, prompts, sp):
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -123,6 +124,18 @@ def test_many_concurrent_requests(eng):
     recs = eng.check(outs)
     one = [r for k, r in recs.items() if r.routed_experts.shape[0] == 1]
     assert one and all((r.routed_experts == -1).all() for r in one)      # max_tokens=1: never fed back
+
+
+def test_trainer_fetches_from_the_embedded_consumer(eng):
+    from consumer import TrainerClient
+    rnd = random.Random(12)
+    outs = eng.generate([_tokens(rnd, 50) for _ in range(3)], SamplingParams(max_tokens=9, temperature=0))
+    ids = [o.request_id for o in outs]
+    with TrainerClient(eng.serve) as client:
+        fetched = client.fetch(ids, timeout_s=30)
+    on_disk = eng.records(ids)
+    for i in ids:
+        assert fetched[i].equals(on_disk[i]) and fetched[i].complete
 
 
 def test_n_greater_than_one_keys_each_sample(eng):
