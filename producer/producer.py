@@ -86,7 +86,10 @@ class Producer:
         self._lost: dict[str, list] = {}
         self._closed = False
         self._failure: BaseException | None = None
-        self._ctx = context or zmq.Context.instance()
+        # An own context by default: its term() in close() is what makes linger wait for queued messages to
+        # reach the wire (socket.close() alone returns at once, and a process that exits then loses them).
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context(io_threads=1)
         self._sndhwm = sndhwm
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rr-producer-{self.producer_id}", daemon=True)
@@ -235,7 +238,7 @@ class Producer:
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Send what is queued (up to timeout_s), then stop the thread. Idempotent."""
+        """Send what is queued (up to timeout_s, then linger_ms for the socket to drain), stop. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -244,6 +247,8 @@ class Producer:
         if self._thread.is_alive():
             log.warning("producer %s: thread still sending after %.1fs, %d msgs queued",
                         self.producer_id, timeout_s, self.queued_msgs)
+        elif self._own_ctx:
+            self._ctx.term()     # returns when queued messages are on the wire or linger_ms has passed
 
     def __enter__(self):
         return self

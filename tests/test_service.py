@@ -211,3 +211,37 @@ def test_subscribe_cli_prints_matching_records(tmp_path):
         sub.stop()
         c.stop()
         broker.stop()
+
+
+def test_producer_close_delivers_everything_before_the_process_exits(tmp_path):
+    """close() must not return before queued messages are on the wire (a rollout worker exits right after)."""
+    import zmq
+    ctx = zmq.Context.instance()
+    rx = ctx.socket(zmq.ROUTER)
+    rx.setsockopt(zmq.LINGER, 0)
+    ep = f"ipc://{tmp_path}/rx"
+    rx.bind(ep)
+    code = (
+        "import numpy as np\n"
+        "from producer import Producer\n"
+        f"p = Producer({ep!r}, num_layers=48, top_k=8)\n"
+        "rows = np.ones((256, 48, 8), np.int16)\n"
+        "ids = [f'r{i}' for i in range(256)]\n"
+        "for s in range(300):\n"
+        "    p.publish_rows(ids, [s] * 256, [1] * 256, rows)\n"
+        "p.close()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deltas = 0
+    try:
+        while rx.poll(10_000):
+            frames = rx.recv_multipart()
+            if wire.decode_header(frames[1]).kind == "delta":
+                deltas += 1
+                assert len(frames[2]) == 256 * 48 * 8 * 2
+            if deltas == 300:
+                break
+    finally:
+        assert proc.wait(30) == 0
+        rx.close(0)
+    assert deltas == 300

@@ -1,0 +1,310 @@
+"""Benchmark producer -> broker -> 2 consumers against raw ZeroMQ and a zmq.proxy chain, in one run.
+
+Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workloads:
+  decode  : steps of 256 requests x 1 token (one message per step, split across the two consumers)
+  prefill : steps of 4 requests x 2048 tokens
+Chains (each role a separate process, loopback tcp):
+  raw     : PUSH -> PULL, the same frames, the consumer only counts bytes (the wire's limit)
+  proxy   : PUSH -> zmq.proxy(PULL, PUSH) -> 2 x PULL counting bytes (libzmq's C forwarder: one hop's limit)
+  ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
+Then latency: ours at an offered load of 100k tokens/s (decode steps), p50/p99 from publish() to applied.
+Peak RSS of broker and consumers is reported. Usage: python bench/pipeline.py [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+L, K = 48, 8
+ROW = L * K * 2
+IDLE_S = 1.0
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _steps(workload: str, n_steps: int):
+    """Yield (ids, starts, counts) per step, and the finishes at the end (list of (rid, prompt_len, n_out))."""
+    if workload == "decode":
+        ids = [f"cmpl-{i:08x}-decode-request" for i in range(256)]
+        return [(ids, [s] * 256, [1] * 256) for s in range(n_steps)], [(r, 1, n_steps) for r in ids], 256
+    per = 2048
+    steps, fins = [], []
+    for s in range(n_steps):
+        ids = [f"cmpl-{s:06d}-{j}-prefill-request" for j in range(4)]
+        steps.append((ids, [0] * 4, [per] * 4))
+        fins += [(r, per, 1) for r in ids]
+    return steps, fins, 4 * per
+
+
+# ---- processes ------------------------------------------------------------------------------------------------
+
+def raw_sender(ep, workload, n_steps, q):
+    import zmq
+    from routing_replay import wire
+    steps, _, tok = _steps(workload, n_steps)
+    payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 1000)
+    s.connect(ep)
+    q.get()  # go
+    t0 = time.monotonic()
+    for i, (ids, starts, counts) in enumerate(steps):
+        head = wire.pack_header("delta", "raw", 0, i, ids, wire.delta_body(starts, counts, L, K))
+        s.send_multipart([head, payload], copy=False)
+    q.put(("sent", t0))
+    s.close(linger=-1)
+    ctx.term()
+
+
+def raw_receiver(ep, bind, q):
+    import zmq
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 1000)
+    (s.bind if bind else s.connect)(ep)
+    q.put(("ready", os.getpid()))
+    n = 0
+    last = None
+    while True:
+        if not s.poll(int(IDLE_S * 1000)):
+            if last is not None:
+                break
+            continue
+        for f in s.recv_multipart(copy=False):
+            n += len(f.buffer)
+        last = time.monotonic()
+    q.put(("done", n, last, rss_mb()))
+
+
+def proxy_proc(front, back, q):
+    import zmq
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    a.bind(front)
+    b.bind(back)
+    q.put(("ready", os.getpid()))
+    try:
+        zmq.proxy(a, b)
+    except zmq.ContextTerminated:
+        pass
+
+
+def broker_proc(front, back, q, stop):
+    import logging
+    logging.basicConfig(level=logging.INFO)
+    from broker import Broker
+    b = Broker(front, back, stats_interval_s=2)
+    b.bind()
+    q.put(("ready", os.getpid()))
+    import threading
+    threading.Thread(target=lambda: (stop.get(), b.stop()), daemon=True).start()
+    b.serve()
+
+
+def consumer_proc(back, q, latency):
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    import msgpack
+    from consumer import Consumer
+    recv_times = {}
+    state = {"records": 0, "last": None, "held_peak": 0}
+
+    class C(Consumer):
+        def _on_broker_message(self, frames, now, server):
+            super()._on_broker_message(frames, now, server)
+            if latency:
+                h = msgpack.unpackb(frames[0].buffer)
+                if h[1] == "delta":
+                    recv_times[h[4]] = time.monotonic()
+            state["held_peak"] = max(state["held_peak"], self.acc.bytes_held)
+
+    def on_record(rec):
+        state["records"] += 1
+        state["last"] = time.monotonic()
+
+    c = C(back, on_record=on_record, stats_interval_s=3600, finish_grace_s=0.5)
+    c.start()
+    q.put(("ready", os.getpid()))
+    while True:
+        time.sleep(0.2)
+        if state["last"] is not None and time.monotonic() - state["last"] > IDLE_S:
+            break
+    c.close()
+    q.put(("done", state["records"], state["last"], rss_mb(), state["held_peak"], recv_times))
+
+
+def producer_proc(ep, workload, n_steps, q, rate_tokens_s):
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    from producer import Producer
+    steps, fins, tok = _steps(workload, n_steps)
+    payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
+    p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30)
+    opened = set()
+    q.get()  # go
+    send_times = {}
+    t0 = time.monotonic()
+    step_s = tok / rate_tokens_s if rate_tokens_s else 0
+    for i, (ids, starts, counts) in enumerate(steps):
+        for rid in ids:
+            if rid not in opened:
+                opened.add(rid)
+                p.open(rid, prompt_len=1 if workload == "decode" else 2048)
+        if step_s:
+            target = t0 + i * step_s
+            while time.monotonic() < target:
+                time.sleep(max(0, target - time.monotonic() - 0.0002))
+        t = time.monotonic()
+        p.publish_rows(ids, starts, counts, payload)
+        send_times[("step", i)] = t
+        if workload == "prefill":
+            for rid in ids:
+                p.finish(rid, num_output_tokens=1, prompt_len=2048)
+    if workload == "decode":
+        for rid, _, n_out in fins:
+            p.finish(rid, num_output_tokens=n_steps, prompt_len=1)
+    p.flush(600)
+    st = p.stats
+    p.close()
+    q.put(("sent", t0, st.sent_msgs, st.dropped_msgs, send_times))
+
+
+def _wait(q, kind, n, timeout=300):
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        m = q.get(timeout=max(1, deadline - time.monotonic()))
+        if m[0] != kind:
+            raise RuntimeError(f"expected {kind}, got {m[0]}")
+        out.append(m)
+    return out
+
+
+_next_port = [int(os.environ.get("BENCH_PORT_BASE", 47100))]
+
+
+def _port() -> str:
+    """A fresh loopback port per socket, so a chain never waits for the last chain's sockets to go."""
+    _next_port[0] += 1
+    return f"tcp://127.0.0.1:{_next_port[0]}"
+
+
+def measure_chain(chain, workload, n_steps, rate=0):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()          # from workers
+    go = ctx.Queue()         # to the sender
+    stop = ctx.Queue()
+    procs = []
+    fe, be = _port(), _port()
+    if chain == "raw":
+        procs.append(ctx.Process(target=raw_receiver, args=(fe, True, q)))
+        n_cons = 1
+    elif chain == "proxy":
+        procs.append(ctx.Process(target=proxy_proc, args=(fe, be, q)))
+        n_cons = 2
+    else:
+        procs.append(ctx.Process(target=broker_proc, args=(fe, be, q, stop)))
+        n_cons = 2
+    procs[0].start()
+    _wait(q, "ready", 1)
+    if chain != "raw":
+        for _ in range(n_cons):
+            if chain == "proxy":
+                p = ctx.Process(target=raw_receiver, args=(be, False, q))
+            else:
+                p = ctx.Process(target=consumer_proc, args=(be, q, bool(rate)))
+            p.start()
+            procs.append(p)
+        _wait(q, "ready", n_cons)
+        time.sleep(0.5)       # let the consumers' hello reach the broker (bench only)
+    if chain == "ours":
+        sender = ctx.Process(target=producer_proc, args=(fe, workload, n_steps, go, rate))
+    else:
+        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go))
+    sender.start()
+    go.put("go")
+    done = _wait(q, "done", n_cons, 900)
+    sent = go.get(timeout=60)
+    sender.join()
+    if chain == "ours":
+        stop.put("stop")
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    t0 = sent[1]
+    t_end = max(d[2] for d in done)
+    _, _, tok = _steps(workload, 1)
+    tokens = tok * n_steps
+    dt = t_end - t0
+    res = {"chain": chain, "workload": workload, "steps": n_steps, "tokens": tokens, "seconds": dt,
+           "tokens_per_s": tokens / dt, "MB_per_s": tokens * ROW / dt / 1e6,
+           "consumer_rss_mb": [round(d[3], 1) for d in done]}
+    if chain == "ours":
+        res["records"] = sum(d[1] for d in done)
+        res["held_peak_mb"] = [round(d[4] / 1e6, 1) for d in done]
+        res["dropped"] = sent[3]
+        if rate:
+            res["latency"] = _latency(sent[4], [d[5] for d in done], n_steps)
+    return res
+
+
+def _latency(send_times, recv_maps, n_steps):
+    # the producer numbers its messages: seq 1.. in order; opens come before the first delta of a request
+    # decode workload: 256 opens (seq 1..256) then one delta per step -> delta i has seq 257 + i
+    lat = []
+    for i in range(n_steps):
+        seq = 257 + i
+        recv = [m[seq] for m in recv_maps if seq in m]
+        if recv:
+            lat.append((max(recv) - send_times[("step", i)]) * 1e3)
+    lat.sort()
+    return {"n": len(lat), "p50_ms": round(statistics.median(lat), 3),
+            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3), "max_ms": round(lat[-1], 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    ap.add_argument("--json", help="also write the results here")
+    a = ap.parse_args(argv)
+    dec_steps = 400 if a.quick else 4000
+    pre_steps = 20 if a.quick else 200
+    results = []
+    for workload, steps in (("decode", dec_steps), ("prefill", pre_steps)):
+        for chain in ("raw", "proxy", "ours"):
+            r = measure_chain(chain, workload, steps)
+            results.append(r)
+            print(f"{workload:8s} {chain:6s} tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
+                  f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']}"
+                  + (f" records={r['records']} held_peak_mb={r['held_peak_mb']}" if chain == "ours" else ""),
+                  flush=True)
+    lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000)
+    results.append(lat)
+    print(f"latency at 100k tokens/s offered (decode steps of 256): {lat['latency']}", flush=True)
+    by = {(r["workload"], r["chain"]): r for r in results if "latency" not in r}
+    for w in ("decode", "prefill"):
+        ours = by[(w, "ours")]["tokens_per_s"]
+        print(f"{w}: ours/raw={ours / by[(w, 'raw')]['tokens_per_s']:.2f} "
+              f"ours/proxy={ours / by[(w, 'proxy')]['tokens_per_s']:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise SystemExit(main())
