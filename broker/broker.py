@@ -21,7 +21,6 @@ import time
 import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from itertools import accumulate
 
 import msgpack
 import numpy as np
@@ -313,73 +312,63 @@ class Broker:
             self.stats.requests_closed += 1
         self._send(owner, frames[1:])
 
-    def _route_delta(self, h: wire.Header, frames: list) -> None:
+    def _route_delta(self, h: wire.Header, d_frames: list) -> None:
         d = wire.parse_delta(h)
-        payload = frames[2:]
+        payload = d_frames[2:]
         wire.check_payload(d, payload)
         self.stats.bytes_in += d.total_rows * d.row_bytes
         if not self._live:
-            return self._hold(frames)
+            return self._hold(d_frames)
         ids = d.request_ids
-        get = self.owner.get
-        owners = [get(r) for r in ids]
+        owners = list(map(self.owner.get, ids))
         uniq = set(owners)
         if None in uniq or not uniq <= self._live_set:
             owners = [self._owner_of(r) for r in ids]
             uniq = set(owners)
         if len(uniq) == 1:
-            self._send(owners[0], frames[1:])
+            self._send(owners[0], d_frames[1:])          # untouched, zero-copy
             return
         self.stats.deltas_split += 1
-        self._split(h, d, owners, payload)
+        self._split(h, d, owners, uniq, payload)
 
-    def _split(self, h: wire.Header, d: wire.Delta, owners: list, payload: list) -> None:
-        groups: dict[bytes, list[int]] = {}
-        for i, o in enumerate(owners):
-            g = groups.get(o)
-            if g is None:
-                groups[o] = [i]
-            else:
-                g.append(i)
+    def _split(self, h: wire.Header, d: wire.Delta, owners: list, uniq: set, payload: list) -> None:
         rb = d.row_bytes
-        counts, starts, ids = d.counts, d.starts, d.request_ids
+        ids = d.request_ids
+        index = {o: i for i, o in enumerate(uniq)}
+        codes = np.fromiter(map(index.__getitem__, owners), dtype=np.int16, count=len(owners))
         if len(payload) == 1:
             mv = memoryview(payload[0].buffer)
         else:
             mv = memoryview(b"".join(bytes(f.buffer) for f in payload))
-        uniform = min(counts) == max(counts)
-        if uniform:
-            per = counts[0] * rb
-            offs = None
-        else:
-            offs = list(accumulate((c * rb for c in counts), initial=0))
-        for o, idx in groups.items():
-            body = wire.delta_body([starts[i] for i in idx], [counts[i] for i in idx], d.num_layers, d.top_k,
-                                   d.layer_lo, d.layer_hi)
-            head = wire.pack_header("delta", h.producer, h.epoch, h.seq, [ids[i] for i in idx], body)
-            # contiguous runs of this owner's requests
-            runs = []
-            a = prev = idx[0]
-            for i in idx[1:]:
-                if i != prev + 1:
-                    runs.append((a, prev + 1))
-                    a = i
-                prev = i
-            runs.append((a, prev + 1))
+        counts = d.counts
+        uniform = d.total_rows == len(counts) * int(counts[0]) and int(counts.min()) == int(counts[0])
+        per = int(counts[0]) * rb
+        if not uniform:
+            offs = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=offs[1:])
+            offs *= rb
+        for o, c in index.items():
+            idx = np.flatnonzero(codes == c)
+            sub = idx.tolist()
+            body = wire.delta_body(d.starts[idx], counts[idx], d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
+            head = wire.pack_header("delta", h.producer, h.epoch, h.seq, [ids[i] for i in sub], body)
+            # contiguous runs of this owner's requests: [run_lo, run_hi) in request index space
+            brk = np.flatnonzero(np.diff(idx) != 1)
+            run_lo = np.concatenate(([idx[0]], idx[brk + 1]))
+            run_hi = np.concatenate((idx[brk] + 1, [idx[-1] + 1]))
             if uniform:
-                spans = [(a * per, b * per) for a, b in runs]
+                a_bytes, b_bytes = run_lo * per, run_hi * per
             else:
-                spans = [(offs[a], offs[b]) for a, b in runs]
-            total = sum(b - a for a, b in spans)
-            if len(spans) == 1:
-                parts = [mv[spans[0][0]:spans[0][1]]]
-            elif total >= wire.COPY_THRESHOLD * len(spans):
-                parts = [mv[a:b] for a, b in spans]
+                a_bytes, b_bytes = offs[run_lo], offs[run_hi]
+            total = int((b_bytes - a_bytes).sum())
+            if len(run_lo) == 1:
+                parts = [mv[int(a_bytes[0]):int(b_bytes[0])]]
+            elif total >= wire.COPY_THRESHOLD * len(run_lo):
+                parts = [mv[a:b] for a, b in zip(a_bytes.tolist(), b_bytes.tolist())]
             elif uniform and per:
-                arr = np.frombuffer(mv, dtype=np.uint8).reshape(-1, per)
-                parts = [arr[idx]]
+                parts = [np.frombuffer(mv, dtype=np.uint8).reshape(-1, per)[idx]]
             else:
-                parts = [b"".join(mv[a:b] for a, b in spans)]
+                parts = [b"".join(mv[a:b] for a, b in zip(a_bytes.tolist(), b_bytes.tolist()))]
             self._send(o, [head, *parts])
 
     def _send(self, owner: bytes, frames: list) -> None:

@@ -9,6 +9,7 @@ reported as missing unless a later delta fills it.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -38,40 +39,67 @@ class AccumulatorStats:
 
 
 class _Rows:
-    """Own one request's rows for one layer range: bytes of positions [0, n), and the holes below n."""
+    """Own one request's rows for one layer range: positions [0, n) in blocks, and the holes below n.
 
-    __slots__ = ("data", "n", "holes", "row_bytes")
+    Blocks are preallocated bytearrays (the next one holds max(16 rows, n/8, the rows being written)), so an
+    append is one copy into free space: no realloc ever re-copies earlier rows, and unused capacity stays
+    below about 1/8 of what is held.
+    """
+
+    __slots__ = ("blocks", "starts", "n", "cap", "holes", "row_bytes", "allocated", "view", "boff", "bend")
 
     def __init__(self, row_bytes: int):
-        self.data = bytearray()
-        self.n = 0
+        self.blocks: list[bytearray] = []
+        self.starts: list[int] = []       # first position of each block
+        self.n = 0                        # positions [0, n) are held
+        self.cap = 0                      # positions [0, cap) fit in the blocks
         self.holes: list[list[int]] = []
         self.row_bytes = row_bytes
+        self.allocated = 0
+        # append cursor: the last block, the byte offset of position n in it, and its end (the fast path)
+        self.view = memoryview(b"")
+        self.boff = 0
+        self.bend = 0
+
+    def _grow(self, need_rows: int) -> None:
+        rows = max(16, self.cap >> 3, need_rows)
+        self.blocks.append(bytearray(rows * self.row_bytes))
+        self.starts.append(self.cap)
+        self.cap += rows
+        self.allocated += rows * self.row_bytes
+
+    def _put(self, pos: int, chunk) -> None:
+        """Copy chunk (whole rows) to positions starting at pos < cap, across blocks as needed."""
+        rb = self.row_bytes
+        i = bisect_right(self.starts, pos) - 1
+        done = 0
+        total = len(chunk)
+        while done < total:
+            blk = self.blocks[i]
+            off = (pos - self.starts[i]) * rb
+            k = min(len(blk) - off, total - done)
+            blk[off:off + k] = chunk[done:done + k]
+            done += k
+            pos += k // rb
+            i += 1
 
     def write(self, start: int, count: int, chunk) -> None:
-        rb = self.row_bytes
-        n = self.n
-        if start == n:
-            self.data += chunk
-            self.n = n + count
-            return
         end = start + count
-        if start > n:
-            self.data += bytes([_FILL]) * ((start - n) * rb)
+        if end > self.cap:
+            self._grow(end - self.cap)
+        n = self.n
+        if start > n:                                   # a hole: -1 rows, remembered as missing
+            self._put(n, b"\xff" * ((start - n) * self.row_bytes))
             self.holes.append([n, start])
-            self.data += chunk
-            self.n = end
-            return
-        # overwrite [start, min(end, n)), append the rest
-        if end <= n:
-            self.data[start * rb:end * rb] = chunk
-        else:
-            split = (n - start) * rb
-            self.data[start * rb:n * rb] = chunk[:split]
-            self.data += chunk[split:]
-            self.n = end
-        if self.holes:
+        elif start < n and self.holes:
             self.holes = _subtract(self.holes, start, end)
+        self._put(start, chunk)
+        if end > n:
+            self.n = end
+        last = self.blocks[-1]
+        self.view = memoryview(last)
+        self.boff = (self.n - self.starts[-1]) * self.row_bytes
+        self.bend = len(last)
 
     def missing(self, lo: int, hi: int) -> list[list[int]]:
         """Positions in [lo, hi) that were never written."""
@@ -79,6 +107,17 @@ class _Rows:
         if self.n < hi:
             out.append([max(self.n, lo), hi])
         return _merge(out)
+
+    def copy_into(self, arr: np.ndarray, lo: int, hi: int, upto: int) -> None:
+        """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) int16)."""
+        m = min(self.n, upto)
+        K = arr.shape[2]
+        for blk, s in zip(self.blocks, self.starts):
+            if s >= m:
+                break
+            k = min(m, s + len(blk) // self.row_bytes) - s
+            arr[s:s + k, lo:hi] = np.frombuffer(blk, dtype=wire.ROW_DTYPE, count=k * (hi - lo) * K).reshape(
+                k, hi - lo, K)
 
 
 def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
@@ -109,7 +148,8 @@ class _Request:
     """Own everything known about one in-flight request until its record is emitted."""
 
     __slots__ = ("rid", "opened", "prompt_len", "num_cached", "num_layers", "top_k", "layer_ids", "ranges",
-                 "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused")
+                 "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "cursor_shapes",
+                 "seen_n")
 
     def __init__(self, rid: str, now: float):
         self.rid = rid
@@ -126,6 +166,8 @@ class _Request:
         self.finish_at = 0.0
         self.notes: list[str] = []  # reasons gathered on the way (reassigned, refused, ...)
         self.refused = False
+        self.cursor_shapes: list = []  # the append cursors this request has (see Accumulator._delta)
+        self.seen_n = 0
 
 
 class Accumulator:
@@ -150,6 +192,8 @@ class Accumulator:
         self._remember = remember_finished
         self.bytes_held = 0
         self.stats = AccumulatorStats()
+        # per row shape (L, K, layer_lo, layer_hi): request id -> append cursor into its last block
+        self._cursors: dict[tuple, dict[str, list]] = {}
 
     # ---- input --------------------------------------------------------------------------------------------------
 
@@ -223,36 +267,66 @@ class Accumulator:
         key = (d.layer_lo, d.layer_hi)
         L, K = d.num_layers, d.top_k
         self.stats.delta_msgs += 1
-        off = 0
-        requests = self.requests
-        for rid, s, c in zip(d.request_ids, d.starts, d.counts):
-            nb = c * rb
-            chunk = mv[off:off + nb]
-            off += nb
-            st = requests.get(rid)
-            if st is None:
-                st = self._get(rid, now)
-                if st is None:
-                    self.stats.late_msgs += 1
-                    continue
-            if st.num_layers is None:
-                st.num_layers, st.top_k = L, K
-            elif st.num_layers != L or st.top_k != K:
-                self._refuse(st, c, f"delta with L={L} K={K} for a request of L={st.num_layers} K={st.top_k}")
-                continue
-            if s + c > self.max_positions or self.bytes_held + nb > self.max_bytes:
-                self._refuse(st, c, f"rows up to position {s + c} ({self.bytes_held + nb} bytes held) exceed "
-                                    f"max_positions={self.max_positions} / max_bytes={self.max_bytes}")
-                continue
-            rows = st.ranges.get(key)
-            if rows is None:
-                rows = st.ranges[key] = _Rows(rb)
-            before = len(rows.data)
-            rows.write(s, c, chunk)
-            self.bytes_held += len(rows.data) - before
-            st.last_seen = now
         self.stats.rows += d.total_rows
         self.stats.bytes += d.total_rows * rb
+        starts, counts = d.starts.tolist(), d.counts.tolist()
+        n = len(starts)
+        # bounds once per message; only a message that could break them takes the checked path
+        in_bounds = (not n or int(d.starts.max()) + int(d.counts.max()) <= self.max_positions) and \
+            self.bytes_held + d.total_rows * rb <= self.max_bytes
+        shape = (L, K, d.layer_lo, d.layer_hi)
+        cursors = self._cursors.get(shape)
+        if cursors is None:
+            cursors = self._cursors[shape] = {}
+        get = cursors.get
+        added = 0
+        off = 0
+        for rid, s, c in zip(d.request_ids, starts, counts):
+            end = off + c * rb
+            r = get(rid)
+            if r is not None and r.n == s and in_bounds:
+                o = r.boff
+                e = o + end - off
+                if e <= r.bend:            # the common case: append into free space of the last block
+                    r.view[o:e] = mv[off:end]
+                    r.n = s + c
+                    r.boff = e
+                    off = end
+                    continue
+            added += self._delta_slow(rid, s, c, mv[off:end], key, shape, cursors, rb, now)
+            off = end
+        self.bytes_held += added
+
+    def _delta_slow(self, rid: str, s: int, c: int, chunk, key, shape, cursors: dict, rb: int, now: float) -> int:
+        """A delta for a request that is new, overwrites, leaves a hole, or needs its bounds checked."""
+        L, K = shape[0], shape[1]
+        st = self.requests.get(rid)
+        if st is None:
+            st = self._get(rid, now)
+            if st is None:
+                self.stats.late_msgs += 1
+                return 0
+        if st.num_layers is None:
+            st.num_layers, st.top_k = L, K
+        elif st.num_layers != L or st.top_k != K:
+            self._refuse(st, c, f"delta with L={L} K={K} for a request of L={st.num_layers} K={st.top_k}")
+            return 0
+        nb = c * rb
+        if s + c > self.max_positions or self.bytes_held + nb > self.max_bytes:
+            self._refuse(st, c, f"rows up to position {s + c} ({self.bytes_held + nb} bytes held) exceed "
+                                f"max_positions={self.max_positions} / max_bytes={self.max_bytes}")
+            return 0
+        rows = st.ranges.get(key)
+        if rows is None:
+            rows = st.ranges[key] = _Rows(rb)
+        before = rows.allocated
+        rows.write(s, c, chunk)
+        st.last_seen = now
+        st.seen_n = sum(r.n for r in st.ranges.values())
+        cursors[rid] = rows
+        if shape not in st.cursor_shapes:
+            st.cursor_shapes.append(shape)
+        return rows.allocated - before
 
     def _refuse(self, st: _Request, rows: int, why: str) -> None:
         self.stats.refused_msgs += 1
@@ -328,6 +402,11 @@ class Accumulator:
         out = self._ready(now) if self.pending_finish else []
         cutoff = now - self.request_timeout_s
         for st in [s for s in self.requests.values() if s.last_seen < cutoff and s.finish is None]:
+            n = sum(r.n for r in st.ranges.values())
+            if n != st.seen_n:            # rows arrived through the append fast path since the last look
+                st.seen_n = n
+                st.last_seen = now
+                continue
             self.stats.timed_out += 1
             if st.prompt_len is None:
                 st.prompt_len = 0
@@ -352,8 +431,11 @@ class Accumulator:
 
     def _drop(self, st: _Request) -> None:
         for r in st.ranges.values():
-            self.bytes_held -= len(r.data)
+            self.bytes_held -= r.allocated
         st.ranges = {}
+        for shape in st.cursor_shapes:
+            self._cursors[shape].pop(st.rid, None)
+        st.cursor_shapes = []
 
     def _build(self, st: _Request) -> wire.Record:
         G, finish_reason, lost, out_tokens, aborted = st.finish
@@ -366,10 +448,7 @@ class Accumulator:
         missing: list[list[int]] = []
         covered = np.zeros(L, dtype=bool)
         for (lo, hi), rows in st.ranges.items():
-            m = min(rows.n, total)
-            if m:
-                src = np.frombuffer(rows.data, dtype=wire.ROW_DTYPE, count=m * (hi - lo) * K)
-                arr[:m, lo:hi] = src.reshape(m, hi - lo, K)
+            rows.copy_into(arr, lo, hi, total)
             covered[lo:hi] = True
             missing += rows.missing(C, need_hi)
         arr[:C] = -1

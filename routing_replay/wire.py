@@ -15,8 +15,9 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames
 Kinds and bodies (producer -> broker -> consumer):
     open      {prompt_len, num_cached, num_layers, top_k, layer_ids[, n_prompt_tokens]}
               frame 1 (optional): prompt token ids, int32 LE, n_prompt_tokens of them
-    delta     {start: [int], count: [int], num_layers, top_k[, layer_lo, layer_hi]}
-              one engine step, many requests: request key[i] gets count[i] rows at absolute token positions
+    delta     {start: bin, count: bin, num_layers, top_k[, layer_lo, layer_hi]}
+              start and count are int32 little-endian arrays (msgpack bin), one entry per request in key.
+              One engine step, many requests: request key[i] gets count[i] rows at absolute token positions
               start[i] .. start[i]+count[i]-1. The rows of all requests follow each other in key order,
               each row is (layer_hi - layer_lo, top_k) int16 LE, so the payload is (sum(count), Lr, K) int16.
               The payload may arrive as several frames (a broker's zero-copy split); frame boundaries fall
@@ -62,7 +63,7 @@ REQUEST_KINDS = frozenset({"open", "finish", "abort"})
 # Limits on untrusted input. A message beyond any of them is refused before it allocates anything.
 MAX_HEADER_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 1 << 30          # ZMQ_MAXMSGSIZE on every receiving socket (per frame)
-MAX_REQUEST_ID_LEN = 1024            # characters
+MAX_REQUEST_ID_LEN = 1024            # bytes of UTF-8
 MAX_PEER_ID_LEN = 256
 MAX_REQUESTS_PER_DELTA = 1 << 16
 MAX_ROWS_PER_DELTA = 1 << 20
@@ -73,7 +74,7 @@ MAX_FRAMES = 1 + MAX_REQUESTS_PER_DELTA
 COPY_THRESHOLD = 64 * 1024           # payload frames larger than this are sent zero-copy
 
 _UNPACK_LIMITS = dict(
-    max_str_len=MAX_HEADER_BYTES,
+    max_str_len=MAX_REQUEST_ID_LEN,      # every str in a header (request ids are the longest)
     max_bin_len=MAX_HEADER_BYTES,
     max_array_len=MAX_REQUESTS_PER_DELTA * 2,
     max_map_len=64,
@@ -172,20 +173,31 @@ class Delta:
     """A validated delta header: who gets how many rows, and the row geometry."""
 
     request_ids: list
-    starts: array.array
-    counts: array.array
+    starts: np.ndarray        # int32, one per request
+    counts: np.ndarray        # int32, one per request
     num_layers: int
     top_k: int
     layer_lo: int
     layer_hi: int
+    total_rows: int
 
     @property
     def row_bytes(self) -> int:
         return (self.layer_hi - self.layer_lo) * self.top_k * ROW_DTYPE.itemsize
 
-    @property
-    def total_rows(self) -> int:
-        return sum(self.counts)
+
+_I32 = np.dtype("<i4")
+
+
+def _int32_array(v: Any, name: str, n: int, lo: int, hi: int) -> np.ndarray:
+    if not isinstance(v, bytes):
+        raise _bad("bad_field", f"{name} must be int32 bytes (msgpack bin), got {type(v).__name__}")
+    if len(v) != 4 * n:
+        raise _bad("bad_field", f"{name} has {len(v)} bytes for {n} request ids (4 bytes each)")
+    arr = np.frombuffer(v, dtype=_I32)
+    if n and (int(arr.min()) < lo or int(arr.max()) > hi):
+        raise _bad("out_of_range", f"{name} outside [{lo}, {hi}]: min {arr.min()}, max {arr.max()}")
+    return arr
 
 
 def parse_delta(h: Header) -> Delta:
@@ -193,40 +205,36 @@ def parse_delta(h: Header) -> Delta:
     if not isinstance(ids, list) or len(ids) > MAX_REQUESTS_PER_DELTA:
         raise _bad("bad_field", f"delta key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
     try:
-        "".join(ids)                      # C-speed check that every id is a str
+        "".join(ids)                      # C-speed check that every id is a str (lengths: the unpack limit)
     except TypeError:
         raise _bad("bad_request_id", "delta key holds a request id that is not a str") from None
-    if ids and (min(map(len, ids)) == 0 or max(map(len, ids)) > MAX_REQUEST_ID_LEN):
-        raise _bad("bad_request_id", f"request ids must have 1 to {MAX_REQUEST_ID_LEN} characters")
+    if "" in ids:
+        raise _bad("bad_request_id", "empty request id in delta key")
     b = h.body
-    starts = _int_list(b.get("start"), "start", 0, MAX_POSITION)
-    counts = _int_list(b.get("count"), "count", 0, MAX_ROWS_PER_DELTA)
-    if len(starts) != len(ids) or len(counts) != len(ids):
-        raise _bad("bad_field", f"delta has {len(ids)} ids, {len(starts)} starts, {len(counts)} counts")
-    if sum(counts) > MAX_ROWS_PER_DELTA:
-        raise _bad("too_large", f"delta carries {sum(counts)} rows, limit {MAX_ROWS_PER_DELTA}")
+    n = len(ids)
+    starts = _int32_array(b.get("start"), "start", n, 0, MAX_POSITION)
+    counts = _int32_array(b.get("count"), "count", n, 0, MAX_ROWS_PER_DELTA)
+    total = int(counts.sum(dtype=np.int64))
+    if total > MAX_ROWS_PER_DELTA:
+        raise _bad("too_large", f"delta carries {total} rows, limit {MAX_ROWS_PER_DELTA}")
     L = _int(b, "num_layers", 1, MAX_LAYERS)
     K = _int(b, "top_k", 1, MAX_TOP_K)
     lo = _int(b, "layer_lo", 0, L - 1, 0)
     hi = _int(b, "layer_hi", lo + 1, L, L)
-    return Delta(ids, starts, counts, L, K, lo, hi)
+    return Delta(ids, starts, counts, L, K, lo, hi, total)
 
 
 def check_payload(d: Delta, frames: Sequence) -> None:
     """Check that the payload frames hold exactly the rows the header announces, split on request boundaries."""
     rb = d.row_bytes
     want = d.total_rows * rb
-    sizes = [len(f) if not hasattr(f, "bytes") else len(f.buffer) for f in frames]
+    sizes = [len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames]
     got = sum(sizes)
     if got != want:
         raise _bad("size_mismatch", f"delta announces {d.total_rows} rows of {rb} bytes = {want} bytes, "
                    f"payload has {got} bytes in {len(sizes)} frames")
     if len(sizes) > 1:
-        bounds = set()
-        acc = 0
-        for c in d.counts:
-            acc += c * rb
-            bounds.add(acc)
+        bounds = set((np.cumsum(d.counts, dtype=np.int64) * rb).tolist())
         acc = 0
         for s in sizes:
             acc += s
@@ -234,9 +242,10 @@ def check_payload(d: Delta, frames: Sequence) -> None:
                 raise _bad("split_mid_request", "a payload frame boundary falls inside a request's rows")
 
 
-def delta_body(starts: Sequence[int], counts: Sequence[int], num_layers: int, top_k: int,
-               layer_lo: int = 0, layer_hi: int | None = None) -> dict:
-    body = {"start": list(starts), "count": list(counts), "num_layers": num_layers, "top_k": top_k}
+def delta_body(starts: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray, num_layers: int,
+               top_k: int, layer_lo: int = 0, layer_hi: int | None = None) -> dict:
+    body = {"start": np.asarray(starts, dtype=_I32).tobytes(), "count": np.asarray(counts, dtype=_I32).tobytes(),
+            "num_layers": num_layers, "top_k": top_k}
     if layer_lo != 0 or (layer_hi is not None and layer_hi != num_layers):
         body["layer_lo"] = layer_lo
         body["layer_hi"] = num_layers if layer_hi is None else layer_hi

@@ -247,7 +247,19 @@ def test_memory_close_to_record_bytes():
         f.open(f"r{i}", P)
     for start in range(0, P, 100):
         f.delta([(f"r{i}", start, rows(i, start, start + 100)) for i in range(n_req)])
-    held = sum(sys.getsizeof(r.data) for st in f.acc.requests.values() for r in st.ranges.values())
-    assert f.acc.bytes_held == n_req * P * L * K * 2
+    held = sum(sys.getsizeof(b) for st in f.acc.requests.values() for r in st.ranges.values() for b in r.blocks)
+    assert f.acc.bytes_held == sum(r.allocated for st in f.acc.requests.values() for r in st.ranges.values())
     record_bytes = n_req * P * L * K * 2
     assert record_bytes <= held <= 1.2 * record_bytes
+
+
+def test_rows_on_the_append_fast_path_keep_a_request_alive():
+    f = Feed(request_timeout_s=10)
+    f.open("a", 8)
+    f.delta([("a", 0, rows(4, 0, 1))])       # first rows: the checked path
+    f.now = 8.0
+    f.delta([("a", 1, rows(4, 1, 2))])       # append fast path: no timestamp written
+    f.tick(4.0)                              # now 12: older than the timeout by its timestamp, but progressed
+    assert "a" not in f.out and f.acc.in_flight == 1
+    f.tick(11.0)                             # now 23: silent since 12
+    assert (f.out["a"].complete, f.out["a"].reason) == (False, "timeout")

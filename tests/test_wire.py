@@ -18,7 +18,7 @@ def test_delta_round_trip():
     assert (h.version, h.kind, h.producer, h.epoch, h.seq) == (1, "delta", "p1", 7, 9)
     d = wire.parse_delta(h)
     assert d.request_ids == ["a", "b"]
-    assert list(d.starts) == [0, 5] and list(d.counts) == [3, 1]
+    assert d.starts.tolist() == [0, 5] and d.counts.tolist() == [3, 1]
     assert (d.num_layers, d.top_k, d.layer_lo, d.layer_hi, d.row_bytes, d.total_rows) == (4, 2, 0, 4, 16, 4)
     wire.check_payload(d, [bytes(64)])
     wire.check_payload(d, [bytes(48), bytes(16)])   # split on the request boundary
@@ -72,28 +72,39 @@ def test_bad_headers_refused(frame, reason):
     assert e.value.reason == reason
 
 
+def i32(*v):
+    return np.array(v, dtype="<i4").tobytes()
+
+
 @pytest.mark.parametrize("key,body,reason", [
-    (["a"], {"start": [0], "count": [1], "num_layers": 4}, "missing_field"),
-    (["a"], {"start": [0], "count": [1, 2], "num_layers": 4, "top_k": 2}, "bad_field"),
-    (["a"], {"start": [1.5], "count": [1], "num_layers": 4, "top_k": 2}, "bad_field"),
-    (["a"], {"start": ["x"], "count": [1], "num_layers": 4, "top_k": 2}, "bad_field"),
-    (["a"], {"start": [-1], "count": [1], "num_layers": 4, "top_k": 2}, "out_of_range"),
-    (["a"], {"start": [0], "count": [wire.MAX_ROWS_PER_DELTA + 1], "num_layers": 4, "top_k": 2}, "out_of_range"),
-    (["a", "b"], {"start": [0, 0], "count": [wire.MAX_ROWS_PER_DELTA, 1], "num_layers": 4, "top_k": 2},
+    (["a"], {"start": i32(0), "count": i32(1), "num_layers": 4}, "missing_field"),
+    (["a"], {"start": i32(0), "count": i32(1, 2), "num_layers": 4, "top_k": 2}, "bad_field"),
+    (["a"], {"start": [0], "count": i32(1), "num_layers": 4, "top_k": 2}, "bad_field"),
+    (["a"], {"start": b"\x00\x00\x00", "count": i32(1), "num_layers": 4, "top_k": 2}, "bad_field"),
+    (["a"], {"start": i32(-1), "count": i32(1), "num_layers": 4, "top_k": 2}, "out_of_range"),
+    (["a"], {"start": i32(0), "count": i32(wire.MAX_ROWS_PER_DELTA + 1), "num_layers": 4, "top_k": 2},
+     "out_of_range"),
+    (["a", "b"], {"start": i32(0, 0), "count": i32(wire.MAX_ROWS_PER_DELTA, 1), "num_layers": 4, "top_k": 2},
      "too_large"),
-    (["a"], {"start": [0], "count": [1], "num_layers": 1 << 20, "top_k": 2}, "bad_field"),
-    (["a"], {"start": [0], "count": [1], "num_layers": 4, "top_k": 0}, "bad_field"),
-    (["a"], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2, "layer_lo": 3, "layer_hi": 2}, "bad_field"),
-    ([7], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2}, "bad_request_id"),
-    ([""], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2}, "bad_request_id"),
-    (["x" * (wire.MAX_REQUEST_ID_LEN + 1)], {"start": [0], "count": [1], "num_layers": 4, "top_k": 2},
-     "bad_request_id"),
-    ("a", {"start": [0], "count": [1], "num_layers": 4, "top_k": 2}, "bad_field"),
+    (["a"], {"start": i32(0), "count": i32(1), "num_layers": 1 << 20, "top_k": 2}, "bad_field"),
+    (["a"], {"start": i32(0), "count": i32(1), "num_layers": 4, "top_k": 0}, "bad_field"),
+    (["a"], {"start": i32(0), "count": i32(1), "num_layers": 4, "top_k": 2, "layer_lo": 3, "layer_hi": 2},
+     "bad_field"),
+    ([7], {"start": i32(0), "count": i32(1), "num_layers": 4, "top_k": 2}, "bad_request_id"),
+    ([""], {"start": i32(0), "count": i32(1), "num_layers": 4, "top_k": 2}, "bad_request_id"),
+    ("a", {"start": i32(0), "count": i32(1), "num_layers": 4, "top_k": 2}, "bad_field"),
 ])
 def test_bad_delta_bodies_refused(key, body, reason):
     with pytest.raises(wire.ProtocolError) as e:
         wire.parse_delta(wire.decode_header(wire.pack_header("delta", "p", 0, 0, key, body)))
     assert e.value.reason == reason
+
+
+def test_overlong_request_id_refused_by_the_unpack_limit():
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.decode_header(wire.pack_header("delta", "p", 0, 0, ["x" * (wire.MAX_REQUEST_ID_LEN + 1)],
+                                            wire.delta_body([0], [1], 4, 2)))
+    assert e.value.reason == "undecodable"
 
 
 def test_payload_size_and_split_checked():
