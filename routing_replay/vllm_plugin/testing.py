@@ -20,7 +20,6 @@ def inprocess_llm(model: str | os.PathLike, **kw):
     """vLLM's LLM with engine core and worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that
     the worker's WorkerCapture can be inspected. Routing-replay settings are read from the environment when
     the worker loads the model, i.e. inside this call."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import routing_replay.vllm_plugin as plugin
     from vllm import LLM
 
@@ -30,7 +29,15 @@ def inprocess_llm(model: str | os.PathLike, **kw):
     kw.setdefault("max_model_len", 1024)
     kw.setdefault("kv_cache_memory_bytes", 256 << 20)
     kw.setdefault("seed", 0)
-    return LLM(model=str(model), distributed_executor_backend="uni", **kw)
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"       # read while the engine client is made
+    try:
+        return LLM(model=str(model), distributed_executor_backend="uni", **kw)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
 def worker_of(llm):

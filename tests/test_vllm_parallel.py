@@ -1,0 +1,71 @@
+"""Tensor parallelism on the CPU build: two worker processes, only TP rank 0 binds and publishes, to an external
+broker + consumer (`routing-replay` CLI over ipc://); `LLM(...)` in vLLM's default process layout, in a child
+process so that no engine state of other tests leaks in. Records checked against the HF oracle.
+
+(Pipeline parallelism is not tested: vLLM 0.32's CPU runner fails PP=2 with enforce_eager on its own,
+`assert self.intermediate_tensors is not None` in sync_and_gather_intermediate_tensors.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytest.importorskip("vllm")
+
+SCRIPT = r"""
+import json, random, sys
+from vllm import LLM, SamplingParams
+from routing_replay.vllm_plugin.testing import tiny_model
+m = tiny_model("qwen3_moe_mixed")
+llm = LLM(model=str(m), dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=64 << 20,
+          tensor_parallel_size=2, seed=0)
+rnd = random.Random(3)
+ps = [{"prompt_token_ids": [rnd.randrange(256) for _ in range(rnd.randrange(20, 200))]} for _ in range(8)]
+outs = llm.generate(ps, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+print("RESULT " + json.dumps({o.request_id: [list(o.prompt_token_ids), list(o.outputs[0].token_ids)] for o in outs}))
+"""
+
+
+def test_tensor_parallel_rank0_publishes_exact_records(tmp_path):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two CPU cores, one per TP worker")
+    import json
+
+    from routing_replay.oracle import Oracle
+    from routing_replay.vllm_plugin.testing import tiny_model, wait_records
+
+    fe, be, npz = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be", tmp_path / "npz"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ROUTING_REPLAY_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    cli = [sys.executable, "-m", "routing_replay.cli"]
+    procs = [subprocess.Popen(cli + ["broker", "--frontend", fe, "--backend", be, "--log-level", "warning"], env=env),
+             subprocess.Popen(cli + ["consume", "--connect", be, "--npz-dir", str(npz), "--no-progress",
+                                     "--log-level", "warning"], env=env)]
+    try:
+        run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600,
+                             env={**env, "ROUTING_REPLAY_BROKER": fe, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        logs = run.stdout + run.stderr
+        n_bound = logs.count("routing-replay: bound 3 MoE layers")
+        assert n_bound == 1, f"{n_bound} workers bound; only TP rank 0 should"
+        line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+        want = json.loads(line[len("RESULT "):])
+        recs = wait_records(npz, want, timeout_s=60)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(30)
+    assert len(recs) == 8                          # one producer (TP rank 0): no duplicates, no extra records
+    oracle = Oracle(str(tiny_model("qwen3_moe_mixed")))
+    for rid, (prompt, output) in want.items():
+        r = recs[rid]
+        assert r.complete and r.prompt_token_ids.tolist() == prompt and r.output_token_ids.tolist() == output
+        v = oracle.check(r)
+        assert v.ok and v.rows == (len(prompt) + 20 - 1 - r.num_cached_tokens) * 3
