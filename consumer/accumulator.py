@@ -4,6 +4,12 @@ No sockets here: `Accumulator.apply(header, payload_frames, now)` takes one vali
 records it finished. Rows of one request live in a bytearray per layer range (appends are amortised O(1));
 positions are absolute, so a re-sent position overwrites and a jump leaves a hole that is filled with -1 and
 reported as missing unless a later delta fills it.
+
+Replays are harmless: the link below delivers each producer's messages in seq order, and a resend is always a
+suffix of that order, so re-applying deltas leaves the newest write of every position in place. Request-level
+messages are made idempotent here: a finished request remembers the (producer, epoch, seq) that closed it, so
+a re-sent open, delta, finish or abort for it is counted as late and never resurrects or duplicates the record,
+and a re-sent open of a request in flight keeps its rows.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class AccumulatorStats:
     late_msgs: int = 0
     refused_msgs: int = 0
     refused_rows: int = 0
+    replayed_opens: int = 0
 
 
 class _Rows:
@@ -149,7 +156,7 @@ class _Request:
 
     __slots__ = ("rid", "opened", "prompt_len", "num_cached", "num_layers", "top_k", "layer_ids", "ranges",
                  "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "cursor_shapes",
-                 "seen_n")
+                 "seen_n", "key")
 
     def __init__(self, rid: str, now: float):
         self.rid = rid
@@ -168,6 +175,7 @@ class _Request:
         self.refused = False
         self.cursor_shapes: list = []  # the append cursors this request has (see Accumulator._delta)
         self.seen_n = 0
+        self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
 
 
 class Accumulator:
@@ -177,18 +185,24 @@ class Accumulator:
     another producer, e.g. another pipeline stage) before the record is emitted as incomplete.
     request_timeout_s: a request with no message for this long is emitted as incomplete (reason "timeout").
     max_positions: per request; max_bytes: all in-flight rows together. Deltas beyond either are refused,
-    counted, and the request's record is marked incomplete.
+    counted, and the request's record is marked incomplete. max_record_bytes: an open, finish or abort that
+    announces a record larger than this (positions x layers x top_k x 2) is refused as a protocol error
+    ("too_large") before anything is allocated; the request then times out as incomplete.
+    remember_finished: how many finished request ids (and the message that closed each) are remembered, so
+    that a re-sent message for one of them is recognised as late.
     """
 
     def __init__(self, *, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
-                 max_positions: int = 1 << 21, max_bytes: int = 16 << 30, remember_finished: int = 100_000):
+                 max_positions: int = 1 << 21, max_bytes: int = 16 << 30, max_record_bytes: int = 4 << 30,
+                 remember_finished: int = 100_000):
         self.finish_grace_s = finish_grace_s
         self.request_timeout_s = request_timeout_s
         self.max_positions = max_positions
         self.max_bytes = max_bytes
+        self.max_record_bytes = max_record_bytes
         self.requests: dict[str, _Request] = {}
         self.pending_finish: dict[str, _Request] = {}
-        self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        self._finished_ids: OrderedDict[str, tuple | None] = OrderedDict()
         self._remember = remember_finished
         self.bytes_held = 0
         self.stats = AccumulatorStats()
@@ -205,15 +219,14 @@ class Accumulator:
             return self._ready(now) if self.pending_finish else []
         if kind == "open":
             o = wire.parse_open(h)
-            self._open(o, frames, now)
-            if h.body.get("reassigned"):
+            if self._open(o, frames, now, (h.producer, h.epoch, h.seq)) and h.body.get("reassigned"):
                 self.mark(o.request_id, "consumer_lost", now)
             return []
         if kind == "finish":
-            return self._finish(wire.parse_finish(h), frames, now)
+            return self._finish(wire.parse_finish(h), frames, now, (h.producer, h.epoch, h.seq))
         if kind == "abort":
             rid, reason, n = wire.parse_abort(h)
-            return self._abort(rid, reason, n, now)
+            return self._abort(rid, reason, n, now, (h.producer, h.epoch, h.seq))
         raise wire.ProtocolError("unexpected_kind", f"consumer does not take {kind!r} messages")
 
     def _get(self, rid: str, now: float) -> _Request | None:
@@ -224,7 +237,21 @@ class Accumulator:
             st = self.requests[rid] = _Request(rid, now)
         return st
 
-    def _open(self, o: wire.Open, frames: list, now: float) -> None:
+    def _check_size(self, rid: str, positions: int, L: int, K: int, what: str) -> None:
+        nbytes = positions * L * K * wire.ROW_DTYPE.itemsize
+        if positions > self.max_positions or nbytes > self.max_record_bytes:
+            raise wire.ProtocolError("too_large", f"{what} for {rid[:64]!r} announces {positions} positions of "
+                                     f"({L}, {K}) = {nbytes} bytes; limits: max_positions={self.max_positions}, "
+                                     f"max_record_bytes={self.max_record_bytes}")
+
+    @staticmethod
+    def _older(key: tuple | None, new: tuple) -> bool:
+        """True if `new` (producer, epoch, seq) is a re-send of something at or before `key` (same producer)."""
+        return key is not None and key[0] == new[0] and key[1] == new[1] and new[2] <= key[2]
+
+    def _open(self, o: wire.Open, frames: list, now: float, key: tuple) -> bool:
+        """Apply an open; False if it was a re-sent open of a request already closed (counted, ignored)."""
+        self._check_size(o.request_id, o.prompt_len, o.num_layers, o.top_k, "open")
         tokens = None
         if o.n_prompt_tokens:
             if len(frames) != 1:
@@ -232,6 +259,10 @@ class Accumulator:
                                          f"but has {len(frames)} payload frames")
             tokens = wire.tokens_from_frame(frames[0], o.n_prompt_tokens, "prompt token")
         st = self.requests.get(o.request_id)
+        closed = self._finished_ids.get(o.request_id) if st is None else (st.key if st.finish is not None else None)
+        if self._older(closed, key):
+            self.stats.replayed_opens += 1
+            return False
         if st is None or st.finish is not None:
             self._finished_ids.pop(o.request_id, None)
             if st is not None:
@@ -249,6 +280,9 @@ class Accumulator:
         st.prompt_len, st.num_cached = o.prompt_len, o.num_cached
         st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
         st.last_seen = now
+        if st.key is None or not self._older(st.key, key):
+            st.key = key
+        return True
 
     def mark(self, rid: str, note: str, now: float) -> None:
         """Attach a reason (e.g. 'consumer_lost') that explains rows this consumer could not have seen."""
@@ -337,7 +371,7 @@ class Accumulator:
         if "consumer_refused" not in st.notes:
             st.notes.append("consumer_refused")
 
-    def _finish(self, f: wire.Finish, frames: list, now: float) -> list[wire.Record]:
+    def _finish(self, f: wire.Finish, frames: list, now: float, key: tuple) -> list[wire.Record]:
         out_tokens = None
         if f.n_output_tokens:
             if len(frames) != 1:
@@ -348,6 +382,15 @@ class Accumulator:
         if st is None:
             self.stats.late_msgs += 1
             return []
+        P = f.prompt_len if st.prompt_len is None else st.prompt_len
+        if st.num_layers is not None:
+            self._check_size(f.request_id, (P or 0) + f.num_output, st.num_layers, st.top_k, "finish")
+        elif (P or 0) + f.num_output > self.max_positions:
+            self._check_size(f.request_id, (P or 0) + f.num_output, 1, 1, "finish")
+        if st.finish is not None and self._older(st.key, key):
+            self.stats.late_msgs += 1               # a re-sent finish while the record waits for late rows
+            return []
+        st.key = key
         if st.prompt_len is None:
             if f.prompt_len is None:
                 st.notes.append("no_open")
@@ -360,11 +403,17 @@ class Accumulator:
         st.last_seen = now
         return self._try_emit(st, now, force="no_open" in st.notes)
 
-    def _abort(self, rid: str, reason: str, n: int | None, now: float) -> list[wire.Record]:
+    def _abort(self, rid: str, reason: str, n: int | None, now: float, key: tuple) -> list[wire.Record]:
         st = self.requests.get(rid)
         if st is None:
             self.stats.late_msgs += rid in self._finished_ids
             return []
+        if n is not None and st.num_layers is not None:
+            self._check_size(rid, (st.prompt_len or 0) + n, st.num_layers, st.top_k, "abort")
+        elif n is not None and n > self.max_positions:
+            self._check_size(rid, n, 1, 1, "abort")
+        if st.key is None or not self._older(st.key, key):
+            st.key = key
         self.stats.aborted += 1
         if st.prompt_len is None:
             st.prompt_len = 0
@@ -420,7 +469,7 @@ class Accumulator:
     def _emit_done(self, st: _Request, rec: wire.Record) -> None:
         self._drop(st)
         self.requests.pop(st.rid, None)
-        self._finished_ids[st.rid] = None
+        self._finished_ids[st.rid] = st.key
         if len(self._finished_ids) > self._remember:
             self._finished_ids.popitem(last=False)
         self.stats.finished += 1
@@ -456,6 +505,10 @@ class Accumulator:
             arr[total - 1] = -1
         if L and not covered.all():
             missing.append([C, need_hi])
+        for a, b in lost:                           # the producer dropped rows here: whatever the positions hold
+            if b > C and a < need_hi:               # now may be older rows that those would have overwritten
+                missing.append([max(a, C), min(b, need_hi)])
+                arr[max(a, C):min(b, need_hi)] = -1
         missing = _merge(missing)
         notes = list(st.notes)
         if L == 0 and need_hi > C:

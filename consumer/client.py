@@ -7,7 +7,7 @@ from typing import Iterable, Iterator, Sequence
 
 import zmq
 
-from routing_replay import wire
+from routing_replay import security, wire
 from routing_replay.ids import default_peer_id
 
 
@@ -24,20 +24,37 @@ class TrainerClient:
     """
 
     def __init__(self, endpoints: str | Sequence[str], *, context: zmq.Context | None = None,
-                 client_id: str | None = None, retry_interval_s: float = 1.0):
+                 client_id: str | None = None, retry_interval_s: float = 1.0,
+                 curve_secret: str | None = None, server_key: str | Sequence[str] | None = None):
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if (curve_secret is None) != (server_key is None):
+            raise ValueError("CURVE needs both curve_secret (this trainer's secret cert) and server_key (the "
+                             "consumers' public cert)")
+        keys = [server_key] * len(self.endpoints) if isinstance(server_key, (str, bytes)) or server_key is None \
+            else list(server_key)
+        if len(keys) == 1:
+            keys = keys * len(self.endpoints)
+        if len(keys) != len(self.endpoints):
+            raise ValueError(f"{len(keys)} server keys for {len(self.endpoints)} endpoints (give one, or one each)")
         self._ctx = context or zmq.Context.instance()
         self.client_id = client_id or default_peer_id("trainer")
         self.retry_interval_s = retry_interval_s
         self._socks = []
         self._poller = zmq.Poller()
-        for ep in self.endpoints:
+        for ep, key in zip(self.endpoints, keys):
             s = self._ctx.socket(zmq.DEALER)
+            self._socks.append(s)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+            if curve_secret is not None:
+                try:
+                    security.curve_client(s, curve_secret, key)
+                except ValueError:
+                    self.close()
+                    raise
             s.connect(ep)
-            self._socks.append(s)
             self._poller.register(s, zmq.POLLIN)
+        self.bad_replies = 0
         self._early: dict[str, wire.Record] = {}
         self._seq = 0
 
@@ -60,14 +77,25 @@ class TrainerClient:
 
     def _recv(self, timeout_ms: int) -> tuple[str, object] | None:
         """One reply: ('record', Record) or ('error', (request_id, reason)), or None on timeout."""
-        for sock, _ in self._poller.poll(timeout_ms):
-            frames = sock.recv_multipart(copy=False)
-            h = wire.decode_header(frames[0].buffer)
-            if h.kind == "record":
-                return "record", wire.decode_record(h, frames[1:])
-            if h.kind == "error":
-                return "error", (h.key, h.body.get("reason", ""))
-        return None
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        while True:
+            left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ready = self._poller.poll(left)
+            if not ready:
+                return None
+            frames = ready[0][0].recv_multipart(copy=False)
+            try:
+                if len(frames) > 8:
+                    raise wire.ProtocolError("frame_count", f"reply of {len(frames)} frames")
+                h = wire.decode_header(frames[0].buffer)
+                if h.kind == "record":
+                    return "record", wire.decode_record(h, frames[1:])
+                if h.kind == "error":
+                    return "error", (h.key, str(h.body.get("reason", "")))
+            except wire.ProtocolError:
+                self.bad_replies += 1            # a malformed reply is dropped; fetch asks again for what is missing
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
 
     def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0) -> dict[str, wire.Record]:
         """Return {request_id: Record} for every id; raises TimeoutError naming the ids still missing."""

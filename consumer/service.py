@@ -4,6 +4,10 @@ Sinks: an npz directory (NpzWriter), a callback, and the trainer endpoint (`serv
 answers `fetch` (lossless: records are kept in a RecordStore until fetched) and `subscribe` (live records whose
 request id starts with a prefix; a subscriber that cannot keep up loses records from the live view, which is
 counted and logged, never from the store).
+
+Delivery: every data message from the broker carries a link number (wire.py "Delivery"). `LinkIn` applies only
+the next one, drops everything after a gap and asks the broker for a resync; the consumer acks the highest
+applied link number every `ack_interval_ms` (one ack per interval, whatever the message rate).
 """
 
 from __future__ import annotations
@@ -19,10 +23,69 @@ import zmq
 from consumer.accumulator import Accumulator
 from consumer.npz import NpzWriter, Progress
 from consumer.store import EVICTED, RecordStore
-from routing_replay import wire
+from routing_replay import security, wire
 from routing_replay.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
+
+DATA_KINDS = frozenset({"open", "delta", "finish", "abort"})
+MAX_WAITERS = 1 << 20          # request ids trainers may wait for at once (fetch before the record exists)
+MAX_SUBSCRIBERS = 1024
+TRAINER_SNDHWM = 64            # records queued to one trainer connection; beyond it they stay in the store
+
+
+class LinkIn:
+    """Own this consumer's view of its link from the broker: the next lseq to apply and what to ack.
+
+    One connection delivers in order, so a jump in lseq means messages were lost (a reconnect, or a send queue
+    that was dropped): everything after the gap is dropped until the broker starts a new generation at lseq 1,
+    and the producers resend (the broker asks them to rewind). Nothing is ever applied out of order.
+    """
+
+    __slots__ = ("bepoch", "gen", "expect", "upto", "acked", "gap", "gap_sent_at", "dropped")
+
+    def __init__(self):
+        self.bepoch = 0
+        self.gen = -1
+        self.expect = 1
+        self.upto = 0          # highest lseq applied in (bepoch, gen)
+        self.acked = 0         # highest lseq acked
+        self.gap = None        # the lseq that never came, while waiting for a resync
+        self.gap_sent_at = -1e9
+        self.dropped = 0       # messages dropped after gaps or from stale generations
+
+    def accept(self, link) -> bool:
+        be, gen, lseq = link
+        if be != self.bepoch or gen != self.gen:
+            if be == self.bepoch and gen < self.gen:
+                self.dropped += 1
+                return False                    # sent before a resync
+            self.bepoch, self.gen, self.upto, self.acked = be, gen, 0, 0
+            self.expect, self.gap = 1, None
+        if self.gap is not None or lseq != self.expect:
+            if self.gap is None and lseq > self.expect:
+                self.gap = self.expect
+                log.warning("consumer link gap broker_epoch=%d gen=%d expected=%d got=%d: dropping until resync",
+                            be, gen, self.expect, lseq)
+            self.dropped += 1
+            return False
+        self.expect = lseq + 1
+        self.upto = lseq
+        return True
+
+    def ack_body(self, now: float, gap_retry_s: float) -> dict | None:
+        """The ack to send now, or None. A gap is reported at once and again every gap_retry_s until resolved."""
+        if self.gen < 0:
+            return None
+        gap = self.gap is not None and now - self.gap_sent_at >= gap_retry_s
+        if self.upto == self.acked and not gap:
+            return None
+        body = {"link": [self.bepoch, self.gen, self.upto]}
+        self.acked = self.upto
+        if gap:
+            body["gap"] = self.gap
+            self.gap_sent_at = now
+        return body
 
 
 class Consumer:
@@ -36,11 +99,23 @@ class Consumer:
                  store_max_bytes: int = 2 << 30, spill_dir: str | None = None,
                  heartbeat_interval_ms: int = 1000, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
                  max_bytes: int = 16 << 30, on_record: Callable[[wire.Record], None] | None = None,
-                 progress: bool = False, stats_interval_s: float = 10.0, rcvhwm: int = 100_000):
+                 progress: bool = False, stats_interval_s: float = 10.0, rcvhwm: int = 100_000,
+                 ack_interval_ms: int = 20, curve_secret: str | None = None, broker_key: str | None = None,
+                 curve_allow: str | None = None):
         self.connect = connect
         self.consumer_id = consumer_id or default_peer_id("consumer")
+        if not 0 < len(self.consumer_id.encode()) <= 255:
+            raise ValueError(f"consumer id must be 1..255 bytes of UTF-8, got {self.consumer_id[:64]!r}")
         self.serve = serve
-        self._ctx = context or zmq.Context.instance()
+        if (curve_secret is None) != (broker_key is None):
+            raise ValueError("CURVE towards the broker needs both curve_secret and broker_key")
+        if serve and curve_secret is not None and curve_allow is None:
+            raise ValueError("serving trainers over CURVE needs curve_allow (the directory of trainers' public "
+                             "certs); without it any client key would be accepted")
+        self.curve_secret, self.broker_key, self.curve_allow = curve_secret, broker_key, curve_allow
+        self._own_ctx = context is None and curve_allow is not None
+        self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
+        self.epoch = time.time_ns() // 1000       # this incarnation: the broker forgets what the last one held
         self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
                                max_bytes=max_bytes)
         self.writer = NpzWriter(npz_dir, shard_size) if npz_dir else None
@@ -50,6 +125,9 @@ class Consumer:
         self.heartbeat_interval_s = heartbeat_interval_ms / 1000
         self.stats_interval_s = stats_interval_s
         self.rcvhwm = rcvhwm
+        self.ack_interval_s = ack_interval_ms / 1000
+        self.link = LinkIn()
+        self.acks_sent = 0
         self.bad: dict[str, int] = defaultdict(int)
         self.records_out = 0
         self.msgs_in = 0
@@ -96,6 +174,9 @@ class Consumer:
 
     def run(self) -> None:
         """Serve until stop() (or SIGINT in the CLI). Owns and closes its sockets."""
+        auth = None
+        if self.serve and self.curve_allow is not None:
+            auth = security.start_authenticator(self._ctx, self.curve_allow)
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.ROUTING_ID, self.consumer_id.encode())
         dealer.setsockopt(zmq.LINGER, 0)
@@ -103,6 +184,8 @@ class Consumer:
         dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         server = None
         try:
+            if self.curve_secret is not None:
+                security.curve_client(dealer, self.curve_secret, self.broker_key)
             dealer.connect(self.connect)
             poller = zmq.Poller()
             poller.register(dealer, zmq.POLLIN)
@@ -110,20 +193,26 @@ class Consumer:
                 server = self._ctx.socket(zmq.ROUTER)
                 server.setsockopt(zmq.LINGER, 0)
                 server.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                server.setsockopt(zmq.SNDHWM, TRAINER_SNDHWM)
                 server.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+                if self.curve_secret is not None:
+                    security.curve_server(server, self.curve_secret)
                 server.bind(self.serve)
                 self.serve = server.getsockopt_string(zmq.LAST_ENDPOINT)
                 poller.register(server, zmq.POLLIN)
             self._send_ctl(dealer, "hello")
             self.ready.set()
-            log.info("consumer %s connected to %s serve=%s npz_dir=%s", self.consumer_id, self.connect,
-                     self.serve, self.writer.dir if self.writer else None)
+            log.info("consumer %s connected to %s serve=%s npz_dir=%s epoch=%d curve=%s", self.consumer_id,
+                     self.connect, self.serve, self.writer.dir if self.writer else None, self.epoch,
+                     "on" if self.curve_secret else "off")
             now = time.monotonic()
             next_hb = now + self.heartbeat_interval_s
             next_tick = now + 0.1
             next_stats = now + self.stats_interval_s
+            next_ack = now + self.ack_interval_s
             while not self._stop.is_set():
-                events = dict(poller.poll(100))
+                wait_ms = 100 if self.link.upto == self.link.acked else max(1, int(self.ack_interval_s * 1000))
+                events = dict(poller.poll(wait_ms))
                 now = time.monotonic()
                 if dealer in events:
                     for _ in range(1000):      # bounded burst, then timers get their turn
@@ -139,13 +228,20 @@ class Consumer:
                         except zmq.Again:
                             break
                         self._on_client_message(server, frames, now)
+                now = time.monotonic()
+                if now >= next_ack:
+                    body = self.link.ack_body(now, max(0.2, self.heartbeat_interval_s / 2))
+                    if body is not None:
+                        self._send_ctl(dealer, "ack", body)
+                        self.acks_sent += 1
+                    next_ack = now + self.ack_interval_s
                 if now >= next_tick:
                     for rec in self.acc.poll(now):
                         self._emit(rec, server)
                     self._expire_waiters(now)
                     next_tick = now + 0.1
                 if now >= next_hb:
-                    self._send_ctl(dealer, "heartbeat")
+                    self._send_ctl(dealer, "heartbeat", {"broker": self.link.bepoch})
                     next_hb = now + self.heartbeat_interval_s
                 if self.progress is not None and self.writer is not None:
                     self.progress.maybe(self.writer.records, self.writer.rows, self.writer.bytes, self.acc.in_flight)
@@ -153,6 +249,9 @@ class Consumer:
                     self._log_stats()
                     next_stats = now + self.stats_interval_s
             try:
+                body = self.link.ack_body(time.monotonic(), 0)
+                if body is not None:
+                    self._send_ctl(dealer, "ack", body)
                 self._send_ctl(dealer, "bye")
             except zmq.ZMQError:
                 pass
@@ -163,22 +262,35 @@ class Consumer:
             dealer.close(0)
             if server is not None:
                 server.close(0)
+            if auth is not None:
+                auth.stop()
+            if self._own_ctx:
+                self._ctx.term()
             self._log_stats()
 
-    def _send_ctl(self, sock: zmq.Socket, kind: str) -> None:
+    def _send_ctl(self, sock: zmq.Socket, kind: str, body: dict | None = None) -> None:
         self._seq += 1
-        sock.send_multipart([wire.pack_header(kind, self.consumer_id, 0, self._seq, self.consumer_id, {})],
-                            zmq.NOBLOCK)
+        if body is None:
+            body = {"broker": self.link.bepoch} if kind == "hello" else {}
+        try:
+            sock.send_multipart([wire.pack_header(kind, self.consumer_id, self.epoch, self._seq, self.consumer_id,
+                                                  body)], zmq.NOBLOCK)
+        except zmq.Again:          # not connected yet, or the broker is not reading: the next tick sends again
+            pass
 
     def _log_stats(self) -> None:
         s = self.acc.stats
         log.info("consumer %s records=%d complete=%d incomplete=%d aborted=%d timed_out=%d in_flight=%d "
-                 "delta_msgs=%d rows=%d MB=%.1f held_MB=%.1f late=%d refused=%d bad=%d %s store=%s "
-                 "subscriber_drops=%d", self.consumer_id, s.finished, s.complete, s.incomplete, s.aborted,
-                 s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.bytes / 1e6, self.acc.bytes_held / 1e6,
-                 s.late_msgs, s.refused_msgs, sum(self.bad.values()), dict(self.bad) if self.bad else "",
-                 f"{len(self.store)}/{self.store.bytes / 1e6:.1f}MB" if self.store is not None else "-",
-                 self.subscriber_drops)
+                 "delta_msgs=%d rows=%d MB=%.1f held_MB=%.1f late=%d replayed_opens=%d refused=%d link=%d/%d/%d "
+                 "acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
+                 "subscriber_drops=%d waiters=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
+                 s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.bytes / 1e6,
+                 self.acc.bytes_held / 1e6, s.late_msgs, s.replayed_opens, s.refused_msgs, self.link.bepoch % 1000,
+                 self.link.gen, self.link.upto, self.acks_sent, self.link.dropped, sum(self.bad.values()),
+                 dict(self.bad) if self.bad else "", len(self.store) if self.store is not None else "-",
+                 self.store.bytes / 1e6 if self.store is not None else 0.0,
+                 self.store.spilled if self.store is not None else 0,
+                 self.store.evicted if self.store is not None else 0, self.subscriber_drops, len(self._waiters))
 
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1
@@ -192,9 +304,13 @@ class Consumer:
             if len(frames) > wire.MAX_FRAMES:
                 raise wire.ProtocolError("frame_count", f"{len(frames)} frames")
             h = wire.decode_header(frames[0].buffer)
-            if h.kind in ("hello", "heartbeat", "error", "ack"):
+            if h.kind not in DATA_KINDS:
                 if h.kind == "error":
-                    log.error("consumer %s: broker says: %s", self.consumer_id, h.body.get("reason"))
+                    log.error("consumer %s: broker says: %s", self.consumer_id, str(h.body.get("reason"))[:300])
+                return
+            if h.link is None:
+                raise wire.ProtocolError("no_link", f"{h.kind} from the broker without a link number")
+            if not self.link.accept(h.link):
                 return
             recs = self.acc.apply(h, frames[1:], now)
         except wire.ProtocolError as e:
@@ -251,14 +367,21 @@ class Consumer:
             h = wire.decode_header(frames[1].buffer)
             if h.kind == "fetch":
                 ids = h.key if isinstance(h.key, list) else [h.key]
+                if len(ids) > wire.MAX_REQUESTS_PER_DELTA:
+                    raise wire.ProtocolError("too_large", f"fetch of {len(ids)} ids")
                 for rid in ids:
                     wire._request_id(rid)
                 timeout_ms = wire._int(h.body, "timeout_ms", 0, 1 << 31, 60_000)
+                if len(self._waiters) + len(ids) > MAX_WAITERS:
+                    raise wire.ProtocolError("too_many_waiters", f"{len(self._waiters)} ids already waited for, "
+                                             f"limit {MAX_WAITERS}")
                 self._fetch(server, client, ids, now + timeout_ms / 1000)
             elif h.kind == "hello" and "subscribe" in h.body:
                 prefix = h.body["subscribe"]
                 if type(prefix) is not str or len(prefix) > wire.MAX_REQUEST_ID_LEN:
                     raise wire.ProtocolError("bad_field", "subscribe prefix must be a str")
+                if client not in self._subscribers and len(self._subscribers) >= MAX_SUBSCRIBERS:
+                    raise wire.ProtocolError("too_many_subscribers", f"limit {MAX_SUBSCRIBERS}")
                 self._subscribers[client] = prefix
                 log.info("consumer %s: subscriber %r prefix=%r subscribers=%d", self.consumer_id, client[:32],
                          prefix, len(self._subscribers))

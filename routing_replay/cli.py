@@ -1,4 +1,4 @@
-"""The `routing-replay` command: broker, consume, subscribe, synth and demo subcommands."""
+"""The `routing-replay` command: broker, consume, subscribe, keys, synth and demo subcommands."""
 
 from __future__ import annotations
 
@@ -31,15 +31,35 @@ def _on_signals(stop) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _check_binds(prog: str, endpoints: list, curve: bool, insecure: bool) -> str | None:
+    from routing_replay import security
+    for what, ep in endpoints:
+        try:
+            security.check_bind(ep, curve=curve, insecure=insecure, what=what)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def cmd_broker(a) -> int:
     import zmq
     from broker import Broker
-    b = Broker(a.frontend, a.backend, heartbeat_interval_ms=a.heartbeat_ms, liveness=a.liveness,
-               stats_interval_s=a.stats_interval, max_pending_bytes=a.max_pending_mb << 20)
     try:
+        b = Broker(a.frontend, a.backend, heartbeat_interval_ms=a.heartbeat_ms, liveness=a.liveness,
+                   stats_interval_s=a.stats_interval, max_pending_bytes=a.max_pending_mb << 20,
+                   producer_timeout_ms=a.producer_timeout_ms, ack_interval_ms=a.ack_interval_ms,
+                   restart_grace_ms=a.restart_grace_ms, curve_secret=a.curve_secret, curve_allow=a.curve_allow)
         b.bind()
+    except ValueError as e:
+        return _die("broker", str(e))
     except zmq.ZMQError as e:
         return _die("broker", f"cannot bind {a.frontend} / {a.backend}: {e}")
+    # checked once the endpoints are known to be valid (a bad address says "cannot bind"); nothing is served yet
+    err = _check_binds("broker", [("--frontend", a.frontend), ("--backend", a.backend)], bool(a.curve_secret),
+                       a.insecure)
+    if err:
+        b._close_sockets()
+        return _die("broker", err)
     _on_signals(b.stop)
     b.serve()
     return 0
@@ -48,13 +68,24 @@ def cmd_broker(a) -> int:
 def cmd_consume(a) -> int:
     import zmq
     from consumer import Consumer
-    c = Consumer(a.connect, consumer_id=a.consumer_id, npz_dir=a.npz_dir, shard_size=a.shard_size, serve=a.serve,
-                 store_max_bytes=a.store_mb << 20, spill_dir=a.spill_dir, heartbeat_interval_ms=a.heartbeat_ms,
-                 finish_grace_s=a.finish_grace_ms / 1000, request_timeout_s=a.request_timeout_s,
-                 progress=a.progress and a.npz_dir is not None, stats_interval_s=a.stats_interval)
+    if a.serve:
+        err = _check_binds("consume", [("--serve", a.serve)], bool(a.curve_secret), a.insecure)
+        if err:
+            return _die("consume", err)
+    try:
+        c = Consumer(a.connect, consumer_id=a.consumer_id, npz_dir=a.npz_dir, shard_size=a.shard_size,
+                     serve=a.serve, store_max_bytes=a.store_mb << 20, spill_dir=a.spill_dir,
+                     heartbeat_interval_ms=a.heartbeat_ms, finish_grace_s=a.finish_grace_ms / 1000,
+                     request_timeout_s=a.request_timeout_s, progress=a.progress and a.npz_dir is not None,
+                     stats_interval_s=a.stats_interval, ack_interval_ms=a.ack_interval_ms,
+                     curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow)
+    except ValueError as e:
+        return _die("consume", str(e))
     _on_signals(c.stop)
     try:
         c.run()
+    except ValueError as e:
+        return _die("consume", str(e))
     except zmq.ZMQError as e:
         return _die("consume", f"cannot connect {a.connect} / bind {a.serve}: {e}")
     finally:
@@ -70,7 +101,11 @@ def cmd_subscribe(a) -> int:
     stop = threading.Event()
     _on_signals(stop.set)
     n = 0
-    with TrainerClient(a.connect) as client:
+    try:
+        client = TrainerClient(a.connect, curve_secret=a.curve_secret, server_key=a.server_key)
+    except ValueError as e:
+        return _die("subscribe", str(e))
+    with client:
         client.subscribe(a.prefix)
         while not stop.is_set() and (a.count == 0 or n < a.count):
             got = False
@@ -87,6 +122,16 @@ def cmd_subscribe(a) -> int:
                     break
             if not got and a.timeout and stop.wait(0):
                 break
+    return 0
+
+
+def cmd_keys(a) -> int:
+    from routing_replay import security
+    try:
+        pub, sec = security.create_keys(a.dir, a.name)
+    except (ValueError, OSError) as e:
+        return _die("keys", str(e))
+    print(f"wrote {pub} (public: give it to peers) and {sec} (secret: keep it here)")
     return 0
 
 
@@ -108,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  "engines to RL trainers over ZeroMQ.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
+    def curve_server(p, clients):
+        p.add_argument("--curve-secret", metavar="FILE", help="this process's own secret cert (NAME.key_secret, "
+                       "from `routing-replay keys`): CURVE encryption and authentication on its sockets")
+        p.add_argument("--curve-allow", metavar="DIR", help=f"directory of the public certs (NAME.key) of the "
+                       f"{clients} allowed to connect")
+        p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback tcp address "
+                       "without CURVE keys")
+
     def common(p):
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         p.add_argument("--stats-interval", type=float, default=10.0, metavar="S", help="seconds between stats lines")
@@ -119,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=DEFAULT_BACKEND, help=f"endpoint consumers connect to ({DEFAULT_BACKEND})")
     p.add_argument("--liveness", type=int, default=3, help="heartbeats a consumer may miss before it is dropped")
     p.add_argument("--max-pending-mb", type=int, default=512, help="held while no consumer is live (MiB)")
+    p.add_argument("--producer-timeout-ms", type=int, default=10_000, help="a producer silent this long is lost: "
+                   "the requests it opened are aborted (reason producer_lost)")
+    p.add_argument("--ack-interval-ms", type=int, default=20, help="acks to producers at most this often")
+    p.add_argument("--restart-grace-ms", type=int, default=None, help="after a restart, hold messages this long "
+                   "while the old consumers reconnect (default: 2 heartbeats)")
+    curve_server(p, "producers and consumers")
     common(p)
     p.set_defaults(fn=cmd_broker)
 
@@ -136,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finish-grace-ms", type=int, default=500, help="wait this long for late rows after a finish")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="emit silent requests as incomplete")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--ack-interval-ms", type=int, default=20, help="ack applied messages to the broker this often")
+    p.add_argument("--broker-key", metavar="FILE", help="the broker's public cert (NAME.key), with --curve-secret")
+    curve_server(p, "trainers on --serve")
     common(p)
     p.set_defaults(fn=cmd_consume)
 
@@ -144,8 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="", help="only request ids starting with this")
     p.add_argument("--count", type=int, default=0, help="exit after this many records (0: run until signalled)")
     p.add_argument("--timeout", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--curve-secret", metavar="FILE", help="this trainer's secret cert (NAME.key_secret)")
+    p.add_argument("--server-key", metavar="FILE", nargs="+", help="the consumers' public cert (NAME.key): one "
+                   "for all, or one per --connect endpoint")
     common(p)
     p.set_defaults(fn=cmd_subscribe)
+
+    p = sub.add_parser("keys", help="generate a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret",
+                       description="Writes a key pair in pyzmq's certificate format. Give NAME.key to the peers that "
+                       "must accept or pin this one; keep NAME.key_secret (mode 0600) where this process runs.")
+    p.add_argument("dir", help="directory to write the pair to (created if missing)")
+    p.add_argument("--name", required=True, help="the pair's name, e.g. broker, consumer, engine, trainer")
+    p.add_argument("--log-level", default="info", help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_keys)
 
     p = sub.add_parser("synth", help="run a synthetic engine (no GPU, no vLLM) through a broker, or embedded",
                        description="Publishes a deterministic workload (chunked prefill, decode, prefix hits, "

@@ -2,14 +2,17 @@
 
 A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames after it are raw payloads:
 
-    frame 0   header: msgpack array [version, kind, producer, epoch, seq, key, body]
+    frame 0   header: msgpack array [version, kind, producer, epoch, seq, key, body(, link)]
                 version   int, PROTOCOL_VERSION (1)
                 kind      str, one of KINDS
-                producer  str, id of the process that made the message (producer, consumer or client id)
-                epoch     int, bumped each time that producer restarts
-                seq       int, per (producer, epoch), +1 per message the producer sends
+                producer  str, id of the process that made the message (producer, consumer, broker or client id)
+                epoch     int, the sender's incarnation: a producer, consumer or broker picks a new one each start
+                seq       int, per (producer, epoch): 1, 2, 3, ... on the data messages (open, delta, finish,
+                          abort), with no gaps; control messages carry 0 or a counter of their own
                 key       routing key: the request id (str); for `delta` and `fetch`, a list of request ids
                 body      map, kind-specific fields (below); new fields are added with defaults
+                link      only broker -> consumer, on data messages: [broker_epoch, gen, lseq], the broker's
+                          sequence number on its link to that consumer (see "Delivery" below); absent elsewhere
     frame 1.. payload frames, raw little-endian bytes, sent zero-copy above COPY_THRESHOLD
 
 Kinds and bodies (producer -> broker -> consumer):
@@ -25,9 +28,17 @@ Kinds and bodies (producer -> broker -> consumer):
     finish    {num_output, reason, prompt_len, num_cached[, lost: [[lo, hi], ...]][, n_output_tokens]}
               frame 1 (optional): output token ids, int32 LE
     abort     {reason[, num_output]}
-Control (consumer <-> broker, producer <-> broker, trainer <-> consumer):
-    hello, heartbeat, bye   {} (key: the sender's id)
-    ack       {seqs: {producer: [epoch, seq]}}          (reserved for at-least-once delivery)
+Control (consumer <-> broker, producer <-> broker, trainer <-> consumer), key: the sender's id unless said:
+    hello, heartbeat   producer -> broker: {unacked_from}  the producer's first seq not yet acknowledged
+                       broker -> producer (reply to each): {consumers}  live consumers; epoch = broker epoch
+                       consumer -> broker: {broker}  the last broker epoch it got data from (0: none)
+                       trainer -> consumer: hello {subscribe: prefix}
+    bye       {}
+    ack       broker -> producer: key = producer id, {epoch, upto[, rewind]}: every data message of that
+                  producer epoch with seq <= upto was applied by each consumer it went to; rewind: true asks
+                  the producer to send a hello and then resend everything unacknowledged, in seq order
+              consumer -> broker: {link: [broker_epoch, gen, upto][, gap]}: every link message up to lseq
+                  `upto` was applied; gap: the lseq it expected when a later one came (asks for a resync)
     error     {reason}                                   (sent back to a peer whose message was refused)
     fetch     {timeout_ms}  key: list of request ids     (trainer -> consumer)
     record    {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing,
@@ -35,6 +46,17 @@ Control (consumer <-> broker, producer <-> broker, trainer <-> consumer):
               frame 1: prompt rows (P, L, K) int16; frame 2: generation rows (G, L, K) int16;
               frames 3, 4 (optional): prompt and output token ids, int32 LE
 Positions are absolute token positions; a delta that covers positions already received overwrites them.
+
+Delivery (at least once, applied in order; docs/RELIABILITY.md has the argument):
+    A producer keeps every data message until an ack covers it, and resends all of them, in seq order, after a
+    `rewind`, a new broker epoch (seen on any broker message) or an ack timeout. The broker accepts a producer's
+    message only if its seq is the next one expected or an earlier one (a resend); after a gap it drops and asks
+    for a rewind, so no consumer ever applies seq s+1 of a producer before seq s. On each consumer link the
+    broker numbers data messages lseq = 1, 2, 3, ... per (broker_epoch, gen); a consumer applies only the next
+    lseq, drops everything after a gap and asks for a resync (gap), and the broker starts gen + 1 at lseq 1.
+    The broker acks a producer's seq once every part of it (a split delta goes to several consumers) was
+    acked by its consumer, and only as a contiguous prefix (upto), so what a producer resends is always a suffix
+    of its stream: re-applied in order over what a consumer already has, the newest write of each position wins.
 
 Every decode path here validates against the named limits below before anything is allocated from
 an untrusted number, and raises ProtocolError(reason_key, message) for the caller to log, count and drop.
@@ -101,10 +123,31 @@ class Header:
     seq: int
     key: Any                  # str, or list[str] for delta/fetch
     body: dict
+    link: tuple | None = None  # (broker_epoch, gen, lseq) on broker -> consumer data messages
 
 
-def pack_header(kind: str, producer: str, epoch: int, seq: int, key: Any, body: dict) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, kind, producer, epoch, seq, key, body], use_bin_type=True)
+def pack_header(kind: str, producer: str, epoch: int, seq: int, key: Any, body: dict,
+                link: Sequence[int] | None = None) -> bytes:
+    h = [PROTOCOL_VERSION, kind, producer, epoch, seq, key, body]
+    if link is not None:
+        h.append(list(link))
+    return msgpack.packb(h, use_bin_type=True)
+
+
+_LINK_PACKER = msgpack.Packer(use_bin_type=True)
+
+
+def with_link(frame: bytes | memoryview, link: Sequence[int]) -> bytes:
+    """The header frame `frame` with `link` as its 8th element (any link it carried is replaced).
+
+    Per message, not per request: a header packed as a 7-element fixarray (0x97, what pack_header writes) gets
+    its first byte changed and the link appended (one copy of the frame, no re-encoding); anything else is
+    decoded and re-packed.
+    """
+    if frame[0] == 0x97:
+        return b"".join((b"\x98", frame[1:], _LINK_PACKER.pack(list(link))))
+    h = decode_header(frame)
+    return pack_header(h.kind, h.producer, h.epoch, h.seq, h.key, h.body, link)
 
 
 def _bad(reason: str, message: str) -> ProtocolError:
@@ -156,12 +199,19 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if type(kind) is not str or kind not in KINDS:
         raise _bad("unknown_kind", f"unknown message kind {str(kind)[:32]!r}")
     if type(producer) is not str or len(producer) > MAX_PEER_ID_LEN:
-        raise _bad("bad_header", "producer id must be a str of at most {MAX_PEER_ID_LEN} characters")
+        raise _bad("bad_header", f"producer id must be a str of at most {MAX_PEER_ID_LEN} characters")
     if type(epoch) is not int or type(seq) is not int or epoch < 0 or seq < 0 or epoch >= 1 << 63 or seq >= 1 << 63:
         raise _bad("bad_header", f"epoch {epoch!r} and seq {seq!r} must be non-negative 64-bit integers")
     if not isinstance(body, dict):
         raise _bad("bad_header", f"body must be a map, got {type(body).__name__}")
-    return Header(version, kind, producer, epoch, seq, key, body)
+    link = None
+    if len(h) > 7 and h[7] is not None:
+        link = h[7]
+        if (not isinstance(link, list) or len(link) != 3
+                or not all(type(x) is int and 0 <= x < 1 << 63 for x in link)):
+            raise _bad("bad_header", "link must be [broker_epoch, gen, lseq], non-negative 64-bit integers")
+        link = tuple(link)
+    return Header(version, kind, producer, epoch, seq, key, body, link)
 
 
 # ---------------------------------------------------------------------------------------------------------------
