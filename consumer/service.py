@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Callable
 
 import zmq
@@ -31,7 +31,7 @@ log = logging.getLogger("routing_replay.consumer")
 DATA_KINDS = frozenset({"open", "delta", "finish", "abort"})
 MAX_WAITERS = 1 << 20          # request ids trainers may wait for at once (fetch before the record exists)
 MAX_SUBSCRIBERS = 1024
-TRAINER_SNDHWM = 64            # records queued to one trainer connection; beyond it they stay in the store
+TRAINER_SNDHWM = 8             # records queued to one trainer connection; beyond it they stay in the store
 
 
 class LinkIn:
@@ -133,6 +133,9 @@ class Consumer:
         self.msgs_in = 0
         self.subscriber_drops = 0
         self._waiters: dict[str, tuple[bytes, float]] = {}
+        self._outbox: dict[bytes, deque] = {}      # trainer -> request ids whose records wait in the store for it
+        self._retry: dict[bytes, tuple] = {}       # trainer -> (next try, backoff) while its send queue is full
+        self._gone: set = set()                    # trainers found unreachable (their outboxes were dropped)
         self._subscribers: dict[bytes, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -212,6 +215,8 @@ class Consumer:
             next_ack = now + self.ack_interval_s
             while not self._stop.is_set():
                 wait_ms = 100 if self.link.upto == self.link.acked else max(1, int(self.ack_interval_s * 1000))
+                if self._outbox:
+                    wait_ms = min(wait_ms, max(1, int(self._retry_outboxes(server, time.monotonic()) * 1000)))
                 events = dict(poller.poll(wait_ms))
                 now = time.monotonic()
                 if dealer in events:
@@ -283,14 +288,15 @@ class Consumer:
         log.info("consumer %s records=%d complete=%d incomplete=%d aborted=%d timed_out=%d in_flight=%d "
                  "delta_msgs=%d rows=%d MB=%.1f held_MB=%.1f late=%d replayed_opens=%d refused=%d link=%d/%d/%d "
                  "acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
-                 "subscriber_drops=%d waiters=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
+                 "subscriber_drops=%d waiters=%d outbox=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.bytes / 1e6,
                  self.acc.bytes_held / 1e6, s.late_msgs, s.replayed_opens, s.refused_msgs, self.link.bepoch % 1000,
                  self.link.gen, self.link.upto, self.acks_sent, self.link.dropped, sum(self.bad.values()),
                  dict(self.bad) if self.bad else "", len(self.store) if self.store is not None else "-",
                  self.store.bytes / 1e6 if self.store is not None else 0.0,
                  self.store.spilled if self.store is not None else 0,
-                 self.store.evicted if self.store is not None else 0, self.subscriber_drops, len(self._waiters))
+                 self.store.evicted if self.store is not None else 0, self.subscriber_drops, len(self._waiters),
+                 sum(len(q) for q in self._outbox.values()))
 
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1
@@ -338,9 +344,50 @@ class Consumer:
                 frames = frames or wire.encode_record(rec, self.consumer_id, 0)
                 self._send_client(server, client, frames, subscriber=True)
         w = self._waiters.pop(rec.request_id, None)
-        if w is not None and self._send_client(server, w[0], frames or wire.encode_record(rec, self.consumer_id, 0)):
-            return
+        if w is not None and not self._outbox.get(w[0]):
+            if self._send_client(server, w[0], frames or wire.encode_record(rec, self.consumer_id, 0)):
+                return
+            if w[0] not in self._gone:
+                self._outbox.setdefault(w[0], deque()).append(rec.request_id)     # its queue is full: later
+        elif w is not None:
+            self._outbox[w[0]].append(rec.request_id)
         self.store.put(rec)
+
+    def _drain_outbox(self, server, client: bytes, now: float) -> None:
+        """Send a trainer the records it asked for, in order, until its send queue is full (then back off)."""
+        q = self._outbox.get(client)
+        while q:
+            rid = q[0]
+            got = self.store.peek(rid)
+            if got is None:                        # fetched meanwhile through another connection
+                q.popleft()
+                continue
+            if got == EVICTED:
+                self._send_client(server, client, [wire.pack_header("error", self.consumer_id, 0, 0, rid,
+                                                                    {"reason": "evicted"})])
+                q.popleft()
+                continue
+            if not self._send_client(server, client, wire.encode_record(got, self.consumer_id, 0)):
+                if client in self._gone:
+                    break
+                backoff = min(0.1, 2 * self._retry.get(client, (0.0, 0.0005))[1])
+                self._retry[client] = (now + backoff, backoff)
+                return
+            self.store.discard(rid)
+            q.popleft()
+        self._outbox.pop(client, None)
+        self._retry.pop(client, None)
+
+    def _retry_outboxes(self, server, now: float) -> float:
+        """Retry trainers whose send queue was full; returns seconds until the next retry is due (or 0.1)."""
+        nxt = 0.1
+        for client in list(self._outbox):
+            at = self._retry.get(client, (0.0, 0.0))[0]
+            if at <= now:
+                self._drain_outbox(server, client, now)
+                at = self._retry.get(client, (now + 0.1, 0.0))[0]
+            nxt = min(nxt, max(0.0, at - now))
+        return nxt
 
     def _send_client(self, server, client: bytes, frames: list, subscriber: bool = False) -> bool:
         try:
@@ -356,6 +403,11 @@ class Consumer:
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away
             if subscriber:
                 self._subscribers.pop(client, None)
+            self._outbox.pop(client, None)
+            self._retry.pop(client, None)
+            self._gone.add(client)
+            if len(self._gone) > 10_000:
+                self._gone.clear()
             log.info("consumer %s: client %r unreachable (%s)", self.consumer_id, client[:32], e)
             return False
 
@@ -397,15 +449,17 @@ class Consumer:
                                                                 {"reason": f"{e.reason}: {e}"[:200]})])
 
     def _fetch(self, server, client: bytes, ids: list, deadline: float) -> None:
+        self._gone.discard(client)
+        q = self._outbox.get(client)
+        queued = set(q) if q else ()
         for rid in ids:
-            got = self.store.take(rid)
+            got = self.store.peek(rid)
             if got is None:
                 self._waiters[rid] = (client, deadline)
-            elif got == EVICTED:
-                self._send_client(server, client, [wire.pack_header("error", self.consumer_id, 0, 0, rid,
-                                                                    {"reason": "evicted"})])
-            elif not self._send_client(server, client, wire.encode_record(got, self.consumer_id, 0)):
-                self.store.put(got)
+            elif rid not in queued:
+                self._outbox.setdefault(client, deque()).append(rid)
+        if client in self._outbox and client not in self._retry:
+            self._drain_outbox(server, client, time.monotonic())
 
     def _expire_waiters(self, now: float) -> None:
         if self._waiters:

@@ -63,6 +63,28 @@ class RecordStore:
             log.warning("record store full (%d bytes > %d): evicted %r, evicted_total=%d",
                         self.bytes + victim.nbytes, self.max_bytes, rid[:64], self.evicted)
 
+    def peek(self, rid: str) -> wire.Record | str | None:
+        """The record without removing it (read back from the spill dir if it is there); like take() otherwise."""
+        rec = self._mem.get(rid)
+        if rec is not None:
+            return rec
+        path = self._spilled.get(rid)
+        if path is not None:
+            return npz.read_record(path)
+        if rid in self._evicted:
+            return EVICTED
+        return None
+
+    def discard(self, rid: str) -> None:
+        """Remove a record (after peek() and a successful send), without reading it back."""
+        rec = self._mem.pop(rid, None)
+        if rec is not None:
+            self.bytes -= rec.nbytes
+            return
+        path = self._spilled.pop(rid, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
     def take(self, rid: str) -> wire.Record | str | None:
         """Remove and return the record; EVICTED if it was evicted; None if it is not (yet) here."""
         rec = self._mem.pop(rid, None)

@@ -417,7 +417,7 @@ class Producer:
     # ---- background thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        sock = None
+        sock = mon = None
         try:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, self.linger_ms)
@@ -429,9 +429,11 @@ class Producer:
                 f"{self.producer_id}\0{self.epoch}".encode(), digest_size=15).digest())
             if self.curve_secret is not None:
                 security.curve_client(sock, self.curve_secret, self.server_key)
+            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                          | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             sock.connect(self.endpoint)
             self._ready.set()
-            self._loop(sock)
+            self._loop(sock, mon)
         except zmq.ContextTerminated:
             pass
         except BaseException as e:  # kept and re-raised on the caller's next call
@@ -439,6 +441,12 @@ class Producer:
             log.exception("producer %s thread failed", self.producer_id)
         finally:
             self._ready.set()
+            if mon is not None:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                mon.close(0)
             if sock is not None:
                 sock.close(linger=self.linger_ms if self._failure is None else 0)
             if self._spill is not None:
@@ -502,12 +510,37 @@ class Producer:
             self._done_bytes += expect
             self._done_msgs += 1
 
+    def _on_monitor(self, mon: zmq.Socket, now: float) -> None:
+        """Connection events: after a reconnect, say hello and send nothing else until the broker answered (its
+        epoch says whether it is the same broker or a new one that needs everything unacknowledged again)."""
+        from zmq.utils.monitor import recv_monitor_message
+        while mon.poll(0):
+            ev = recv_monitor_message(mon)["event"]
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connections += 1
+                if self._connections > 1:
+                    self._need_hello = True
+                    self._hold_data_until = now + self.heartbeat_interval_s
+                    log.info("producer %s reconnected to %s: unacked=%d", self.producer_id, self.endpoint,
+                             len(self._buf))
+            elif ev == zmq.EVENT_DISCONNECTED:
+                log.info("producer %s disconnected from %s: unacked=%d", self.producer_id, self.endpoint,
+                         len(self._buf))
+            else:
+                self._auth_failures += 1
+                if self._auth_failures == 1 or self._auth_failures % 100 == 0:
+                    log.error("producer %s: handshake with %s failed (%s, %d times): wrong broker key, or this "
+                              "producer's key is not allowed", self.producer_id, self.endpoint,
+                              "auth" if ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "protocol", self._auth_failures)
+
     def _pump(self, sock: zmq.Socket, now: float) -> bool:
         """Send what waits, in seq order. True if the socket would block (no connection, or send queue full)."""
         if self._need_hello:
             if not self._send_ctl(sock, "hello"):
                 return True
             self._need_hello = False
+        if self._hold_data_until > now:
+            return False
         ts = self._to_send
         st = self.stats
         n = 0
@@ -580,6 +613,7 @@ class Producer:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._hold_data_until = 0.0
             try:
                 h = wire.decode_header(frames[0])
                 if h.epoch != self._broker_epoch:
@@ -629,7 +663,7 @@ class Producer:
             return False
         return not self._buf or self._broker_epoch is None or self._broker_consumers == 0
 
-    def _loop(self, sock: zmq.Socket) -> None:
+    def _loop(self, sock: zmq.Socket, mon: zmq.Socket) -> None:
         self._buf: deque = deque()           # unacked entries, seq increasing
         self._to_send: deque = deque()       # entries to send next, in seq order
         self._next_seq = 1
@@ -640,6 +674,9 @@ class Producer:
         self._timeout_s = self.resend_timeout_s
         self._full_since: float | None = None
         self._stopping = False
+        self._connections = 0
+        self._auth_failures = 0
+        self._hold_data_until = 0.0
         stash = None
         next_hb = time.monotonic() + self.heartbeat_interval_s
         while True:
@@ -651,11 +688,11 @@ class Producer:
                     if self._full_since is None:
                         self._full_since = now
                         self.stats.replay_full += 1
-                        log.warning("producer %s replay buffer full: unacked=%d replay_MB=%.1f spilled_MB=%.1f "
-                                    "(bounds %.1f + %.1f MB); new steps wait in the queue (%d MB) and are dropped "
-                                    "beyond it, reported lost", self.producer_id, len(self._buf),
-                                    self._mem_bytes / 1e6, self.spilled_bytes / 1e6, self.replay_max_bytes / 1e6,
-                                    self.spill_max_bytes / 1e6, self.max_queue_bytes >> 20)
+                        log.warning("producer %s replay buffer full: unacked=%d replay_bytes=%d spilled_bytes=%d "
+                                    "bounds=%d+%d episodes=%d; new steps wait in the queue (bound %d bytes) and are "
+                                    "dropped beyond it, reported lost", self.producer_id, len(self._buf),
+                                    self._mem_bytes, self.spilled_bytes, self.replay_max_bytes,
+                                    self.spill_max_bytes, self.stats.replay_full, self.max_queue_bytes)
                     break
                 if stash is None:
                     try:
@@ -667,6 +704,7 @@ class Producer:
                     self._stopping = True
                 else:
                     self._intake(item)
+            self._on_monitor(mon, now)
             blocked = self._pump(sock, now)
             self._read(sock, now)
             if now >= next_hb:
@@ -682,10 +720,10 @@ class Producer:
                         pass
                 return
             wait_s = max(0.0, min(next_hb - now, 0.05))
-            if self._to_send and not blocked:
+            if self._to_send and not blocked and self._hold_data_until <= now:
                 continue                               # the send budget ran out: more to send at once
-            if blocked:
-                sock.poll(int(min(wait_s, 0.02) * 1000) or 1, zmq.POLLIN | zmq.POLLOUT)
+            if blocked or self._hold_data_until > now:
+                sock.poll(int(min(wait_s, 0.02) * 1000) or 1, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
             elif stash is None and not self._stopping and self._room():
                 try:
                     stash = self._q.get(timeout=wait_s)
