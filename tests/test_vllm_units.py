@@ -296,3 +296,36 @@ def test_oracle_accepts_its_own_routing_and_catches_errors(mixed_model):
     assert [p for p, _ in v.sentinel_errors] == [48, 20]
     verdict = verify([_record_from(o, prompt, output, 0)], str(mixed_model), oracle=o)
     assert verdict.ok and verdict.agreement == 1.0 and "100.000%" in verdict.summary()
+
+
+# ---- embedded pipeline process ---------------------------------------------------------------------------------
+
+
+def test_pipeline_process_writes_records_and_stops_cleanly(tmp_path):
+    from consumer import load_records
+    from producer import Producer
+    from routing_replay.vllm_plugin.pipeline import PipelineProcess
+
+    pipe = PipelineProcess(npz_dir=str(tmp_path))
+    try:
+        assert pipe.alive and pipe.frontend.startswith("ipc://")
+        prod = Producer(pipe.frontend, num_layers=2, top_k=2)
+        rows = np.arange(5 * 2 * 2, dtype=np.int16).reshape(5, 2, 2)
+        prod.open("req", prompt_len=4, num_cached_tokens=0, prompt_token_ids=[1, 2, 3, 4])
+        prod.publish_rows(["req"], [0], [5], rows)
+        prod.finish("req", num_output_tokens=2, finish_reason="stop", output_token_ids=[7, 8])
+        prod.close()
+    finally:
+        pipe.close()                                   # SIGTERM: the child drains, writes, exits 0
+    assert pipe.proc.returncode == 0 and not os.path.exists(pipe.dir)
+    r = load_records(tmp_path)["req"]
+    assert r.complete and r.prompt_routed_experts.tolist() == rows[:4].tolist()
+    assert r.routed_experts[0].tolist() == rows[4].tolist() and (r.routed_experts[1] == -1).all()
+    pipe.close()                                       # idempotent
+
+
+def test_pipeline_process_that_cannot_start_raises(tmp_path):
+    from routing_replay.vllm_plugin.pipeline import PipelineProcess
+
+    with pytest.raises(RuntimeError, match="exited with"):
+        PipelineProcess(serve="tcp://256.1.1.1:1")     # the consumer cannot bind this endpoint

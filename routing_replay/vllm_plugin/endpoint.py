@@ -11,7 +11,7 @@ log = logging.getLogger("vllm.routing_replay")
 
 
 class Sink:
-    """Own a worker's Producer and, in embedded mode, the in-process broker + consumer it publishes to."""
+    """Own a worker's Producer and, in embedded mode, the helper process (broker + consumer) it publishes to."""
 
     def __init__(self, settings: Settings, *, single_publisher: bool, **producer_kw):
         self.pipeline = None
@@ -21,10 +21,10 @@ class Sink:
                     f"{ENV_BROKER}=embedded runs broker and consumer inside the one worker that publishes; "
                     "with data or pipeline parallelism several workers publish. Run `routing-replay broker` "
                     f"and `routing-replay consume` and set {ENV_BROKER}=tcp://HOST:PORT instead.")
-            from routing_replay.embedded import EmbeddedPipeline
-            self.pipeline = EmbeddedPipeline(npz_dir=settings.npz_dir, serve=settings.serve)
-            self.producer = self.pipeline.producer(**producer_kw)
+            from routing_replay.vllm_plugin.pipeline import PipelineProcess
+            self.pipeline = PipelineProcess(npz_dir=settings.npz_dir, serve=settings.serve)
             self.endpoint = self.pipeline.frontend
+            self.producer = Producer(self.endpoint, **producer_kw)
         else:
             self.producer = Producer(settings.broker, **producer_kw)
             self.endpoint = settings.broker
@@ -32,8 +32,10 @@ class Sink:
                  f" (embedded; npz_dir={settings.npz_dir}, serve={settings.serve})" if self.pipeline else "")
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Send what is queued, then (embedded) let the consumer write what finished, then stop. Idempotent."""
-        self.producer.close(timeout_s)
-        if self.pipeline is not None:
-            self.pipeline.wait_idle(timeout_s=min(timeout_s, 5.0))
-            self.pipeline.close()
+        """Send what is queued, then (embedded) let the helper's consumer write what finished, then stop it.
+        Idempotent."""
+        try:
+            self.producer.close(timeout_s)
+        finally:
+            if self.pipeline is not None:
+                self.pipeline.close(timeout_s=3 * timeout_s)
