@@ -43,7 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="on/off pairs (interleaved), after one warm-up pair")
-    ap.add_argument("--broker", choices=["embedded", "external"], default="embedded")
+    ap.add_argument("--broker", choices=["embedded", "external", "embedded-threads"], default="embedded",
+                    help="embedded-threads: the embedded broker + consumer as threads of the engine process "
+                         "(the plugin's first design), for comparison")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
 
@@ -52,9 +54,12 @@ def main(argv=None) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
     npz_dir = work / "npz"
-    if a.broker == "embedded":
+    if a.broker in ("embedded", "embedded-threads"):
         os.environ["ROUTING_REPLAY_BROKER"] = "embedded"
         os.environ["ROUTING_REPLAY_NPZ_DIR"] = str(npz_dir)
+        if a.broker == "embedded-threads":
+            import routing_replay.vllm_plugin.pipeline as pipeline
+            pipeline.PipelineProcess = _ThreadPipeline
     else:
         fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
         cli = [sys.executable, "-m", "routing_replay.cli"]
@@ -71,6 +76,37 @@ def main(argv=None) -> int:
         for p in procs:
             p.wait(10)
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _ThreadPipeline:
+    """Stand-in for PipelineProcess: the same broker + consumer, as threads of this (the engine's) process."""
+
+    def __init__(self, npz_dir=None, serve=None):
+        import uuid
+
+        import zmq
+
+        from broker import Broker
+        from consumer import Consumer
+
+        self.dir = tempfile.mkdtemp(prefix="rr-threads-")
+        self.frontend = f"ipc://{self.dir}/frontend"
+        self._ctx = zmq.Context()
+        backend = f"inproc://rr-{uuid.uuid4().hex[:8]}"
+        self._broker = Broker(self.frontend, backend, context=self._ctx, stats_interval_s=60.0).start()
+        self._consumer = Consumer(backend, npz_dir=npz_dir, serve=serve, context=self._ctx,
+                                  stats_interval_s=60.0).start()
+        self.alive = True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        from routing_replay.vllm_plugin.pipeline import _wait_idle
+
+        if self.alive:
+            self.alive = False
+            _wait_idle(self._consumer, timeout_s)
+            self._consumer.close()
+            self._broker.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _run(a, npz_dir: Path, procs: list) -> int:

@@ -119,8 +119,9 @@ class _StepBatch:
         self.rows += pending.shape[0]
 
     def take(self):
+        """The batched steps as publish_rows arguments; the batch is empty afterwards."""
         out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts))
-        self.__init__()
+        self.parts, self.keys, self.starts, self.counts, self.rows = [], [], [], [], 0
         return out
 
 
@@ -236,8 +237,9 @@ class WorkerCapture:
             key = _keys.external_key(new.req_id, self.randomized)
             tracked[new.req_id] = key
             if self.announces:
-                prompt = new.prompt_token_ids
-                self.producer.open(key, prompt_len=len(prompt), num_cached_tokens=int(new.num_computed_tokens),
+                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
+                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
+                self.producer.open(key, prompt_len=prompt_len, num_cached_tokens=int(new.num_computed_tokens),
                                    prompt_token_ids=prompt)
                 self.stats.opened += 1
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
