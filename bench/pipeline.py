@@ -132,17 +132,21 @@ def consumer_proc(back, q, latency):
 
     def on_record(rec):
         state["records"] += 1
+        state["record_bytes"] += rec.prompt_routed_experts.nbytes + rec.routed_experts.nbytes
         state["last"] = time.monotonic()
 
+    state["record_bytes"] = 0
     c = C(back, on_record=on_record, stats_interval_s=3600, finish_grace_s=0.5)
     c.start()
+    base_rss = rss_mb()
     q.put(("ready", os.getpid()))
     while True:
         time.sleep(0.2)
         if state["last"] is not None and time.monotonic() - state["last"] > IDLE_S:
             break
     c.close()
-    q.put(("done", state["records"], state["last"], rss_mb(), state["held_peak"], recv_times))
+    q.put(("done", state["records"], state["last"], rss_mb(), state["held_peak"], recv_times,
+           state["record_bytes"], base_rss))
 
 
 def producer_proc(ep, workload, n_steps, q, rate_tokens_s):
@@ -255,6 +259,9 @@ def measure_chain(chain, workload, n_steps, rate=0):
     if chain == "ours":
         res["records"] = sum(d[1] for d in done)
         res["held_peak_mb"] = [round(d[4] / 1e6, 1) for d in done]
+        res["record_mb"] = [round(d[6] / 1e6, 1) for d in done]
+        # peak RSS above the consumer's RSS at start, over the bytes of the records it assembled
+        res["rss_over_records"] = [round((d[3] - d[7]) * 1.048576 / max(d[6] / 1e6, 1e-9), 2) for d in done]
         res["dropped"] = sent[3]
         if rate:
             res["latency"] = _latency(sent[4], [d[5] for d in done], n_steps)
@@ -289,7 +296,8 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{workload:8s} {chain:6s} tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
                   f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']}"
-                  + (f" records={r['records']} held_peak_mb={r['held_peak_mb']}" if chain == "ours" else ""),
+                  + (f" records={r['records']} held_peak_mb={r['held_peak_mb']} record_mb={r['record_mb']} "
+                     f"rss_over_records={r['rss_over_records']}" if chain == "ours" else ""),
                   flush=True)
     lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000)
     results.append(lat)
