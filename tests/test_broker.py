@@ -1,0 +1,134 @@
+"""The broker's routing on real sockets (inproc): ownership, and every way of splitting a step's payload."""
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import Broker
+from broker.broker import _hrw
+from routing_replay import wire
+
+
+@pytest.fixture
+def net():
+    ctx = zmq.Context()
+    b = Broker("inproc://f", "inproc://b", context=ctx, heartbeat_interval_ms=100_000).start()
+    socks = []
+
+    def dealer(ep, ident=None):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if ident:
+            s.setsockopt(zmq.ROUTING_ID, ident)
+        s.connect(ep)
+        socks.append(s)
+        return s
+
+    consumers = {}
+    for cid in (b"c1", b"c2"):
+        s = dealer("inproc://b", cid)
+        s.send(wire.pack_header("hello", cid.decode(), 0, 0, cid.decode(), {}))
+        consumers[cid] = s
+    prod = dealer("inproc://f")
+    prod.send(wire.pack_header("hello", "p", 3, 0, "p", {}))     # a producer announces its epoch first
+    deadline = 200
+    while (len(b._live) < 2 or "p" not in b.producers) and deadline:
+        consumers[b"c1"].poll(10)
+        deadline -= 1
+    assert len(b._live) == 2
+    yield b, prod, consumers
+    for s in socks:
+        s.close(0)
+    b.close()
+    ctx.term()
+
+
+def recv(sock):
+    assert sock.poll(5000), "nothing received"
+    frames = sock.recv_multipart()
+    return wire.decode_header(frames[0]), frames[1:]
+
+
+def ids_for(owner: bytes, n: int, prefix: str) -> list[str]:
+    out, i = [], 0
+    while len(out) < n:
+        rid = f"{prefix}{i}"
+        if _hrw(rid.encode(), [b"c1", b"c2"]) == owner:
+            out.append(rid)
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize("layout,rows_per_req,L", [
+    ("interleaved-small", 1, 4),        # decode-like: many short runs -> one gathered frame per owner
+    ("interleaved-large", 64, 512),     # runs >= 64 KiB -> zero-copy slices, one frame per run
+    ("uneven", None, 4),                # different row counts -> joined frame
+    ("blocks", 3, 4),                   # each owner's requests contiguous -> one zero-copy slice
+])
+def test_split_delivers_exact_rows_to_each_owner(net, layout, rows_per_req, L):
+    b, prod, consumers = net
+    K = 8
+    a_ids, b_ids = ids_for(b"c1", 4, "a"), ids_for(b"c2", 4, "b")
+    order = a_ids + b_ids if layout == "blocks" else [x for pair in zip(a_ids, b_ids) for x in pair]
+    counts = [rows_per_req or (i % 3) + 1 for i in range(len(order))]
+    starts = [10 * i for i in range(len(order))]
+    rng = np.random.default_rng(1)
+    rows = {rid: rng.integers(-1, 128, (c, L, K)).astype(np.int16) for rid, c in zip(order, counts)}
+    payload = np.concatenate([rows[r] for r in order])
+    prod.send_multipart([wire.pack_header("delta", "p", 3, 1, order, wire.delta_body(starts, counts, L, K)),
+                         payload.tobytes()])
+    for cid, mine in ((b"c1", a_ids), (b"c2", b_ids)):
+        h, frames = recv(consumers[cid])
+        d = wire.parse_delta(h)
+        assert h.producer == "p"
+        assert d.request_ids == [r for r in order if r in mine]
+        assert d.starts.tolist() == [s for r, s in zip(order, starts) if r in mine]
+        wire.check_payload(d, frames)
+        got = np.frombuffer(b"".join(frames), np.int16).reshape(-1, L, K)
+        assert np.array_equal(got, np.concatenate([rows[r] for r in d.request_ids]))
+        if layout == "interleaved-large":
+            assert len(frames) == 4               # four separate runs, each forwarded as its own slice
+        else:
+            assert len(frames) == 1
+    assert b.stats.deltas_split == 1
+
+
+def test_single_owner_step_is_forwarded_untouched(net):
+    b, prod, consumers = net
+    ids = ids_for(b"c2", 3, "x")
+    head = wire.pack_header("delta", "p", 3, 1, ids, wire.delta_body([0, 0, 0], [2, 2, 2], 4, 2))
+    payload = np.arange(6 * 8, dtype=np.int16).tobytes()
+    prod.send_multipart([head, payload])
+    h, frames = recv(consumers[b"c2"])
+    assert (h.key, h.body["start"], h.body["count"]) == (ids, wire.delta_body([0, 0, 0], [2, 2, 2], 4, 2)["start"],
+                                                          wire.delta_body([0, 0, 0], [2, 2, 2], 4, 2)["count"])
+    assert frames == [payload]
+    assert not consumers[b"c1"].poll(100)
+    assert b.stats.deltas_split == 0
+
+
+def test_ownership_is_sticky_when_a_consumer_joins(net):
+    b, prod, consumers = net
+    rid = ids_for(b"c1", 1, "s")[0]
+    prod.send(wire.pack_header("open", "p", 3, 1, rid, {"prompt_len": 2, "num_cached": 0, "num_layers": 4,
+                                                        "top_k": 2}))
+    recv(consumers[b"c1"])
+    ctx = b._ctx
+    c3 = ctx.socket(zmq.DEALER)
+    c3.setsockopt(zmq.ROUTING_ID, b"c3")
+    c3.setsockopt(zmq.LINGER, 0)
+    c3.connect("inproc://b")
+    try:
+        c3.send(wire.pack_header("hello", "c3", 0, 0, "c3", {}))
+        for _ in range(200):
+            if len(b._live) == 3:
+                break
+            c3.poll(10)
+        assert len(b._live) == 3
+        prod.send_multipart([wire.pack_header("delta", "p", 3, 2, [rid], wire.delta_body([0], [1], 4, 2)),
+                             bytes(16)])
+        h, _ = recv(consumers[b"c1"])              # still c1, whatever the hash over three says
+        assert h.key == [rid]
+        assert not c3.poll(100)
+    finally:
+        c3.close(0)
