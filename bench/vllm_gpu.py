@@ -1,0 +1,545 @@
+"""Measure what routing capture costs vLLM on a GPU: output tokens/s with capture on vs off, per-step GPU and host
+time added, pinned and device memory used.
+
+Model: a random-weight Qwen3-MoE at real width (the Qwen3-30B-A3B layer shape: hidden 2048, 32 query / 4 KV heads
+of 128, 128 experts, top-8, MoE intermediate 768), `--layers` layers, a 512-token vocabulary. Only config.json and
+a tokenizer are written; vLLM builds the weights itself (`load_format="dummy"`), then every parameter is refilled
+in place inside the engine (normal(0, 0.02), norms 1.0, seeded by name) so routing is spread over the experts the
+way random routers spread it (vLLM's dummy values, U(-1e-3, 1e-3) with one seed for every tensor, give every layer
+the same weights).
+
+Two engines live in this process at once, both vLLM defaults (multiprocess engine core, torch.compile, CUDA graphs,
+async scheduling, chunked prefill, prefix caching), same weights:
+  off   vanilla vLLM: created first, with ROUTING_REPLAY_BROKER unset and the plugin never registered in this
+        process, so its engine core (forked from here) holds no routing-replay code at all;
+  on    the plugin publishing to an external broker and consumer (`routing-replay broker` / `consume --npz-dir`,
+        processes on this machine), every request captured;
+  optout  the same plugin engine with every request opted out (`return_routed_experts=False`): hooks bound and
+        writing the device cache inside the graphs, nothing copied or sent.
+Rounds rotate the order (off, on, optout / on, optout, off / ...), after one warm-up round per mode. Each round runs
+the same workload on an emptied prefix cache: `--requests` requests at once, `--prompt-len` random tokens, exactly
+`--output-len` output tokens (greedy, ignore_eos). After an `on` round the records are awaited (time reported
+apart, not in the round) and checked: one per request, complete, prompt and output rows present.
+
+Per-step costs, from the plugin engine (collective_rpc into its worker):
+  host  WorkerStats.host_ns (pre_step + post_step on the engine thread) and CaptureBinding.hook_ns (router hooks
+        that ran in Python: eager steps only; graph replays run none), and the engine-core process's CPU time
+        per step (all its threads, so the producer's thread is in it) against the vanilla engine's.
+  GPU   the capture kernels, timed by replaying CUDA graphs of them on the engine's own RoutingCache and
+        AsyncCopier: the -1 fill (pre_step), the fused per-step cache write (captured in vLLM's graphs), and the
+        snapshot into the staging ring (post_step), at a decode step's and a full prefill step's token count;
+        the side-stream D2H is timed apart (it overlaps compute).
+
+    python bench/vllm_gpu.py --out DIR [--layers 16] [--rounds 3]
+    python bench/vllm_gpu.py --out DIR --small          (CPU smoke run: tiny model, few requests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("off", "on", "optout")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_model(out: Path, *, layers: int, hidden: int, experts: int, top_k: int, moe_intermediate: int, heads: int,
+                kv_heads: int, head_dim: int, dtype: str) -> Path:
+    """config.json (Qwen3-MoE) and a byte-level tokenizer; no weights (vLLM loads with load_format="dummy")."""
+    from routing_replay.models import _tokenizer, make_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _tokenizer(out)
+    cfg = make_config("qwen3_moe", num_layers=layers, num_experts=experts, top_k=top_k, hidden_size=hidden,
+                      vocab_size=max(512, vocab), dtype=dtype)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = heads, kv_heads, head_dim
+    cfg.moe_intermediate_size = moe_intermediate
+    cfg.intermediate_size = 3 * hidden
+    cfg.max_position_embeddings = 4096
+    cfg.save_pretrained(out)
+    return out
+
+
+# ---- run inside the engine-core process (LLM.collective_rpc: `worker` is vLLM's Worker) ------------------------
+
+def _rpc_reinit_weights(worker, seed: int) -> int:
+    """Refill every floating-point parameter in place: norms 1.0, the rest normal(0, 0.02), seeded by name."""
+    import zlib
+
+    import torch
+
+    n = 0
+    with torch.inference_mode():              # vLLM may have made some parameters inside inference mode
+        for name, p in worker.model_runner.get_model().named_parameters():
+            if not torch.is_floating_point(p):
+                continue
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                g = torch.Generator(device=p.device)
+                g.manual_seed(seed + zlib.crc32(name.encode()))
+                p.normal_(0.0, 0.02, generator=g)
+            n += p.numel()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return n
+
+
+def _rpc_set_timing(worker, on: bool) -> bool:
+    from routing_replay.vllm_plugin import capture_of
+
+    cap = capture_of(worker)
+    if cap is None:
+        return False
+    cap.timing = cap.binding.timing = on
+    return True
+
+
+def _rpc_stats(worker) -> dict:
+    """Counters of this engine-core process and, if it captures, of its WorkerCapture."""
+    from routing_replay.vllm_plugin import capture_of
+
+    cpu = os.times()
+    d = {"pid": os.getpid(), "cpu_s": cpu.user + cpu.system, "capture": False}
+    cap = capture_of(worker)
+    if cap is None:
+        return d
+    st, cop, prod = cap.stats, cap.copier.stats, cap.producer.stats
+    cfg = worker.vllm_config
+    d.update(capture=True, steps=st.steps, active_steps=st.active_steps, rows=st.rows, host_ns=st.host_ns,
+             hook_ns=cap.binding.hook_ns, opened=st.opened, finished=st.finished,
+             copier_dropped_steps=cop.dropped_steps, producer_dropped_msgs=prod.dropped_msgs,
+             sent_msgs=prod.sent_msgs, sent_bytes=prod.sent_bytes,
+             cache_device_bytes=cap.cache.nbytes, copier_device_bytes=cap.copier.device_bytes,
+             pinned_host_bytes=cap.copier.host_bytes, cache_tokens=cap.cache.max_tokens,
+             moe_layers=cap.cache.num_layers, top_k=cap.cache.top_k, graph_safe_hooks=not cap.binding.gate,
+             cudagraph_mode=str(cfg.compilation_config.cudagraph_mode),
+             compile_mode=str(getattr(cfg.compilation_config, "mode", getattr(cfg.compilation_config, "level", ""))),
+             enforce_eager=bool(cfg.model_config.enforce_eager),
+             async_scheduling=bool(cfg.scheduler_config.async_scheduling),
+             max_num_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
+             max_cudagraph_capture_size=getattr(cfg.compilation_config, "max_cudagraph_capture_size", None),
+             block_size=int(cfg.cache_config.block_size),
+             enable_prefix_caching=bool(cfg.cache_config.enable_prefix_caching))
+    return d
+
+
+def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
+    """GPU time of the capture kernels per step, on the engine's own cache and copier (engine idle).
+
+    Each measured sequence is captured `reps` times into one CUDA graph; replay time / reps is its kernel time
+    with graph-launch gaps (what a step pays). Token counts above the cache are skipped."""
+    import numpy as np
+    import torch
+
+    from routing_replay.vllm_plugin import capture_of
+
+    cap = capture_of(worker)
+    if cap is None or cap.device.type != "cuda":
+        return {}
+    cache, copier = cap.cache, cap.copier
+    L, K, dev = cache.num_layers, cache.top_k, cache.device
+    experts = cap.binding.layers[0].num_experts or 128
+    side = torch.cuda.Stream(device=dev)
+    res: dict = {}
+
+    def timed(body, n_warm: int = 3, n_time: int = 10) -> float:
+        g = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            body()                                   # warm (allocations outside the graph)
+            torch.cuda.synchronize(dev)
+            with torch.cuda.graph(g, stream=side):
+                for _ in range(reps):
+                    body()
+        torch.cuda.synchronize(dev)
+        for _ in range(n_warm):
+            g.replay()
+        torch.cuda.synchronize(dev)
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(n_time):
+            t0.record()
+            g.replay()
+            t1.record()
+            t1.synchronize()
+            times.append(t0.elapsed_time(t1) * 1e3 / reps)
+        del g
+        return statistics.median(times)
+
+    for n in sizes:
+        n = int(n)
+        if n > cache.max_tokens:
+            continue
+        ids = [torch.randint(0, experts, (n, K), dtype=torch.int32, device=dev) for _ in range(L)]
+
+        def fill():
+            cache.buffer[:, :n].fill_(-1)
+
+        def record():
+            for i, t in enumerate(ids):
+                cache.record(i, t)
+
+        stage = copier._stage[:n]
+
+        def snapshot():
+            stage.copy_(copier._src[0:n])
+
+        row = {"fill_minus_one_us": timed(fill), "fused_cache_write_us": timed(record),
+               "snapshot_us": timed(snapshot)}
+        row["compute_stream_us"] = row["fill_minus_one_us"] + row["fused_cache_write_us"] + row["snapshot_us"]
+        # the D2H into the pinned ring, as submit() issues it (side stream; overlaps compute)
+        host = copier._host[:n]
+        torch.cuda.synchronize(dev)
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        d2h = []
+        for _ in range(20):
+            with torch.cuda.stream(side):
+                t0.record()
+                host.copy_(stage, non_blocking=True)
+                t1.record()
+            t1.synchronize()
+            d2h.append(t0.elapsed_time(t1) * 1e3)
+        row["d2h_side_stream_us"] = statistics.median(d2h[5:])
+        row["bytes_per_step"] = int(n * L * K * 2)
+        res[str(n)] = row
+        del ids
+    cache.buffer.fill_(-1)
+    torch.cuda.synchronize(dev)
+    # the engine-thread CPU time of one submit (post_step's copy call) at a decode step's size
+    n = min(int(sizes[0]), cache.max_tokens)
+    t = []
+    for _ in range(50):
+        t0 = time.thread_time_ns()
+        p = copier.submit([(0, n)])
+        t.append(time.thread_time_ns() - t0)
+        p.result()
+        p.release()
+    res["submit_host_us"] = float(np.median(t) / 1e3)
+    return res
+
+
+# ---- this process --------------------------------------------------------------------------------------------
+
+class Helpers:
+    """Own the broker and consumer processes of the `on` engine."""
+
+    def __init__(self, work: Path, log_dir: Path):
+        self.fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+        self.npz = work / "npz"
+        cli = [sys.executable, "-m", "routing_replay.cli"]
+        self.logs = [open(log_dir / "broker.log", "w"), open(log_dir / "consumer.log", "w")]
+        self.procs = [
+            subprocess.Popen(cli + ["broker", "--frontend", self.fe, "--backend", be, "--stats-interval", "30"],
+                             stdout=self.logs[0], stderr=subprocess.STDOUT),
+            subprocess.Popen(cli + ["consume", "--connect", be, "--npz-dir", str(self.npz), "--no-progress",
+                                    "--stats-interval", "30", "--finish-grace-ms", "100"],
+                             stdout=self.logs[1], stderr=subprocess.STDOUT),
+        ]
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for p in self.procs:
+            try:
+                f = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(f[11]) + int(f[12])) / tick
+            except (OSError, IndexError):
+                pass
+        return total
+
+    def wait_records(self, n: int, timeout_s: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.npz.exists() and sum(1 for _ in self.npz.glob("*.npz")) >= n:
+                return time.monotonic() - t0
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("broker or consumer exited; see broker.log / consumer.log")
+            time.sleep(0.02)
+        have = sum(1 for _ in self.npz.glob("*.npz")) if self.npz.exists() else 0
+        raise TimeoutError(f"{have} of {n} records after {timeout_s}s")
+
+    def clear(self) -> None:
+        """Delete the records written so far (the consumer keeps writing into the directory)."""
+        for f in self.npz.glob("*.npz"):
+            f.unlink()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for f in self.logs:
+            f.close()
+
+
+def _proc_cpu_s(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _check_records(npz: Path, outs, prompt_len: int, output_len: int, layers: int, top_k: int) -> dict:
+    """One complete record per request with every computed row present; expert load over all rows."""
+    import numpy as np
+
+    from consumer import load_records
+
+    recs = load_records(npz)
+    counts = None
+    bad = []
+    for o in outs:
+        r = recs.get(o.request_id)
+        if r is None:
+            bad.append((o.request_id, "missing"))
+            continue
+        p, g = r.prompt_routed_experts, r.routed_experts
+        if not r.complete or p.shape != (prompt_len, layers, top_k) or g.shape != (output_len, layers, top_k):
+            bad.append((o.request_id, f"complete={r.complete} {r.reason} {p.shape} {g.shape}"))
+            continue
+        rows = np.concatenate([p[r.num_cached_tokens:], g[:-1]])
+        if (rows < 0).any() or (g[-1] != -1).any():
+            bad.append((o.request_id, "-1 misplaced"))
+            continue
+        if r.output_token_ids.tolist() != list(o.outputs[0].token_ids):
+            bad.append((o.request_id, "output tokens differ"))
+            continue
+        c = np.bincount(rows.reshape(-1).astype(np.int64))
+        counts = c if counts is None else np.pad(counts, (0, max(0, len(c) - len(counts)))) + \
+            np.pad(c, (0, max(0, len(counts) - len(c))))
+    load = {}
+    if counts is not None and counts.sum():
+        load = {"experts_used": int((counts > 0).sum()), "max_over_mean": float(counts.max() / counts.mean()),
+                "min_over_mean": float(counts.min() / counts.mean())}
+    return {"records": len(recs), "bad": bad[:10], "n_bad": len(bad), "expert_load": load}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="results (bench_vllm_gpu.json), logs")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--moe-intermediate", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each mode after the warm-up round")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.42, help="per engine (two run at once)")
+    ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="per engine")
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: tiny model, 16 requests, 1 round")
+    a = ap.parse_args(argv)
+    if a.small:
+        a.layers, a.hidden, a.experts, a.top_k, a.moe_intermediate = 2, 128, 8, 2, 128
+        a.heads, a.kv_heads, a.head_dim, a.dtype = 2, 1, 64, "float32"
+        a.requests, a.prompt_len, a.output_len, a.rounds, a.kv_cache_gib = 16, 64, 16, 1, 0.25
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="rr-vllm-gpu-"))
+    for k in ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE"):
+        os.environ.pop(k, None)
+    os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"       # collective_rpc with our functions
+    helpers = Helpers(work, out)
+    try:
+        return _run(a, out, work, helpers)
+    finally:
+        helpers.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    model = write_model(work / "model", layers=a.layers, hidden=a.hidden, experts=a.experts, top_k=a.top_k,
+                        moe_intermediate=a.moe_intermediate, heads=a.heads, kv_heads=a.kv_heads,
+                        head_dim=a.head_dim, dtype=a.dtype)
+    kw = dict(model=str(model), dtype=a.dtype, load_format="dummy", seed=0, max_num_seqs=max(256, a.requests),
+              max_model_len=a.prompt_len + a.output_len + 64, kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30))
+    if not a.small:
+        kw["gpu_memory_utilization"] = a.gpu_memory_utilization
+    t = time.monotonic()
+    engines = {}
+    engines["off"] = LLM(**kw)                          # before the plugin is registered in this process
+    start_off = time.monotonic() - t
+    os.environ["ROUTING_REPLAY_BROKER"] = helpers.fe
+    import routing_replay.vllm_plugin as plugin
+    plugin.register()
+    t = time.monotonic()
+    engines["on"] = LLM(**kw)
+    start_on = time.monotonic() - t
+    engines["optout"] = engines["on"]
+    print(f"engines started: off {start_off:.0f} s, on {start_on:.0f} s", flush=True)
+    for name in ("off", "on"):
+        n = engines[name].collective_rpc(_rpc_reinit_weights, args=(1234,))
+        print(f"{name}: refilled {n[0] / 1e9:.2f} B parameters", flush=True)
+    assert engines["on"].collective_rpc(_rpc_set_timing, args=(True,)) == [True], "plugin not active"
+    info = engines["on"].collective_rpc(_rpc_stats)[0]
+    pid = {"off": engines["off"].collective_rpc(_rpc_stats)[0]["pid"], "on": info["pid"]}
+    pid["optout"] = pid["on"]
+    print("plugin engine:", json.dumps(info), flush=True)
+
+    rnd = random.Random(0)
+    prompts = [{"prompt_token_ids": [rnd.randrange(256) for _ in range(a.prompt_len)]} for _ in range(a.requests)]
+    base = dict(max_tokens=a.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
+    sps = {"off": SamplingParams(**base),
+           "on": SamplingParams(**base, extra_args={"return_routed_experts": True}),
+           "optout": SamplingParams(**base, extra_args={"return_routed_experts": False})}
+    outputs: dict = {}
+    rounds: list = []
+    checks: list = []
+
+    def one_round(mode: str, idx: int) -> dict:
+        llm = engines[mode]
+        llm.reset_prefix_cache()
+        gc.collect()                                      # no collection of the last round's outputs in this one
+        s0 = llm.collective_rpc(_rpc_stats)[0]
+        h0 = helpers.cpu_s()
+        c0 = _proc_cpu_s(pid[mode])
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sps[mode], use_tqdm=False)
+        dt = time.perf_counter() - t0
+        c1 = _proc_cpu_s(pid[mode])
+        s1 = llm.collective_rpc(_rpc_stats)[0]
+        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+        r = {"mode": mode, "round": idx, "seconds": dt, "output_tokens": ntok, "output_tok_s": ntok / dt,
+             "total_tok_s": (ntok + a.requests * a.prompt_len) / dt, "engine_cpu_s": c1 - c0}
+        if s1["capture"]:
+            steps = s1["steps"] - s0["steps"]
+            r.update(steps=steps, active_steps=s1["active_steps"] - s0["active_steps"],
+                     host_us_per_step=(s1["host_ns"] - s0["host_ns"]) / steps / 1e3,
+                     hook_us_per_step=(s1["hook_ns"] - s0["hook_ns"]) / steps / 1e3,
+                     engine_cpu_us_per_step=(c1 - c0) / steps * 1e6,
+                     sent_msgs=s1["sent_msgs"] - s0["sent_msgs"], sent_bytes=s1["sent_bytes"] - s0["sent_bytes"])
+        if mode == "on":
+            r["records_wait_s"] = helpers.wait_records(a.requests, timeout_s=120)
+            r["helpers_cpu_s"] = helpers.cpu_s() - h0
+            chk = _check_records(helpers.npz, outs, a.prompt_len, a.output_len, info["moe_layers"], info["top_k"])
+            checks.append(chk)
+            helpers.clear()
+        outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+        partial = {"plugin_engine": info, "engine_start_s": [start_off, start_on], "rounds_so_far": rounds + [r],
+                   "record_checks": checks}
+        (out / "bench_vllm_gpu.json").write_text(json.dumps(partial, indent=2))      # survives a timeout
+        return r
+
+    for m in MODES:                                       # warm-up, not counted
+        one_round(m, -1)
+    order = list(MODES)
+    for i in range(a.rounds):
+        for m in order:
+            rounds.append(one_round(m, i))
+        order = order[1:] + order[:1]
+
+    gpu = engines["on"].collective_rpc(_rpc_gpu_cost, args=([a.requests, int(info["max_num_batched_tokens"])],))[0]
+    final = engines["on"].collective_rpc(_rpc_stats)[0]
+    for llm in (engines["on"], engines["off"]):
+        llm.llm_engine.engine_core.shutdown()
+
+    med = lambda mode, k: statistics.median(r[k] for r in rounds if r["mode"] == mode)      # noqa: E731
+    res = {
+        "vllm": vllm.__version__, "device": _device_name(), "layers": a.layers, "hidden": a.hidden,
+        "experts": a.experts, "top_k": a.top_k, "moe_intermediate": a.moe_intermediate, "dtype": a.dtype,
+        "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len, "rounds": a.rounds,
+        "engine_start_s": {"off": start_off, "on": start_on}, "plugin_engine": info,
+        "rounds_detail": rounds, "record_checks": checks, "gpu_cost": gpu,
+        "dropped": {"copier_steps": final["copier_dropped_steps"], "producer_msgs": final["producer_dropped_msgs"]},
+        "same_outputs_on_vs_off": outputs.get("on") == outputs.get("off"),
+    }
+    for m in MODES:
+        res[f"{m}_output_tok_s"] = med(m, "output_tok_s")
+        res[f"{m}_output_tok_s_all"] = [r["output_tok_s"] for r in rounds if r["mode"] == m]
+        res[f"{m}_engine_cpu_s"] = med(m, "engine_cpu_s")
+    res["loss_on_vs_off_pct"] = 100 * (1 - res["on_output_tok_s"] / res["off_output_tok_s"])
+    res["loss_on_vs_optout_pct"] = 100 * (1 - res["on_output_tok_s"] / res["optout_output_tok_s"])
+    res["loss_optout_vs_off_pct"] = 100 * (1 - res["optout_output_tok_s"] / res["off_output_tok_s"])
+    # paired: each round's on vs the off of the same round (drift cancels)
+    pairs = [(r_on["output_tok_s"], r_off["output_tok_s"]) for r_on in rounds for r_off in rounds
+             if r_on["mode"] == "on" and r_off["mode"] == "off" and r_on["round"] == r_off["round"]]
+    res["loss_on_vs_off_pct_per_round"] = [100 * (1 - x / y) for x, y in pairs]
+    on_rounds = [r for r in rounds if r["mode"] == "on"]
+    res["steps_per_round"] = statistics.median(r["steps"] for r in on_rounds)
+    res["host_us_per_step_on"] = statistics.median(r["host_us_per_step"] for r in on_rounds)
+    res["hook_us_per_step_on"] = statistics.median(r["hook_us_per_step"] for r in on_rounds)
+    res["host_us_per_step_optout"] = med("optout", "host_us_per_step")
+    res["engine_cpu_us_per_step"] = {m: 1e6 * res[f"{m}_engine_cpu_s"] / res["steps_per_round"] for m in MODES}
+    res["records_wait_s"] = statistics.median(r["records_wait_s"] for r in on_rounds)
+    res["helpers_cpu_s_per_round"] = statistics.median(r["helpers_cpu_s"] for r in on_rounds)
+    res["memory"] = {"device_cache_bytes": final["cache_device_bytes"],
+                     "device_copier_bytes": final["copier_device_bytes"],
+                     "pinned_host_bytes": final["pinned_host_bytes"]}
+    (out / "bench_vllm_gpu.json").write_text(json.dumps(res, indent=2))
+    _print_summary(res)
+    ok = all(c["n_bad"] == 0 and c["records"] == a.requests for c in checks) and not any(res["dropped"].values())
+    if not ok:
+        print("FAILED: records incomplete or dropped", json.dumps(checks)[:2000], flush=True)
+    return 0 if ok else 1
+
+
+def _device_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        return out.stdout.strip() or "cpu"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+
+
+def _print_summary(r: dict) -> None:
+    print(f"\nvLLM {r['vllm']} on {r['device']}: {r['layers']} x Qwen3-MoE layer (hidden {r['hidden']}, "
+          f"{r['experts']} experts, top-{r['top_k']}, MoE intermediate {r['moe_intermediate']}), {r['dtype']}; "
+          f"{r['requests']} requests x ({r['prompt_len']} prompt + {r['output_len']} output) tokens; "
+          f"{r['rounds']} rounds per mode (medians)")
+    for m in MODES:
+        xs = r[f"{m}_output_tok_s_all"]
+        print(f"  {m:7s}: {r[f'{m}_output_tok_s']:9.0f} output tok/s  (rounds {min(xs):.0f}..{max(xs):.0f})")
+    print(f"  lost, on vs off: {r['loss_on_vs_off_pct']:.2f} %  (per round: "
+          f"{', '.join(f'{x:.2f}' for x in r['loss_on_vs_off_pct_per_round'])}); on vs optout: "
+          f"{r['loss_on_vs_optout_pct']:.2f} %; optout vs off: {r['loss_optout_vs_off_pct']:.2f} %")
+    print(f"  host per step (engine thread, capture on): pre/post {r['host_us_per_step_on']:.1f} us + hooks "
+          f"{r['hook_us_per_step_on']:.1f} us; opt-out {r['host_us_per_step_optout']:.1f} us; "
+          f"{r['steps_per_round']:.0f} steps per round")
+    print("  engine-core CPU per step: " + ", ".join(f"{m} {v:.0f} us" for m, v in r["engine_cpu_us_per_step"].items()))
+    for n, g in r["gpu_cost"].items():
+        if isinstance(g, dict):
+            print(f"  GPU per step at {n} tokens: fill {g['fill_minus_one_us']:.2f} + cache write "
+                  f"{g['fused_cache_write_us']:.2f} + snapshot {g['snapshot_us']:.2f} = {g['compute_stream_us']:.2f} us"
+                  f" compute stream; D2H {g['d2h_side_stream_us']:.1f} us on the side stream ({g['bytes_per_step']} B)")
+    m = r["memory"]
+    print(f"  memory: device {(m['device_cache_bytes'] + m['device_copier_bytes']) / 2**20:.1f} MiB "
+          f"(cache {m['device_cache_bytes'] / 2**20:.1f} + staging {m['device_copier_bytes'] / 2**20:.1f}), pinned host "
+          f"{m['pinned_host_bytes'] / 2**20:.1f} MiB")
+    print(f"  records: {[c['records'] for c in r['record_checks']]} per on-round, bad {sum(c['n_bad'] for c in r['record_checks'])}"
+          f", awaited {r['records_wait_s']:.2f} s after generate(); expert load {r['record_checks'][0]['expert_load'] if r['record_checks'] else {}}"
+          f"; outputs on == off: {r['same_outputs_on_vs_off']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
