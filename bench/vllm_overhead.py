@@ -46,11 +46,17 @@ def main(argv=None) -> int:
     ap.add_argument("--broker", choices=["embedded", "external", "embedded-threads"], default="embedded",
                     help="embedded-threads: the embedded broker + consumer as threads of the engine process "
                          "(the plugin's first design), for comparison")
+    ap.add_argument("--pin", action="store_true",
+                    help="engine on CPU 0 only (VLLM_CPU_OMP_THREADS_BIND=0); external broker and consumer on CPU 1")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="rr-bench-"))
     procs = []
+    pin = []
+    if a.pin:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+        pin = ["taskset", "-c", "1"]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
     npz_dir = work / "npz"
@@ -62,7 +68,7 @@ def main(argv=None) -> int:
             pipeline.PipelineProcess = _ThreadPipeline
     else:
         fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
-        cli = [sys.executable, "-m", "routing_replay.cli"]
+        cli = pin + [sys.executable, "-m", "routing_replay.cli"]
         procs.append(subprocess.Popen(cli + ["broker", "--frontend", fe, "--backend", be, "--log-level", "warning"]))
         procs.append(subprocess.Popen(cli + ["consume", "--connect", be, "--npz-dir", str(npz_dir),
                                              "--log-level", "warning", "--no-progress"]))
@@ -208,6 +214,7 @@ def _run(a, npz_dir: Path, procs: list) -> int:
                 "host_us_per_step": (st.host_ns - h0) / steps / 1e3, "hook_us_per_step": (b.hook_ns - k0) / steps / 1e3,
                 "engine_thread_cpu_us_per_step": engine_cpu / steps * 1e6}
 
+    loadavg_start = os.getloadavg()[0]
     one_round(False), one_round(True)                      # warm-up
     rounds = []
     for i in range(a.rounds):
@@ -222,7 +229,9 @@ def _run(a, npz_dir: Path, procs: list) -> int:
     on = [r for r in rounds if r["capture"]]
     med = lambda rs, k: statistics.median(r[k] for r in rs)          # noqa: E731
     res = {
-        "vllm": vllm.__version__, "broker": a.broker, "requests": a.requests, "prompt_len": a.prompt_len,
+        "vllm": vllm.__version__, "broker": a.broker, "pin": a.pin, "loadavg_start": loadavg_start,
+        "requests": a.requests,
+        "prompt_len": a.prompt_len,
         "output_len": a.output_len, "rounds": a.rounds,
         "off_output_tok_s": med(off, "output_tok_s"), "on_output_tok_s": med(on, "output_tok_s"),
         "off_total_tok_s": med(off, "total_tok_s"), "on_total_tok_s": med(on, "total_tok_s"),
@@ -236,9 +245,16 @@ def _run(a, npz_dir: Path, procs: list) -> int:
         "on_output_tok_s_range": [min(r["output_tok_s"] for r in on), max(r["output_tok_s"] for r in on)],
     }
     res["throughput_loss_pct"] = 100 * (1 - res["on_output_tok_s"] / res["off_output_tok_s"])
+    # each on/off pair ran back to back: the ratio within a pair is robust to load that drifts between pairs
+    ratios = [rounds[2 * i + (0 if rounds[2 * i]["capture"] else 1)]["output_tok_s"]
+              / rounds[2 * i + (1 if rounds[2 * i]["capture"] else 0)]["output_tok_s"] for i in range(a.rounds)]
+    res["paired_loss_pct"] = [100 * (1 - r) for r in ratios]
+    res["paired_loss_pct_median"] = 100 * (1 - statistics.median(ratios))
+    res["loadavg_end"] = os.getloadavg()[0]
     records = len(list(npz_dir.glob("*.npz"))) if npz_dir.exists() else 0
     res["records_written"] = records
-    print(f"\nvLLM {res['vllm']}, broker {a.broker}, {a.requests} requests x ({a.prompt_len} prompt + "
+    where = " (engine on CPU 0, broker + consumer on CPU 1)" if a.pin else ""
+    print(f"\nvLLM {res['vllm']}, broker {a.broker}{where}, {a.requests} requests x ({a.prompt_len} prompt + "
           f"{a.output_len} output) tokens, {a.rounds} on/off pairs (medians)")
     lo, hi = res["off_output_tok_s_range"]
     print(f"  capture off : {res['off_output_tok_s']:8.0f} output tok/s  ({res['off_total_tok_s']:.0f} total tok/s; "
@@ -246,7 +262,9 @@ def _run(a, npz_dir: Path, procs: list) -> int:
     lo, hi = res["on_output_tok_s_range"]
     print(f"  capture on  : {res['on_output_tok_s']:8.0f} output tok/s  ({res['on_total_tok_s']:.0f} total tok/s; "
           f"rounds {lo:.0f}..{hi:.0f})")
-    print(f"  throughput lost (medians): {res['throughput_loss_pct']:.2f} %")
+    print(f"  throughput lost: {res['paired_loss_pct_median']:.2f} % (median over back-to-back on/off pairs; pairs: "
+          + ", ".join(f"{x:+.1f}" for x in res["paired_loss_pct"]) + f"); ratio of medians {res['throughput_loss_pct']:.2f} %")
+    print(f"  load average at start {res['loadavg_start']:.2f}, at end {res['loadavg_end']:.2f} (2 CPUs)")
     d = res["engine_thread_cpu_us_per_step_on"] - res["engine_thread_cpu_us_per_step_off"]
     print(f"  engine-thread CPU time per step (front end + engine + worker, in-process): "
           f"off {res['engine_thread_cpu_us_per_step_off']:.0f} us, on {res['engine_thread_cpu_us_per_step_on']:.0f} us "
