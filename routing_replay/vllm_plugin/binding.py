@@ -14,7 +14,8 @@ What breaks it, and what happens then:
   hook): refused at bind time with the kernel's name.
 - A router object replaced after binding (a weight reload that rebuilds layers) or another capturer calling
   `set_capture_fn` over ours: the plugin re-binds after `reload_weights`, `wake_up` and weight updates; any
-  other loss is caught per step (see `CaptureBinding.calls` and the -1 sentinel in worker.py) and fails loudly.
+  other loss is caught per step (`CaptureBinding.calls` where hooks run in Python every step, the -1
+  sentinel where they are replayed from CUDA graphs; see worker.py) and fails loudly.
 - Sequence parallelism or an unexpected data-parallel dispatch layout: the hook sees a token count it cannot
   map to this rank's batch and raises.
 """
@@ -118,7 +119,8 @@ class CaptureBinding:
     dp_size: int = 1
     gate: bool = False                 # True: hooks record only while `active` (eager execution only)
     active: bool = True
-    calls: int = 0
+    calls: int = 0                     # hooks since the last reset that recorded at least min_rows rows
+    min_rows: int = 0
     timing: bool = False               # benchmarks: add the hooks' engine-thread CPU time to hook_ns
     hook_ns: int = 0
     hooks: list = field(default_factory=list)
@@ -142,8 +144,10 @@ class CaptureBinding:
         def hook(topk_ids: torch.Tensor) -> None:
             if binding.active:
                 t0 = thread_time_ns() if binding.timing else 0
-                binding.calls += 1
-                record(idx, local_rows(topk_ids, dp_rank) if needs_dp else topk_ids)
+                rows = local_rows(topk_ids, dp_rank) if needs_dp else topk_ids
+                record(idx, rows)
+                if rows.shape[0] >= binding.min_rows:
+                    binding.calls += 1              # counts only hooks that covered the whole step
                 if t0:
                     binding.hook_ns += thread_time_ns() - t0
             if prev is not None:

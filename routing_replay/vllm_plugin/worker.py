@@ -9,8 +9,12 @@ Per step (`Worker.execute_model`, engine thread):
   before the forward  finished_req_ids -> finish/abort (lengths from the scheduler, see scheduler_hooks.py);
                       scheduled_new_reqs that are captured -> open(prompt_len, num_cached_tokens = the prefix-
                       cache hits vLLM reported when it first scheduled the request, prompt token ids);
-                      if a captured request runs in this step: mark its cache rows -1 (the sentinel).
+                      if a captured request runs in this step: reset the hook counter (hooks run in Python
+                      every step: CPU, enforce_eager) or write -1 over the step's cache rows (the sentinel,
+                      for hooks replayed from CUDA graphs).
   forward             each MoE router's capture hook records its top-k ids (binding.py).
+                      After it, every MoE layer must have recorded all tokens of the step (counter), and
+                      the producer's thread refuses -1 rows (sentinel): stale routing is never published.
   after the forward   rows of captured requests are found with the runner's own batch layout: request i of
                       `input_batch.req_ids` owns batch tokens query_start_loc[i]..query_start_loc[i+1], the
                       first at absolute position `input_batch.num_computed_tokens_cpu[i]` (read after
@@ -247,8 +251,10 @@ class WorkerCapture:
         b = self.binding
         b.active = active or not b.gate
         if active:
-            b.calls = 0
-            self.cache.buffer[:, :so.total_num_scheduled_tokens].fill_(-1)
+            if b.gate:                          # hooks run in Python: count the ones that cover the step
+                b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
+            else:                               # replayed from graphs: rows no router writes stay -1
+                self.cache.buffer[:, :so.total_num_scheduled_tokens].fill_(-1)
         if t0:
             self.stats.host_ns += time.thread_time_ns() - t0
 
@@ -280,10 +286,13 @@ class WorkerCapture:
         t0 = time.thread_time_ns() if self.timing else 0
         self.active = False
         b = self.binding
-        self.cache.flush()
-        if b.gate and b.calls != len(b.layers):
-            raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded routing in "
-                                f"this step; hooks bound: {b.bound()}. Refusing to publish stale routing.")
+        if b.gate:
+            if b.calls != len(b.layers):
+                raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded the routing of "
+                                    f"all {b.min_rows} tokens of this step; hooks bound: {b.bound()}. Refusing to "
+                                    "publish stale routing.")
+        else:
+            self.cache.flush()                  # no-op unless the last layer's hook did not run
         runner = self.runner
         ib = runner.input_batch
         n = ib.num_reqs
