@@ -18,19 +18,21 @@ async scheduling, chunked prefill, prefix caching), same weights:
         writing the device cache inside the graphs, nothing copied or sent.
 Rounds rotate the order (off, on, optout / on, optout, off / ...), after one warm-up round per mode. Each round runs
 the same workload on an emptied prefix cache: `--requests` requests at once, `--prompt-len` random tokens, exactly
-`--output-len` output tokens (greedy, ignore_eos). After an `on` round the records are awaited (time reported
+`--output-len` output tokens (greedy, ignore_eos, detokenize=False: the front end's detokenization halved throughput
+and made rounds noisy on the H100). After an `on` round the records are awaited (time reported
 apart, not in the round) and checked: one per request, complete, prompt and output rows present.
 
 Per-step costs, from the plugin engine (collective_rpc into its worker):
   host  WorkerStats.host_ns (pre_step + post_step on the engine thread) and CaptureBinding.hook_ns (router hooks
         that ran in Python: eager steps only; graph replays run none), and the engine-core process's CPU time
-        per step (all its threads, so the producer's thread is in it) against the vanilla engine's.
+        per step (all its threads, so the producer's thread is in it) against the vanilla engine's; on a
+        GPU-bound engine this includes spinning on CUDA syncs, so it bounds work from above, it does not measure it.
   GPU   the capture kernels, timed by replaying CUDA graphs of them on the engine's own RoutingCache and
         AsyncCopier: the -1 fill (pre_step), the fused per-step cache write (captured in vLLM's graphs), and the
         snapshot into the staging ring (post_step), at a decode step's and a full prefill step's token count;
         the side-stream D2H is timed apart (it overlaps compute).
 
-    python bench/vllm_gpu.py --out DIR [--layers 16] [--rounds 3]
+    python bench/vllm_gpu.py --out DIR [--layers 16] [--rounds 6]      (results: docs/perf_vllm_gpu.md)
     python bench/vllm_gpu.py --out DIR --small          (CPU smoke run: tiny model, few requests)
 """
 
@@ -530,16 +532,18 @@ def _print_summary(r: dict) -> None:
     for n, g in r["gpu_cost"].items():
         if isinstance(g, dict):
             print(f"  GPU per step at {n} tokens: fill {g['fill_minus_one_us']:.2f} + cache write "
-                  f"{g['fused_cache_write_us']:.2f} + snapshot {g['snapshot_us']:.2f} = {g['compute_stream_us']:.2f} us"
-                  f" compute stream; D2H {g['d2h_side_stream_us']:.1f} us on the side stream ({g['bytes_per_step']} B)")
+                  f"{g['fused_cache_write_us']:.2f} + snapshot {g['snapshot_us']:.2f} = "
+                  f"{g['compute_stream_us']:.2f} us compute stream; D2H {g['d2h_side_stream_us']:.1f} us on the "
+                  f"side stream ({g['bytes_per_step']} B)")
     m = r["memory"]
-    print(f"  memory: device {(m['device_cache_bytes'] + m['device_copier_bytes']) / 2**20:.1f} MiB "
-          f"(cache {m['device_cache_bytes'] / 2**20:.1f} + staging {m['device_copier_bytes'] / 2**20:.1f}), pinned host "
-          f"{m['pinned_host_bytes'] / 2**20:.1f} MiB")
-    print(f"  records: {[c['records'] for c in r['record_checks']]} per on-round, bad {sum(c['n_bad'] for c in r['record_checks'])}"
-          f", awaited {r['records_wait_s']:.2f} s after generate(); expert load {r['record_checks'][0]['expert_load'] if r['record_checks'] else {}}"
-          f"; outputs on == off: {r['same_outputs_on_vs_off']}")
-
+    dev, cache = m["device_cache_bytes"] + m["device_copier_bytes"], m["device_cache_bytes"]
+    print(f"  memory: device {dev / 2**20:.1f} MiB (cache {cache / 2**20:.1f} + staging "
+          f"{m['device_copier_bytes'] / 2**20:.1f}), pinned host {m['pinned_host_bytes'] / 2**20:.1f} MiB")
+    checks = r["record_checks"]
+    load = checks[0]["expert_load"] if checks else {}
+    print(f"  records: {[c['records'] for c in checks]} per on-round, bad {sum(c['n_bad'] for c in checks)}, "
+          f"awaited {r['records_wait_s']:.2f} s after generate(); expert load {load}; "
+          f"outputs on == off: {r['same_outputs_on_vs_off']}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -187,7 +187,8 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir):
     plugin.register()           # vLLM loads plugins once per process; this covers a process that loaded them before
     model = tiny_model("qwen3_moe")
     llm = LLM(model=str(model), dtype="float32", seed=0, max_model_len=2048, max_num_batched_tokens=512,
-              max_num_seqs=256, enable_prefix_caching=True, gpu_memory_utilization=GPU_MEM, kv_cache_memory_bytes=1 << 30,
+              max_num_seqs=256, enable_prefix_caching=True, gpu_memory_utilization=GPU_MEM,
+              kv_cache_memory_bytes=1 << 30,
               **({"enforce_eager": True} if ON_CPU else {}))
     try:
         cfg = engine_config(llm.llm_engine.vllm_config)
@@ -318,7 +319,8 @@ def near_tie_report(model_dir: str, outs, recs) -> dict:
                     bad.append({"record": r.request_id, "pos": int(t), "layer": int(lid),
                                 "after_flip_same_token": bool(flipped[t]),
                                 "after_flip_earlier_token": bool(flipped[:t].any() or here[:t].any()),
-                                "vllm": sorted(int(e) for e in mine[t, j]), "oracle": sorted(int(e) for e in ref[t, j]),
+                                "vllm": sorted(int(e) for e in mine[t, j]),
+                                "oracle": sorted(int(e) for e in ref[t, j]),
                                 "oracle_rank_of_vllm_experts": sorted(rank.values()),
                                 "gap_logit": float(gap[t]), "gap_ulps": float(gap[t] / ulp[t])})
                 flipped |= here
