@@ -234,14 +234,19 @@ def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir
         cap = capture_of(worker_of(llm))
         assert cap is not None and cap.layer_ids == list(range(L))
         assert cap.binding.gate == ON_CPU              # graph-safe hooks: always armed, no per-step Python gate
-        post = cap.post_step
+        pre, post = cap.pre_step, cap.post_step
+        seen = [0]
 
-        def spy(so):
+        def spy_pre(so):
+            pre(so)
+            seen[0] = cap.binding.calls              # after pre_step (which may reset the counter)
+
+        def spy_post(so):
             if cap.active:                           # a captured request ran: how many hooks ran in Python?
-                steps.append((so.total_num_scheduled_tokens, cap.binding.calls))
+                steps.append((so.total_num_scheduled_tokens, cap.binding.calls - seen[0]))
             return post(so)
 
-        cap.post_step = spy
+        cap.pre_step, cap.post_step = spy_pre, spy_post
         warm, prompts, sps = workload(2)
         warm_outs = generate(llm, warm, SamplingParams(max_tokens=4, temperature=0.0))
         outs = generate(llm, prompts, sps)
