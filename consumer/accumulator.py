@@ -378,15 +378,16 @@ class Accumulator:
                 raise wire.ProtocolError("frame_count", f"finish announces {f.n_output_tokens} output tokens "
                                          f"but has {len(frames)} payload frames")
             out_tokens = wire.tokens_from_frame(frames[0], f.n_output_tokens, "output token")
+        st = self.requests.get(f.request_id)            # sizes checked before anything is kept for the id
+        P = f.prompt_len if st is None or st.prompt_len is None else st.prompt_len
+        if st is not None and st.num_layers is not None:
+            self._check_size(f.request_id, (P or 0) + f.num_output, st.num_layers, st.top_k, "finish")
+        else:
+            self._check_size(f.request_id, (P or 0) + f.num_output, 1, 1, "finish")
         st = self._get(f.request_id, now)
         if st is None:
             self.stats.late_msgs += 1
             return []
-        P = f.prompt_len if st.prompt_len is None else st.prompt_len
-        if st.num_layers is not None:
-            self._check_size(f.request_id, (P or 0) + f.num_output, st.num_layers, st.top_k, "finish")
-        elif (P or 0) + f.num_output > self.max_positions:
-            self._check_size(f.request_id, (P or 0) + f.num_output, 1, 1, "finish")
         if st.finish is not None and self._older(st.key, key):
             self.stats.late_msgs += 1               # a re-sent finish while the record waits for late rows
             return []

@@ -55,6 +55,9 @@ class TrainerClient:
             s.connect(ep)
             self._poller.register(s, zmq.POLLIN)
         self.bad_replies = 0
+        self.unsent = 0
+        self._prefix = ""
+        self._sub_pending: list = []
         self._early: dict[str, wire.Record] = {}
         self._seq = 0
 
@@ -69,11 +72,18 @@ class TrainerClient:
     def __exit__(self, *exc):
         self.close()
 
-    def _send_all(self, kind: str, key, body: dict) -> None:
+    def _send_all(self, kind: str, key, body: dict, socks=None) -> list:
+        """Send one header to each consumer without blocking; returns the sockets that could not take it."""
         self._seq += 1
         head = wire.pack_header(kind, self.client_id, 0, self._seq, key, body)
-        for s in self._socks:
-            s.send(head)
+        failed = []
+        for s in self._socks if socks is None else socks:
+            try:
+                s.send(head, zmq.NOBLOCK)
+            except zmq.Again:       # not connected (or its handshake failed): asked again later
+                self.unsent += 1
+                failed.append(s)
+        return failed
 
     def _recv(self, timeout_ms: int) -> tuple[str, object] | None:
         """One reply: ('record', Record) or ('error', (request_id, reason)), or None on timeout."""
@@ -130,13 +140,25 @@ class TrainerClient:
 
     def subscribe(self, prefix: str = "") -> None:
         """Receive live records whose request id starts with prefix (best effort; fetch is the lossless path)."""
-        self._send_all("hello", self.client_id, {"subscribe": prefix})
+        self._prefix = prefix
+        self._sub_pending = self._send_all("hello", self.client_id, {"subscribe": prefix})
 
     def records(self, timeout_s: float | None = None) -> Iterator[wire.Record]:
         """Yield records as they come (from subscribe); stops after timeout_s without one (None: never)."""
+        started = time.monotonic()
         while True:
-            r = self._recv(-1 if timeout_s is None else int(timeout_s * 1000))
+            wait_ms = -1 if timeout_s is None else int(timeout_s * 1000)
+            if self._sub_pending:   # a consumer that was not reachable yet is asked again every 100 ms
+                self._sub_pending = self._send_all("hello", self.client_id, {"subscribe": self._prefix},
+                                                   self._sub_pending)
+                wait_ms = 100 if wait_ms < 0 else min(wait_ms, 100)
+            r = self._recv(wait_ms)
             if r is None:
+                if self._sub_pending and timeout_s is None:
+                    continue
+                if self._sub_pending and (time.monotonic() - started < timeout_s):
+                    continue
                 return
+            started = time.monotonic()
             if r[0] == "record":
                 yield r[1]
