@@ -679,6 +679,7 @@ class Producer:
         self._hold_data_until = 0.0
         stash = None
         next_hb = time.monotonic() + self.heartbeat_interval_s
+        next_io = 0.0
         while True:
             now = time.monotonic()
             for _ in range(512):
@@ -704,13 +705,15 @@ class Producer:
                     self._stopping = True
                 else:
                     self._intake(item)
-            self._on_monitor(mon, now)
+            if now >= next_io:                         # replies and connection events: per interval, not per step
+                self._on_monitor(mon, now)
+                self._read(sock, now)
+                self._check_timeout(now)
+                next_io = now + 0.005
             blocked = self._pump(sock, now)
-            self._read(sock, now)
             if now >= next_hb:
                 self._send_ctl(sock, "heartbeat")
                 next_hb = now + self.heartbeat_interval_s
-            self._check_timeout(now)
             if (self._stopping or self._closed) and self._closing_done(now):
                 if self._broker_epoch is not None and not self._buf:
                     try:
