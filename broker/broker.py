@@ -390,14 +390,25 @@ class Broker:
             self._ask_rewind(ps, force=True)
 
     def _poison(self, link: _Link) -> set:
-        """Forget the parts sent on this link that it has not acked: their seqs will never be acked through it."""
-        affected = set()
+        """Forget the parts sent on this link that it has not acked: their seqs will never be acked through it.
+
+        Go back N: each affected producer's next accepted seq becomes its lowest seq lost here, so nothing that
+        follows it reaches any consumer again before the producer has resent it (in seq order, from its first
+        unacked). Otherwise a consumer could apply a later message of a request before an earlier one it never
+        got, and emit a record whose rows the earlier message should have overwritten.
+        """
+        low: dict = {}
         for _, tok in link.sent:
             if tok is not None and tok[1] is not None:
-                affected.add(tok[1])
+                ps = tok[1]
+                if tok[2] < low.get(ps, 1 << 63):
+                    low[ps] = tok[2]
                 tok[1] = None
         link.sent.clear()
-        return affected
+        for ps, seq in low.items():
+            if seq < ps.next and self.producers.get(ps.pid) is ps:
+                ps.next = seq
+        return set(low)
 
     def _link_lost(self, link: _Link, why: str) -> None:
         if self.links.get(link.cid) is link:

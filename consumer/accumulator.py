@@ -203,6 +203,7 @@ class Accumulator:
         self.requests: dict[str, _Request] = {}
         self.pending_finish: dict[str, _Request] = {}
         self._finished_ids: OrderedDict[str, tuple | None] = OrderedDict()
+        self._pids: dict[str, str] = {}
         self._remember = remember_finished
         self.bytes_held = 0
         self.stats = AccumulatorStats()
@@ -217,16 +218,19 @@ class Accumulator:
         if kind == "delta":
             self._delta(wire.parse_delta(h), frames, now)
             return self._ready(now) if self.pending_finish else []
+        # who sent a request-level message, kept per request (and per finished id): producer ids interned
+        key = (self._pids.setdefault(h.producer, h.producer) if len(self._pids) < 4096 else h.producer,
+               h.epoch, h.seq)
         if kind == "open":
             o = wire.parse_open(h)
-            if self._open(o, frames, now, (h.producer, h.epoch, h.seq)) and h.body.get("reassigned"):
+            if self._open(o, frames, now, key) and h.body.get("reassigned"):
                 self.mark(o.request_id, "consumer_lost", now)
             return []
         if kind == "finish":
-            return self._finish(wire.parse_finish(h), frames, now, (h.producer, h.epoch, h.seq))
+            return self._finish(wire.parse_finish(h), frames, now, key)
         if kind == "abort":
             rid, reason, n = wire.parse_abort(h)
-            return self._abort(rid, reason, n, now, (h.producer, h.epoch, h.seq))
+            return self._abort(rid, reason, n, now, key)
         raise wire.ProtocolError("unexpected_kind", f"consumer does not take {kind!r} messages")
 
     def _get(self, rid: str, now: float) -> _Request | None:

@@ -355,12 +355,23 @@ def test_real_processes_count_hostile_input_and_keep_good_records_exact(tmp_path
         specs = _good_traffic_alongside(hostile, fe, n=24)
         # a frame above the trainer endpoint's ZMQ_MAXMSGSIZE (4 MiB) drops that connection, nothing else
         big.send(b"\x00" * (wire.MAX_HEADER_BYTES + 1))
-        recs = wait_records([out], 24)
-        check_records(specs, recs)
-        assert set(recs) == {s.request_id for s in specs}  # the hostile opens never finished: no record
+        # complete requests whose ids look like paths: their records are written, under safe names, in out/
+        path_ids = ["../../etc/x", "/abs/evil", "..", "a\x00b", "\\..\\win", "x/" * 300]
+        for rid in path_ids:
+            evil.send(wire.pack_header("open", "evil", 0, 1, rid, {"prompt_len": 1, "num_cached": 0,
+                                                                  "num_layers": L, "top_k": K}))
+            evil.send_multipart([wire.pack_header("delta", "evil", 0, 1, [rid], wire.delta_body([0], [1], L, K)),
+                                 np.full((1, L, K), 3, np.int16).tobytes()])
+            evil.send(wire.pack_header("finish", "evil", 0, 1, rid, {"num_output": 1, "reason": "stop"}))
+        recs = wait_records([out], 24 + len(path_ids))
+        check_records(specs, {k: v for k, v in recs.items() if k.startswith("good-")})
+        assert set(recs) == {s.request_id for s in specs} | set(path_ids)   # the other hostile opens never finish
+        for rid in path_ids:
+            assert recs[rid].complete and (recs[rid].prompt_routed_experts == 3).all()
         assert broker.alive() and c.alive()
         # nothing outside the npz dir, whatever the ids were
         assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "f", "out", "serve"]
+        assert all(p.parent == out and p.is_file() for p in out.iterdir())
         wait_until(lambda: re.search(r" bad=(\d+)", broker.lines[-1]) is not None and
                    int(re.search(r" bad=(\d+)", broker.lines[-1]).group(1)) >= 10, 10, "broker bad count")
         wait_until(lambda: re.search(r"consumer .* bad=[1-9]", c.lines[-1]) is not None, 10, "consumer bad count")

@@ -538,10 +538,13 @@ def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(t
         cons.send(wire.pack_header("ack", "c1", 3, 3, "c1", {"link": [b.epoch, 0, 4]}))
         cons.send(wire.pack_header("ack", "c1", 4, 3, "c1", {"link": [b.epoch, 1, 4]}))
         assert not prod.poll(200)
-        # a gap report: the link starts generation 2 and the producer is asked to rewind from what is unacked
+        # a gap report: the link starts generation 2, the broker goes back to the lowest seq lost on the link (it
+        # refuses what follows until then) and the producer is asked to rewind from what is unacked
         cons.send(wire.pack_header("ack", "c1", 3, 4, "c1", {"link": [b.epoch, 1, 3], "gap": 4}))
         h, _ = recv(prod, "ack")
-        assert h.body == {"epoch": 7, "upto": 2, "rewind": True, "expect": 4}
+        assert h.body == {"epoch": 7, "upto": 2, "rewind": True, "expect": 3}
+        prod.send_multipart([_data("delta", ["a"], 4, wire.delta_body([2], [1], L, K)), bytes(L * K * 2)])
+        wait_until(lambda: b.stats.refused_gap == 2, 5, "seq 4 refused before 3 came again")
         prod.send_multipart([_data("delta", ["a"], 3, wire.delta_body([1], [1], L, K)), bytes(L * K * 2)])
         h, _ = recv(cons, "delta")
         assert (h.seq, h.link) == (3, (b.epoch, 2, 1))
