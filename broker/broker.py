@@ -163,6 +163,7 @@ class Broker:
         self._hold_all = True                         # no live consumer, or a restart's grace period
         self._restart_seen = False
         self._started = time.monotonic()
+        self._now = self._started                     # the serve loop's clock, read once per burst
         self._warned: set = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -260,6 +261,7 @@ class Broker:
                             break
                         self._on_backend(frames, time.monotonic())
                 if front in events:
+                    self._now = time.monotonic()
                     for _ in range(10_000):
                         try:
                             frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -485,6 +487,7 @@ class Broker:
                         ps.next = seq + 1
                         return
                 ps.next = seq + 1
+                ps.last_seen = self._now             # data counts as a sign of life (heartbeats queue behind it)
                 tok = [0, ps, seq]
                 try:
                     self._route(h, frames, tok, ps)
