@@ -661,7 +661,10 @@ class Producer:
             return True
         if not self._stopping or self._to_send or self._need_hello:
             return False
-        return not self._buf or self._broker_epoch is None or self._broker_consumers == 0
+        if not self._buf or self._broker_consumers == 0:
+            return True
+        # a peer that has not answered half a second after everything was sent does not speak acks
+        return self._broker_epoch is None and now - self._sent_all_at >= 0.5
 
     def _loop(self, sock: zmq.Socket, mon: zmq.Socket) -> None:
         self._buf: deque = deque()           # unacked entries, seq increasing
@@ -677,6 +680,7 @@ class Producer:
         self._connections = 0
         self._auth_failures = 0
         self._hold_data_until = 0.0
+        self._sent_all_at = 0.0
         stash = None
         next_hb = time.monotonic() + self.heartbeat_interval_s
         next_io = 0.0
@@ -714,6 +718,8 @@ class Producer:
             if now >= next_hb:
                 self._send_ctl(sock, "heartbeat")
                 next_hb = now + self.heartbeat_interval_s
+            if self._to_send or self._need_hello:
+                self._sent_all_at = now
             if (self._stopping or self._closed) and self._closing_done(now):
                 if self._broker_epoch is not None and not self._buf:
                     try:

@@ -49,8 +49,8 @@ def run_engine(endpoint, specs, seed=0, context=None, **kw):
 
 
 def wait_records(dirs, n, timeout_s=30):
-    def count():
-        return sum(len(list(d.glob("*.npz"))) for d in dirs)
+    def count():     # not the writer's ".tmp-*.npz" files (pathlib's glob matches dot files): they are not there yet
+        return sum(1 for d in dirs for p in d.glob("*.npz") if not p.name.startswith("."))
     wait_until(lambda: count() >= n, timeout_s, f"{n} npz files")
     out = {}
     for d in dirs:
