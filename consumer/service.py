@@ -453,8 +453,7 @@ class Consumer:
         q = self._outbox.get(client)
         queued = set(q) if q else ()
         for rid in ids:
-            got = self.store.peek(rid)
-            if got is None:
+            if rid not in self.store:
                 self._waiters[rid] = (client, deadline)
             elif rid not in queued:
                 self._outbox.setdefault(client, deque()).append(rid)

@@ -63,6 +63,10 @@ class RecordStore:
             log.warning("record store full (%d bytes > %d): evicted %r, evicted_total=%d",
                         self.bytes + victim.nbytes, self.max_bytes, rid[:64], self.evicted)
 
+    def __contains__(self, rid: str) -> bool:
+        """True if take() would return something (a record, or EVICTED), without reading anything from disk."""
+        return rid in self._mem or rid in self._spilled or rid in self._evicted
+
     def peek(self, rid: str) -> wire.Record | str | None:
         """The record without removing it (read back from the spill dir if it is there); like take() otherwise."""
         rec = self._mem.get(rid)
