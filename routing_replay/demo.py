@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="capture off/on pairs")
     ap.add_argument("--inprocess", action="store_true", help="run vLLM's engine in this process")
     a = ap.parse_args(argv)
+    if a.rounds < 1 or a.requests < 1 or a.prefixes < 1 or a.max_tokens < 1:
+        ap.error("--rounds, --requests, --prefixes and --max-tokens must be at least 1")
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
