@@ -32,7 +32,7 @@ Per-step costs, from the plugin engine (collective_rpc into its worker):
         snapshot into the staging ring (post_step), at a decode step's and a full prefill step's token count;
         the side-stream D2H is timed apart (it overlaps compute).
 
-    python bench/vllm_gpu.py --out DIR [--layers 16] [--rounds 6]      (results: docs/perf_vllm_gpu.md)
+    python bench/vllm_gpu.py --out DIR [--layers 16] [--rounds 6]      (results: docs/PERFORMANCE.md)
     python bench/vllm_gpu.py --out DIR --small          (CPU smoke run: tiny model, few requests)
 """
 

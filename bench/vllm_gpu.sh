@@ -5,7 +5,7 @@
 #   bash bench/vllm_gpu.sh test        the tests only       (about 4 minutes on an H100, vLLM install included)
 #   bash bench/vllm_gpu.sh bench [ARGS] the benchmark only   (ARGS go to bench/vllm_gpu.py)
 #   bash bench/vllm_gpu.sh [all]       both
-# On the lent H100, vLLM 0.25.1 comes from the carried pieces (docs/perf_vllm_gpu.md, ../shared/gpu-vllm/RECIPE.md):
+# On the lent H100, vLLM 0.25.1 comes from the carried pieces (docs/PERFORMANCE.md, ../shared/gpu-vllm/RECIPE.md):
 # this script runs .carry/whl/install.sh when `vllm` is not importable. pytest comes from the environment, else from
 # .carry/capture_pylib (a pure-Python copy). The plugin's entry point is declared through a dist-info directory in
 # $HOME/rr-meta when the repository is not pip-installed, so that any engine process vLLM spawns loads it too.

@@ -237,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:            # the demo owns its own flags (argparse REMAINDER drops option-like ones)
+        _setup_logging("info")
+        from routing_replay import demo
+        return demo.main(argv[1:])
     ap = build_parser()
     a = ap.parse_args(argv)
     _setup_logging(a.log_level)

@@ -5,7 +5,7 @@ ROUTING_REPLAY_NPZ_DIR and/or at ROUTING_REPLAY_SERVE while the engine runs. The
 worker rather than as threads inside it because the consumer's work (accumulating rows of every request,
 writing npz files) is Python that would take the GIL from vLLM's engine thread, whose own step loop is Python
 too; measured on the CPU build, the threads cost several times more engine throughput than the same work in
-another process (docs/perf_vllm.md). The worker keeps only the producer thread.
+another process (docs/PERFORMANCE.md). The worker keeps only the producer thread.
 
 Parent side: `PipelineProcess(npz_dir, serve)` starts `python -m routing_replay.vllm_plugin.pipeline`, waits for
 its "ready" line, and exposes `frontend` (an ipc:// endpoint in a private temp dir). `close()` (after the
