@@ -7,6 +7,7 @@ import logging
 import os
 import queue
 import shutil
+import struct
 import threading
 import time
 import uuid
@@ -513,9 +514,10 @@ class Producer:
     def _on_monitor(self, mon: zmq.Socket, now: float) -> None:
         """Connection events: after a reconnect, say hello and send nothing else until the broker answered (its
         epoch says whether it is the same broker or a new one that needs everything unacknowledged again)."""
-        from zmq.utils.monitor import recv_monitor_message
         while mon.poll(0):
-            ev = recv_monitor_message(mon)["event"]
+            # a monitor message: frame 0 = event (uint16) + value (uint32), native order; frame 1 = endpoint
+            # (parsed here: zmq.utils.monitor would import asyncio, 40 ms on the first connection)
+            ev = struct.unpack("=H", mon.recv_multipart()[0][:2])[0]
             if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connections += 1
                 if self._connections > 1:
@@ -524,6 +526,10 @@ class Producer:
                     log.info("producer %s reconnected to %s: unacked=%d", self.producer_id, self.endpoint,
                              len(self._buf))
             elif ev == zmq.EVENT_DISCONNECTED:
+                # hold data from now on: the next connection may be a new broker, which must hear hello first
+                # (set here, long before a reconnect, so no data slips out ahead of the hello)
+                self._need_hello = True
+                self._hold_data_until = float("inf")
                 log.info("producer %s disconnected from %s: unacked=%d", self.producer_id, self.endpoint,
                          len(self._buf))
             else:

@@ -190,6 +190,52 @@ def test_consumer_killed_with_unacked_rows_is_recovered_by_replay(tmp_path):
                 assert proc.stop() == 0
 
 
+def test_consumer_killed_after_acking_its_rows_flags_exactly_what_it_held(tmp_path):
+    """Acknowledged means applied in the consumer's memory: rows c2 applied and acked die with it. Its requests
+    move to c1 and are flagged consumer_lost with exactly those positions missing; c1's requests are untouched."""
+    broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", "--heartbeat-ms", "200")
+    d1, d2 = tmp_path / "c1", tmp_path / "c2"
+    c1 = start_consumer(be, "--npz-dir", str(d1), "--consumer-id", "c1", "--heartbeat-ms", "200")
+    c2 = start_consumer(be, "--npz-dir", str(d2), "--consumer-id", "c2", "--heartbeat-ms", "200")
+    broker.wait_for("consumers=2")
+    P, G, split = 40, 10, 25
+    ids = [f"k{i}" for i in range(16)]
+    owner = {rid: _hrw(rid.encode(), [b"c1", b"c2"]) for rid in ids}
+    try:
+        with Producer(fe, num_layers=L, top_k=K, heartbeat_interval_ms=200) as p:
+            for rid in ids:
+                p.open(rid, prompt_len=P)
+            p.publish_rows(ids, [0] * 16, [split] * 16,
+                           np.concatenate([true_rows(i, np.arange(split), L, K, E) for i in range(16)]))
+            assert p.wait_acked(10)                        # both consumers applied and acked: nothing to resend
+            c2.kill9()
+            broker.wait_for(r"consumer expired id=c2 .*in_flight_requests=8 unacked_parts=0", 10)
+            end = P + G - 1
+            p.publish_rows(ids, [split] * 16, [end - split] * 16,
+                           np.concatenate([true_rows(i, np.arange(split, end), L, K, E) for i in range(16)]))
+            for rid in ids:
+                p.finish(rid, num_output_tokens=G)
+            assert p.wait_acked(10) and p.stats.resent_msgs == 0
+        recs = wait_records([d1], 16)
+        flagged = 0
+        for i, rid in enumerate(ids):
+            r = recs[rid]
+            full = true_rows(i, np.arange(P + G), L, K, E)
+            full[P + G - 1] = -1
+            if owner[rid] == b"c1":                        # untouched
+                assert (r.complete, r.reason, r.missing) == (True, "", [])
+            else:                                          # moved to c1: the rows c2 held are missing, exactly
+                assert (r.complete, r.reason, r.missing) == (False, "consumer_lost", [(0, split)])
+                full[:split] = -1
+                flagged += 1
+            assert np.array_equal(r.prompt_routed_experts, full[:P]) and np.array_equal(r.routed_experts, full[P:])
+        figures("consumer_kill_after_ack", msgs_unacked_at_kill=0, records_checked=16, records_complete=16 - flagged,
+                records_flagged=flagged, records_wrong=0)
+    finally:
+        for proc in (c1, broker):
+            assert proc.stop() == 0
+
+
 PRODUCER_SCRIPT = """
 import sys
 import numpy as np
