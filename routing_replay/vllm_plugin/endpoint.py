@@ -26,10 +26,13 @@ class Sink:
             self.endpoint = self.pipeline.frontend
             self.producer = Producer(self.endpoint, **producer_kw)
         else:
+            if settings.curve_secret:
+                producer_kw = dict(producer_kw, curve_secret=settings.curve_secret, server_key=settings.broker_key)
             self.producer = Producer(settings.broker, **producer_kw)
             self.endpoint = settings.broker
-        log.info("routing-replay: producer %s publishing to %s%s", self.producer.producer_id, self.endpoint,
-                 f" (embedded; npz_dir={settings.npz_dir}, serve={settings.serve})" if self.pipeline else "")
+        log.info("routing-replay: producer %s publishing to %s%s%s", self.producer.producer_id, self.endpoint,
+                 f" (embedded; npz_dir={settings.npz_dir}, serve={settings.serve})" if self.pipeline else "",
+                 " (CURVE)" if settings.curve_secret else "")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued, then (embedded) let the helper's consumer write what finished, then stop it.

@@ -7,6 +7,10 @@
     ROUTING_REPLAY_REQUESTS   `all` (default): every request, unless it sets
                               `extra_args={"return_routed_experts": False}`. `opt-in`: only requests that set
                               `extra_args={"return_routed_experts": True}` (OpenAI server: `vllm_xargs`).
+    ROUTING_REPLAY_CURVE_SECRET  external broker only: this engine's CURVE secret key file (NAME.key_secret, from
+                              `routing-replay keys`); needs ROUTING_REPLAY_BROKER_KEY. The broker must allow-list
+                              the matching public key (`--curve-allow`).
+    ROUTING_REPLAY_BROKER_KEY the broker's public key file (NAME.key).
 
 Settings are read when a worker binds to its model and, cheaply and memoised, whenever the scheduler finishes
 a request, so two engines started one after the other in one process may use different settings.
@@ -22,6 +26,8 @@ ENV_BROKER = "ROUTING_REPLAY_BROKER"
 ENV_NPZ_DIR = "ROUTING_REPLAY_NPZ_DIR"
 ENV_SERVE = "ROUTING_REPLAY_SERVE"
 ENV_REQUESTS = "ROUTING_REPLAY_REQUESTS"
+ENV_CURVE_SECRET = "ROUTING_REPLAY_CURVE_SECRET"
+ENV_BROKER_KEY = "ROUTING_REPLAY_BROKER_KEY"
 EMBEDDED = "embedded"
 EXTRA_ARG = "return_routed_experts"
 REQUEST_MODES = ("all", "opt-in")
@@ -35,6 +41,8 @@ class Settings:
     npz_dir: str | None = None
     serve: str | None = None
     requests: str = "all"
+    curve_secret: str | None = None  # this engine's secret key file, with broker_key: CURVE to the broker
+    broker_key: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -65,7 +73,8 @@ def _truthy(value: Any, what: str) -> bool:
     raise ValueError(f"{what} must be a boolean, got {value!r}")
 
 
-def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str) -> Settings:
+def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
+              broker_key: str = "") -> Settings:
     if requests not in REQUEST_MODES:
         raise ValueError(f"{ENV_REQUESTS}={requests!r}: choose one of {', '.join(REQUEST_MODES)}")
     if broker and broker != EMBEDDED and "://" not in broker:
@@ -74,7 +83,13 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
     if broker and broker != EMBEDDED and (npz_dir or serve):
         raise ValueError(f"{ENV_NPZ_DIR} and {ENV_SERVE} apply to {ENV_BROKER}={EMBEDDED} only; with an external "
                          f"broker ({broker}) run `routing-replay consume --npz-dir DIR` next to it instead")
-    return Settings(broker, npz_dir or None, serve or None, requests)
+    if bool(curve_secret) != bool(broker_key):
+        raise ValueError(f"CURVE needs both {ENV_CURVE_SECRET} (this engine's NAME.key_secret) and {ENV_BROKER_KEY} "
+                         f"(the broker's NAME.key); got only {ENV_CURVE_SECRET if curve_secret else ENV_BROKER_KEY}")
+    if curve_secret and broker == EMBEDDED:
+        raise ValueError(f"{ENV_CURVE_SECRET}/{ENV_BROKER_KEY} apply to an external broker; the embedded pipeline "
+                         f"talks to its broker over ipc inside this machine")
+    return Settings(broker, npz_dir or None, serve or None, requests, curve_secret or None, broker_key or None)
 
 
 _cache: tuple[tuple, Settings] | None = None
@@ -85,7 +100,8 @@ def current() -> Settings:
     global _cache
     env = os.environ
     raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
-           env.get(ENV_REQUESTS, "all").strip().lower() or "all")
+           env.get(ENV_REQUESTS, "all").strip().lower() or "all", env.get(ENV_CURVE_SECRET, "").strip(),
+           env.get(ENV_BROKER_KEY, "").strip())
     cached = _cache
     if cached is not None and cached[0] == raw:
         return cached[1]
