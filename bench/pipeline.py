@@ -105,6 +105,8 @@ def broker_proc(front, back, q, stop):
     import logging
     logging.basicConfig(level=logging.INFO)
     from broker import Broker
+    from routing_replay.tuning import tune_malloc
+    tune_malloc()                 # as `routing-replay broker` does
     b = Broker(front, back, stats_interval_s=2)
     b.bind()
     q.put(("ready", os.getpid()))
@@ -118,6 +120,8 @@ def consumer_proc(back, q, latency):
     logging.basicConfig(level=logging.WARNING)
     import msgpack
     from consumer import Consumer
+    from routing_replay.tuning import tune_malloc
+    tune_malloc()                 # as `routing-replay consume` does
     recv_times = {}
     state = {"records": 0, "last": None, "held_peak": 0}
 
@@ -157,6 +161,12 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s):
     payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
     p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30)
     opened = set()
+    # warm-up, as an engine that connected at start-up: the first step's requests are opened and acked
+    # (connection, hello round trip, the consumers' first allocations) before the clock starts
+    for rid in steps[0][0]:
+        opened.add(rid)
+        p.open(rid, prompt_len=1 if workload == "decode" else 2048)
+    p.wait_acked(60)
     q.get()  # go
     send_times = {}
     t0 = time.monotonic()

@@ -711,7 +711,7 @@ class Broker:
             elif total >= wire.COPY_THRESHOLD * len(run_lo):
                 parts = [mv[a:b] for a, b in zip(a_bytes.tolist(), b_bytes.tolist())]
             elif uniform and per:
-                parts = [np.frombuffer(mv, dtype=np.uint8).reshape(-1, per)[idx]]
+                parts = [np.frombuffer(mv, dtype=np.dtype((np.void, per))).take(idx)]
             else:
                 parts = [b"".join(mv[a:b] for a, b in zip(a_bytes.tolist(), b_bytes.tolist()))]
             if not self._send(o, head, parts, tok):

@@ -14,6 +14,7 @@ and a re-sent open of a request in flight keeps its rows.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from bisect import bisect_right
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from routing_replay import wire
 log = logging.getLogger("routing_replay.consumer")
 
 _FILL = 0xFF  # int16 -1 is 0xFFFF
+_JITTER = itertools.count()
 
 
 @dataclass
@@ -48,7 +50,8 @@ class AccumulatorStats:
 class _Rows:
     """Own one request's rows for one layer range: positions [0, n) in blocks, and the holes below n.
 
-    Blocks are preallocated bytearrays (the next one holds max(16 rows, n/8, the rows being written)), so an
+    Blocks are preallocated bytearrays (the next one holds max(16 rows, n/8, the rows being written); the first
+    one 16-31 rows, varied so that requests in lockstep do not all grow at the same step), so an
     append is one copy into free space: no realloc ever re-copies earlier rows, and unused capacity stays
     below about 1/8 of what is held.
     """
@@ -69,7 +72,9 @@ class _Rows:
         self.bend = 0
 
     def _grow(self, need_rows: int) -> None:
-        rows = max(16, self.cap >> 3, need_rows)
+        # the first block's size varies by 0-15 rows from one _Rows to the next, so requests decoding in lockstep
+        # grow at different steps (at most ~8 of 128 per step, not all 128 at once: a latency spike)
+        rows = max(16 + next(_JITTER) % 16 if not self.cap else 16, self.cap >> 3, need_rows)
         self.blocks.append(bytearray(rows * self.row_bytes))
         self.starts.append(self.cap)
         self.cap += rows

@@ -220,12 +220,17 @@ class Consumer:
                 events = dict(poller.poll(wait_ms))
                 now = time.monotonic()
                 if dealer in events:
-                    for _ in range(1000):      # bounded burst, then timers get their turn
+                    # a burst bounded in count and in time: acks (the producers' replay buffers wait on them)
+                    # and timers get their turn at least every ack interval, however large the messages
+                    for _ in range(1000):
                         try:
                             frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._on_broker_message(frames, now, server)
+                        now = time.monotonic()
+                        if now >= next_ack:
+                            break
                 if server is not None and server in events:
                     while True:
                         try:
