@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 		pytest hypothesis
 	# vLLM's CPU wheel drags these in; they fail to import next to its torch and break transformers
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# coverage-guided fuzzing (tests/fuzz/); optional: its test is skipped where no wheel exists
+	-$(BIN)/pip install -q atheris
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
 	touch $@
 
