@@ -105,8 +105,6 @@ def broker_proc(front, back, q, stop):
     import logging
     logging.basicConfig(level=logging.INFO)
     from broker import Broker
-    from routing_replay.tuning import tune_malloc
-    tune_malloc()                 # as `routing-replay broker` does
     b = Broker(front, back, stats_interval_s=2)
     b.bind()
     q.put(("ready", os.getpid()))
@@ -120,8 +118,6 @@ def consumer_proc(back, q, latency):
     logging.basicConfig(level=logging.WARNING)
     import msgpack
     from consumer import Consumer
-    from routing_replay.tuning import tune_malloc
-    tune_malloc()                 # as `routing-replay consume` does
     recv_times = {}
     state = {"records": 0, "last": None, "held_peak": 0}
 

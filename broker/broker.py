@@ -259,7 +259,7 @@ class Broker:
                             frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_backend(frames, time.monotonic())
+                        self._guarded(self._on_backend, frames, time.monotonic())
                 if front in events:
                     self._now = time.monotonic()
                     for _ in range(10_000):
@@ -267,7 +267,7 @@ class Broker:
                             frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_frontend(frames)
+                        self._guarded(self._on_frontend, frames)
                 now = time.monotonic()
                 if now >= next_ack:
                     self._send_acks()
@@ -440,6 +440,20 @@ class Broker:
 
     # ---- producers ----------------------------------------------------------------------------------------------
 
+    def _guarded(self, handler, *args) -> None:
+        """Run one message handler; a bug it hits on some input is counted and logged, not fatal to the broker.
+
+        A data message that fails this way is acked like a refused one (a resend would fail again): the rows it
+        carried are missing from their records, which say so.
+        """
+        try:
+            handler(*args)
+        except Exception as e:  # noqa: BLE001 (the loop must survive any input; the traceback is logged)
+            self.bad["internal_error"] += 1
+            n = self.bad["internal_error"]
+            if n == 1 or n % 1000 == 0:
+                log.exception("broker internal error on a message (%d so far): %s", n, e)
+
     def _bad(self, e: wire.ProtocolError, peer: bytes, sock) -> None:
         self.bad[e.reason] += 1
         n = self.bad[e.reason]
@@ -491,7 +505,7 @@ class Broker:
                 tok = [0, ps, seq]
                 try:
                     self._route(h, frames, tok, ps)
-                except wire.ProtocolError:
+                except Exception:
                     if tok[0] == 0 and tok[1] is not None:
                         self._complete(ps, seq)       # refused for good: a resend would not make it valid
                     raise

@@ -96,6 +96,8 @@ class _Rows:
             i += 1
 
     def write(self, start: int, count: int, chunk) -> None:
+        if count == 0:                                  # an entry with no rows says nothing (found by atheris)
+            return
         end = start + count
         if end > self.cap:
             self._grow(end - self.cap)
@@ -301,11 +303,12 @@ class Accumulator:
 
     def _delta(self, d: wire.Delta, frames: list, now: float) -> None:
         wire.check_payload(d, frames)
-        if len(frames) == 1:
-            f = frames[0]
-            mv = memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")
-        else:
-            mv = memoryview(b"".join(bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames))
+        # read the frames in place: their boundaries fall on request boundaries (check_payload), so a request's
+        # rows never straddle two frames (a broker's split sends one frame per run of requests)
+        views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in frames]
+        fi = 0
+        mv = views[0] if views else memoryview(b"")
+        lim = len(mv)
         rb = d.row_bytes
         key = (d.layer_lo, d.layer_hi)
         L, K = d.num_layers, d.top_k
@@ -326,6 +329,12 @@ class Accumulator:
         off = 0
         for rid, s, c in zip(d.request_ids, starts, counts):
             end = off + c * rb
+            while end > lim:               # this request's rows start in the next frame
+                fi += 1
+                mv = views[fi]
+                lim = len(mv)
+                end -= off
+                off = 0
             r = get(rid)
             if r is not None and r.n == s and in_bounds:
                 o = r.boff
@@ -503,13 +512,23 @@ class Accumulator:
         K = st.top_k or 0
         total = P + G
         need_hi = P + G - 1 if G > 0 else P        # the last output token is never fed to the model
-        arr = np.full((total, L, K), -1, dtype=wire.ROW_DTYPE)
+        keys = sorted(st.ranges)
+        disjoint = all(a[1] <= b[0] for a, b in zip(keys, keys[1:]))
+        # disjoint layer ranges (the normal case) write each byte once: copy what is held, -1 only for the rest
+        if disjoint:
+            arr = np.empty((total, L, K), dtype=wire.ROW_DTYPE)
+        else:
+            arr = np.full((total, L, K), -1, dtype=wire.ROW_DTYPE)
         missing: list[list[int]] = []
         covered = np.zeros(L, dtype=bool)
         for (lo, hi), rows in st.ranges.items():
             rows.copy_into(arr, lo, hi, total)
+            if disjoint and rows.n < total:
+                arr[rows.n:, lo:hi] = -1            # never written (holes below n are -1 in the blocks already)
             covered[lo:hi] = True
             missing += rows.missing(C, need_hi)
+        if disjoint and L and not covered.all():
+            arr[:, ~covered] = -1
         arr[:C] = -1
         if G > 0:
             arr[total - 1] = -1

@@ -8,8 +8,6 @@ import signal
 import sys
 import threading
 
-from routing_replay.tuning import tune_malloc
-
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5558"
 DEFAULT_SERVE = "tcp://127.0.0.1:5559"
@@ -63,7 +61,6 @@ def cmd_broker(a) -> int:
         b._close_sockets()
         return _die("broker", err)
     _on_signals(b.stop)
-    tune_malloc()
     b.serve()
     return 0
 
@@ -71,7 +68,6 @@ def cmd_broker(a) -> int:
 def cmd_consume(a) -> int:
     import zmq
     from consumer import Consumer
-    tune_malloc()
     if a.serve:
         err = _check_binds("consume", [("--serve", a.serve)], bool(a.curve_secret), a.insecure)
         if err:

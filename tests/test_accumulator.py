@@ -40,11 +40,17 @@ class Feed:
             frames = [np.asarray(tokens, np.int32).tobytes()]
         self._apply("open", rid, body, frames)
 
-    def delta(self, items, layers=(0, L)):
+    def delta(self, items, layers=(0, L), cuts=None):
+        """cuts: split the payload into frames before these request indices (a broker split's frame layout)."""
         ids = [i[0] for i in items]
         body = wire.delta_body([i[1] for i in items], [len(i[2]) for i in items], L, K, *layers)
-        payload = b"".join(np.ascontiguousarray(i[2], np.int16).tobytes() for i in items)
-        self._apply("delta", ids, body, [payload])
+        parts = [np.ascontiguousarray(i[2], np.int16).tobytes() for i in items]
+        if cuts is None:
+            frames = [b"".join(parts)]
+        else:
+            edges = [0, *cuts, len(parts)]
+            frames = [b"".join(parts[a:b]) for a, b in zip(edges, edges[1:])]
+        self._apply("delta", ids, body, frames)
 
     def finish(self, rid, G, **kw):
         self._apply("finish", rid, {"num_output": G, "reason": "stop", **kw})
@@ -263,3 +269,54 @@ def test_rows_on_the_append_fast_path_keep_a_request_alive():
     assert "a" not in f.out and f.acc.in_flight == 1
     f.tick(11.0)                             # now 23: silent since 12
     assert (f.out["a"].complete, f.out["a"].reason) == (False, "timeout")
+
+
+def test_payload_in_several_frames_read_in_place():
+    """A split delta arrives as one frame per run of requests (empty frames and zero-row requests included):
+    every request's rows land where they belong, bit for bit, on the fast and the slow path."""
+    f = Feed()
+    specs = {"a": (1, 6, 3), "b": (2, 4, 2), "c": (3, 9, 4), "d": (4, 5, 2)}     # seed, P, G
+    for rid, (seed, P, G) in specs.items():
+        f.open(rid, P)
+    # prefill: a, b | (empty frame) | c, d
+    f.delta([(rid, 0, rows(seed, 0, P)) for rid, (seed, P, G) in specs.items()], cuts=[2, 2])
+    # decode steps: a zero-row entry for b in the middle, frames cut around it
+    for step in range(4):
+        items = []
+        for rid, (seed, P, G) in specs.items():
+            pos = P + step
+            if pos < P + G - 1:
+                items.append((rid, pos, rows(seed, pos, pos + 1)))
+            else:
+                items.append((rid, pos, rows(seed, pos, pos)))       # nothing this step
+        f.delta(items, cuts=[1, 2, 4])
+    for rid, (seed, P, G) in specs.items():
+        f.finish(rid, G)
+    assert sorted(f.out) == sorted(specs)
+    for rid, (seed, P, G) in specs.items():
+        check(f.out[rid], seed, P, G, 0)
+
+
+def test_frame_boundary_inside_a_request_is_refused_and_nothing_applied():
+    f = Feed()
+    f.open("a", 4)
+    f.open("b", 4)
+    payload = np.ascontiguousarray(np.concatenate([rows(1, 0, 4), rows(2, 0, 4)]), np.int16).tobytes()
+    body = wire.delta_body([0, 0], [4, 4], L, K)
+    h = wire.decode_header(wire.pack_header("delta", "p", 0, 99, ["a", "b"], body))
+    cut = 3 * L * K * 2                                  # inside a's rows
+    with pytest.raises(wire.ProtocolError) as e:
+        f.acc.apply(h, [payload[:cut], payload[cut:]], 0.0)
+    assert e.value.reason == "split_mid_request"
+    assert f.acc.bytes_held == 0 and all(not st.ranges for st in f.acc.requests.values())
+
+
+def test_zero_row_entry_for_a_new_request_is_harmless():
+    """A delta entry with count 0 for a request with no rows yet (atheris found it raising IndexError)."""
+    f = Feed()
+    f.open("a", 3)
+    f.delta([("a", 0, rows(5, 0, 0))])
+    f.delta([("a", 2, rows(5, 2, 2))])              # zero rows past the end: no hole recorded
+    f.delta([("a", 0, rows(5, 0, 4))])
+    f.finish("a", 2)
+    check(f.out["a"], 5, 3, 2, 0)

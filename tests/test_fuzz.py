@@ -477,7 +477,7 @@ def test_every_receiving_socket_has_a_message_size_limit(tmp_path):
 
 # ---- coverage-guided (atheris) --------------------------------------------------------------------------------------
 
-def test_atheris_campaign_on_decoder_and_accumulator():
+def test_atheris_campaign_on_decoder_and_accumulator(tmp_path):
     """30,000 coverage-guided inputs through decode_header, parse_*, decode_record and one long-lived Accumulator:
     only ProtocolError is ever raised, memory stays within max_bytes, and 150 well-formed requests streamed in
     between come out bit-exact (tests/fuzz/fuzz_wire.py checks each; a broken invariant exits non-zero)."""
@@ -487,9 +487,68 @@ def test_atheris_campaign_on_decoder_and_accumulator():
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, os.path.join(root, "tests", "fuzz", "fuzz_wire.py"), "-runs=30000",
-                          "-seed=1"], capture_output=True, text=True, timeout=600, cwd=root)
+                          "-seed=1", f"-artifact_prefix={tmp_path}/"], capture_output=True, text=True, timeout=600,
+                         cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     last = [ln for ln in out.stderr.splitlines() if ln.startswith("fuzz_wire:")][-1]
     stats = dict(kv.split("=") for kv in last.split()[1:])
     assert stats["inputs"] == "30000" and stats["good_records_checked"] == "150", last
     assert int(stats["accepted"]) + int(stats["refused"]) == 30000 and int(stats["refused"]) > 0, last
+
+
+# ---- a bug on one message is not fatal ----------------------------------------------------------------------------
+
+def test_a_handler_bug_on_one_message_is_counted_and_the_loops_go_on(tmp_path):
+    """Stand-in for an unknown bug: the consumer's delta handler raises for request "boom-c", the broker's request
+    router raises for the open of "boom-b". Both loops survive, count `internal_error` once per hit, the broker acks
+    the failed message (the producer is not stuck resending it), boom-c's record is flagged with exactly the rows
+    the failing messages carried, boom-b's record is still whole (its finish carries what the lost open did), and
+    the good requests published alongside are bit-exact."""
+    ctx = zmq.Context()
+    got = {}
+    b = Broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", context=ctx, stats_interval_s=60).start()
+    c = Consumer(b.backend, context=ctx, finish_grace_s=0.1, stats_interval_s=60,
+                 on_record=lambda r: got.__setitem__(r.request_id, r)).start()
+    real_delta, real_route = c.acc._delta, b._route_request
+
+    def delta(d, frames, now):
+        if d.request_ids == ["boom-c"] and int(d.starts[0]) >= 4:
+            raise RuntimeError("injected consumer bug")
+        return real_delta(d, frames, now)
+
+    def route(h, *a):
+        if h.key == "boom-b" and h.kind == "open":
+            raise RuntimeError("injected broker bug")
+        return real_route(h, *a)
+
+    c.acc._delta, b._route_request = delta, route
+    rows = true_rows(9, np.arange(12), L, K, E)
+    try:
+        wait_until(lambda: len(b._live) == 1, 10, "consumer joined")
+        with Producer(b.frontend, num_layers=L, top_k=K, context=ctx) as p:
+            for rid in ("boom-c", "boom-b"):
+                p.open(rid, prompt_len=4)
+                p.publish_rows([rid], [0], [4], rows[:4])
+                p.publish_rows([rid], [4], [4], rows[4:8])        # boom-c: the consumer raises
+                p.publish_rows([rid], [8], [3], rows[8:11])       # boom-c: raises again
+                p.finish(rid, num_output_tokens=8, prompt_len=4)
+            assert p.wait_acked(20), "a failed message was never acked"
+            assert p.stats.resent_msgs == 0
+        specs = _good_traffic_alongside(lambda step: None, b.frontend, context=ctx, seed=5)
+        wait_until(lambda: all(s.request_id in got for s in specs) and "boom-c" in got and "boom-b" in got, 20,
+                   "records")
+        check_records(specs, {k: v for k, v in got.items() if k.startswith("good-")})
+        assert c.bad["internal_error"] == 2 and b.bad["internal_error"] == 1
+        r = got["boom-c"]
+        assert not r.complete and r.missing == [(4, 11)] and r.reason == "rows_not_delivered"
+        np.testing.assert_array_equal(r.prompt_routed_experts, rows[:4])
+        assert (r.routed_experts[:7] == -1).all()
+        rb = got["boom-b"]          # its open never reached the consumer, but the finish carries what the open did
+        assert rb.complete and rb.missing == []
+        np.testing.assert_array_equal(np.concatenate([rb.prompt_routed_experts, rb.routed_experts[:7]]), rows[:11])
+        assert (rb.routed_experts[7] == -1).all()
+        assert b._failure is None and c._failure is None and b._thread.is_alive() and c._thread.is_alive()
+    finally:
+        c.close()
+        b.close()
+        ctx.term()

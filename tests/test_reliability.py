@@ -24,7 +24,7 @@ from consumer import Consumer, TrainerClient, load_records
 from producer import Producer
 from routing_replay import wire
 from routing_replay.synthetic import SyntheticEngine, expected_record, true_rows, workload
-from tests.procs import start_broker, start_consumer, wait_until
+from tests.procs import start_broker, start_consumer, stop_all, wait_until
 from tests.test_pipeline import check_records, wait_records
 
 L, K, E = 4, 2, 16
@@ -130,9 +130,7 @@ def test_broker_killed_mid_stream_and_restarted_every_record_exact(tmp_path):
                 rewinds=st.rewinds, records_checked=len(recs),
                 records_complete=exact, records_flagged=flagged, records_wrong=0)
     finally:
-        for proc in (c1, c2, broker2):
-            if proc is not None:
-                assert proc.stop() == 0
+        stop_all(c1, c2, broker2)
         broker.stop()
 
 
@@ -185,9 +183,7 @@ def test_consumer_killed_with_unacked_rows_is_recovered_by_replay(tmp_path):
         figures("consumer_kill", msgs_unacked_at_kill=unacked_at_kill, resent=st.resent_msgs, rewinds=st.rewinds,
                 records_checked=16, records_complete=16, records_flagged=0, records_wrong=0)
     finally:
-        for proc in (c1, c2b, broker):
-            if proc is not None:
-                assert proc.stop() == 0
+        stop_all(c1, c2b, broker)
 
 
 def test_consumer_killed_after_acking_its_rows_flags_exactly_what_it_held(tmp_path):
@@ -232,8 +228,7 @@ def test_consumer_killed_after_acking_its_rows_flags_exactly_what_it_held(tmp_pa
         figures("consumer_kill_after_ack", msgs_unacked_at_kill=0, records_checked=16, records_complete=16 - flagged,
                 records_flagged=flagged, records_wrong=0)
     finally:
-        for proc in (c1, broker):
-            assert proc.stop() == 0
+        stop_all(c1, broker)
 
 
 PRODUCER_SCRIPT = """
@@ -289,8 +284,7 @@ def test_producer_killed_its_requests_aborted_and_consumer_memory_freed(tmp_path
             proc.kill()
         proc.stdout.close()
         proc.stdin.close()
-        assert c.stop() == 0
-        assert broker.stop() == 0
+        stop_all(c, broker)
 
 
 def test_broker_unreachable_for_10s_then_back_nothing_lost_within_the_bound(tmp_path):
@@ -335,9 +329,7 @@ def test_broker_unreachable_for_10s_then_back_nothing_lost_within_the_bound(tmp_
                 dropped=st.dropped_msgs, records_checked=len(recs), records_complete=exact,
                 records_flagged=flagged, records_wrong=0)
     finally:
-        for proc in (c1, c2, broker2):
-            if proc is not None:
-                assert proc.stop() == 0
+        stop_all(c1, c2, broker2)
         broker.stop()
 
 
@@ -389,9 +381,7 @@ def test_beyond_the_bound_steps_are_dropped_and_records_flagged_never_wrong(tmp_
                 replay_full_episodes=st.replay_full, records_checked=len(specs), records_complete=complete,
                 records_flagged=flagged, records_wrong=0)
     finally:
-        for proc in (c, broker2):
-            if proc is not None:
-                assert proc.stop() == 0
+        stop_all(c, broker2)
         broker.stop()
 
 
@@ -456,8 +446,7 @@ def test_slow_trainer_on_the_fetch_path_keeps_consumer_memory_bounded(tmp_path):
         assert peak - base < 40                            # bound + 64 records queued to one trainer + slack
     finally:
         slow.close(0)
-        assert c.stop() == 0
-        assert broker.stop() == 0
+        stop_all(c, broker)
 
 
 # ---- the delivery machinery on real sockets, one peer faked -----------------------------------------------------
