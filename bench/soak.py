@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-experts", type=int, default=128)
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--round-requests", type=int, default=64)
+    ap.add_argument("--remember-finished", type=int, default=100_000,
+                    help="consumers' window of finished request ids (their RSS grows until it is full)")
     ap.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args(argv)
@@ -136,7 +138,8 @@ def main(argv=None) -> int:
     m = broker.wait_for(r"broker frontend=(\S+) backend=(\S+)")
     fe, be = m.group(1), m.group(2)
     consumers = [Child(["consume", "--connect", be, "--serve", "tcp://127.0.0.1:*", "--consumer-id", f"soak-c{i}",
-                        "--no-progress", "--stats-interval", "30"]) for i in range(2)]
+                        "--no-progress", "--stats-interval", "30", "--remember-finished",
+                        str(a.remember_finished)]) for i in range(2)]
     serves = [c.wait_for(r"serve=(\S+)").group(1) for c in consumers]
     broker.wait_for("consumers=2")
     ctx = mp.get_context("spawn")

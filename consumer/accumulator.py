@@ -202,6 +202,8 @@ class Accumulator:
     def __init__(self, *, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
                  max_positions: int = 1 << 21, max_bytes: int = 16 << 30, max_record_bytes: int = 4 << 30,
                  remember_finished: int = 100_000):
+        if remember_finished < 0:
+            raise ValueError(f"remember_finished must be >= 0, got {remember_finished}")
         self.finish_grace_s = finish_grace_s
         self.request_timeout_s = request_timeout_s
         self.max_positions = max_positions

@@ -101,7 +101,7 @@ class Consumer:
                  max_bytes: int = 16 << 30, on_record: Callable[[wire.Record], None] | None = None,
                  progress: bool = False, stats_interval_s: float = 10.0, rcvhwm: int = 100_000,
                  ack_interval_ms: int = 20, curve_secret: str | None = None, broker_key: str | None = None,
-                 curve_allow: str | None = None):
+                 curve_allow: str | None = None, remember_finished: int = 100_000):
         self.connect = connect
         self.consumer_id = consumer_id or default_peer_id("consumer")
         if not 0 < len(self.consumer_id.encode()) <= 255:
@@ -117,7 +117,7 @@ class Consumer:
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.epoch = time.time_ns() // 1000       # this incarnation: the broker forgets what the last one held
         self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
-                               max_bytes=max_bytes)
+                               max_bytes=max_bytes, remember_finished=remember_finished)
         self.writer = NpzWriter(npz_dir, shard_size) if npz_dir else None
         self.store = RecordStore(store_max_bytes, spill_dir) if serve else None
         self.on_record = on_record

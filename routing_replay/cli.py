@@ -78,7 +78,8 @@ def cmd_consume(a) -> int:
                      heartbeat_interval_ms=a.heartbeat_ms, finish_grace_s=a.finish_grace_ms / 1000,
                      request_timeout_s=a.request_timeout_s, progress=a.progress and a.npz_dir is not None,
                      stats_interval_s=a.stats_interval, ack_interval_ms=a.ack_interval_ms,
-                     curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow)
+                     curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow,
+                     remember_finished=a.remember_finished)
     except ValueError as e:
         return _die("consume", str(e))
     _on_signals(c.stop)
@@ -196,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="emit silent requests as incomplete")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--ack-interval-ms", type=int, default=20, help="ack applied messages to the broker this often")
+    p.add_argument("--remember-finished", type=int, default=100_000, metavar="N",
+                   help="finished request ids remembered, so a resent message for one is recognised as late "
+                        "(about 0.3 KB each)")
     p.add_argument("--broker-key", metavar="FILE", help="the broker's public cert (NAME.key), with --curve-secret")
     curve_server(p, "trainers on --serve")
     common(p)
