@@ -34,6 +34,7 @@ import numpy as np
 import zmq
 
 from routing_replay import security, wire
+from routing_replay.guard import guarded
 
 log = logging.getLogger("routing_replay.broker")
 
@@ -259,7 +260,7 @@ class Broker:
                             frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._guarded(self._on_backend, frames, time.monotonic())
+                        guarded(self._on_backend, (frames, time.monotonic()), self.bad, log, "broker")
                 if front in events:
                     self._now = time.monotonic()
                     for _ in range(10_000):
@@ -267,7 +268,7 @@ class Broker:
                             frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._guarded(self._on_frontend, frames)
+                        guarded(self._on_frontend, (frames,), self.bad, log, "broker")
                 now = time.monotonic()
                 if now >= next_ack:
                     self._send_acks()
@@ -439,20 +440,6 @@ class Broker:
             self._nacked_idents.clear()
 
     # ---- producers ----------------------------------------------------------------------------------------------
-
-    def _guarded(self, handler, *args) -> None:
-        """Run one message handler; a bug it hits on some input is counted and logged, not fatal to the broker.
-
-        A data message that fails this way is acked like a refused one (a resend would fail again): the rows it
-        carried are missing from their records, which say so.
-        """
-        try:
-            handler(*args)
-        except Exception as e:  # noqa: BLE001 (the loop must survive any input; the traceback is logged)
-            self.bad["internal_error"] += 1
-            n = self.bad["internal_error"]
-            if n == 1 or n % 1000 == 0:
-                log.exception("broker internal error on a message (%d so far): %s", n, e)
 
     def _bad(self, e: wire.ProtocolError, peer: bytes, sock) -> None:
         self.bad[e.reason] += 1

@@ -24,6 +24,7 @@ from consumer.accumulator import Accumulator
 from consumer.npz import NpzWriter, Progress
 from consumer.store import EVICTED, RecordStore
 from routing_replay import security, wire
+from routing_replay.guard import guarded
 from routing_replay.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
@@ -208,6 +209,7 @@ class Consumer:
             log.info("consumer %s connected to %s serve=%s npz_dir=%s epoch=%d curve=%s", self.consumer_id,
                      self.connect, self.serve, self.writer.dir if self.writer else None, self.epoch,
                      "on" if self.curve_secret else "off")
+            cid = self.consumer_id
             now = time.monotonic()
             next_hb = now + self.heartbeat_interval_s
             next_tick = now + 0.1
@@ -227,7 +229,7 @@ class Consumer:
                             frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._guarded(self._on_broker_message, frames, now, server)
+                        guarded(self._on_broker_message, (frames, now, server), self.bad, log, cid)
                         now = time.monotonic()
                         if now >= next_ack:
                             break
@@ -237,7 +239,7 @@ class Consumer:
                             frames = server.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._guarded(self._on_client_message, server, frames, now)
+                        guarded(self._on_client_message, (server, frames, now), self.bad, log, cid)
                 now = time.monotonic()
                 if now >= next_ack:
                     body = self.link.ack_body(now, max(0.2, self.heartbeat_interval_s / 2))
@@ -302,20 +304,6 @@ class Consumer:
                  self.store.spilled if self.store is not None else 0,
                  self.store.evicted if self.store is not None else 0, self.subscriber_drops, len(self._waiters),
                  sum(len(q) for q in self._outbox.values()))
-
-    def _guarded(self, handler, *args) -> None:
-        """Run one message handler; a bug it hits on some input is counted and logged, not fatal to the loop.
-
-        The message is then dropped like a malformed one: rows it carried are missing from their records, which
-        say so (incomplete), and every other request goes on untouched.
-        """
-        try:
-            handler(*args)
-        except Exception as e:  # noqa: BLE001 (the loop must survive any input; the traceback is logged)
-            self.bad["internal_error"] += 1
-            n = self.bad["internal_error"]
-            if n == 1 or n % 1000 == 0:
-                log.exception("consumer %s internal error on a message (%d so far): %s", self.consumer_id, n, e)
 
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1
