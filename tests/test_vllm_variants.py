@@ -83,6 +83,36 @@ def test_bfloat16_agreement(embedded, record_property):
     assert v.agreement > 0.9
 
 
+def test_torch_compile_on_cpu_gives_exact_records(embedded):
+    """vLLM's default compilation (torch.compile, VLLM_COMPILE) on the CPU runner, not enforce_eager: the routers'
+    capture is traced into the compiled graph and every row still matches the oracle, with prefix-cache hits."""
+    model = tiny_model("qwen3_moe")
+    llm = inprocess_llm(model, enforce_eager=False, enable_prefix_caching=True, max_num_batched_tokens=256)
+    try:
+        vc = llm.llm_engine.vllm_config
+        mode = getattr(vc.compilation_config, "mode", getattr(vc.compilation_config, "level", None))
+        assert not vc.model_config.enforce_eager and str(mode) not in ("0", "None", "CompilationMode.NONE"), mode
+        rnd = random.Random(4)
+        base = [rnd.randrange(256) for _ in range(300)]
+        prompts = [{"prompt_token_ids": base[:rnd.randrange(130, 300)] + [rnd.randrange(256) for _ in
+                                                                         range(rnd.randrange(1, 40))]}
+                   for _ in range(8)]
+        prompts += [{"prompt_token_ids": [rnd.randrange(256) for _ in range(rnd.randrange(3, 60))]} for _ in range(8)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+        recs = wait_records(embedded, [o.request_id for o in outs])
+    finally:
+        shutdown(llm)
+    oracle = Oracle(str(model))
+    hits = 0
+    for o in outs:
+        r = recs[o.request_id]
+        assert r.complete and r.output_token_ids.tolist() == list(o.outputs[0].token_ids)
+        v = oracle.check(r)
+        assert v.ok and v.rows == (len(o.prompt_token_ids) + 20 - 1 - r.num_cached_tokens) * 4, v.mismatches[:3]
+        hits += r.num_cached_tokens > 0
+    assert hits >= 6, hits                   # the shared 130+ token prefix: one 128-token block cached
+
+
 def test_speculative_decoding_gives_exact_records(embedded):
     """Last in the module: vLLM's n-gram proposer loads numba, after which vLLM 0.32 cannot create another
     engine in this process (triton_utils/dispatcher.py trips over a numba object in sys.modules)."""
