@@ -17,24 +17,18 @@ BIN = [sys.executable, "-m", "routing_replay.cli"]
 _LIVE: list = []          # every Proc started, so tests/conftest.py can reap what a failing test left behind
 
 
-def reap_all() -> list[str]:
-    """Kill every Proc still running; return their command lines (a test that leaves none returns [])."""
-    left = []
+def reap_all() -> None:
+    """Kill every Proc still running."""
     while _LIVE:
         p = _LIVE.pop()
         if p.alive():
-            left.append(" ".join(p.args[:3]))
             p.kill9()
-    return left
 
 
 def stop_all(*procs) -> None:
     """Stop every process given (None skipped) even when one fails to stop cleanly; then assert all exited 0."""
-    codes = {}
-    for p in procs:
-        if p is not None:
-            codes[" ".join(p.args[:1])] = p.stop()
-    bad = {k: v for k, v in codes.items() if v != 0}
+    codes = [(" ".join(p.args[:3]), p.stop()) for p in procs if p is not None]
+    bad = [(args, rc) for args, rc in codes if rc != 0]
     assert not bad, f"processes did not exit cleanly: {bad}"
 
 

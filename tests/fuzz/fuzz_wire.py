@@ -78,14 +78,12 @@ def _good(i: int) -> None:
     rid = f"good-{i}"
     P, G, C = 5, 3, 1
     rows = (np.arange((P + G) * L * K, dtype=np.int16).reshape(P + G, L, K) + i) % 128
-    key = ("good", 1, 0)
     acc.apply(wire.decode_header(wire.pack_header("open", "good", 1, 0, rid, {
         "prompt_len": P, "num_cached": C, "num_layers": L, "top_k": K, "layer_ids": list(range(L))})), [], now[0])
     acc.apply(wire.decode_header(wire.pack_header("delta", "good", 1, 0, [rid], wire.delta_body([C], [P + G - 1 - C],
               L, K))), [rows[C:P + G - 1].tobytes()], now[0])
     recs = acc.apply(wire.decode_header(wire.pack_header("finish", "good", 1, 0, rid, {
         "num_output": G, "reason": "stop", "prompt_len": P, "num_cached": C})), [], now[0])
-    del key
     want = rows.copy()
     want[:C] = -1
     want[P + G - 1] = -1
