@@ -10,7 +10,7 @@ TORCH_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.0
 
 .PHONY: venv run test test-gpu bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip "setuptools>=68" wheel
 	$(BIN)/pip install -q $(TORCH_PKG) $(VLLM_PKG) "transformers>=4.51" "pyzmq>=25" "msgpack>=1.0" numpy \
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	# coverage-guided fuzzing (tests/fuzz/); optional: its test is skipped where no wheel exists
 	-$(BIN)/pip install -q atheris
-	$(BIN)/pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from capture import AsyncCopier, RoutingCache
+from routing_replay.capture import AsyncCopier, RoutingCache
 
 QWEN3_30B_A3B = dict(L=48, E=128, K=8, H=2048, I=768, Q=4096, KV=512)
 SMOKE = dict(L=4, E=16, K=4, H=64, I=32, Q=64, KV=16)

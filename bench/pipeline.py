@@ -51,7 +51,7 @@ def _steps(workload: str, n_steps: int):
 
 def raw_sender(ep, workload, n_steps, q):
     import zmq
-    from routing_replay import wire
+    from routing_replay.protocol import wire
     steps, _, tok = _steps(workload, n_steps)
     payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
     ctx = zmq.Context()
@@ -104,7 +104,7 @@ def proxy_proc(front, back, q):
 def broker_proc(front, back, q, stop):
     import logging
     logging.basicConfig(level=logging.INFO)
-    from broker import Broker
+    from routing_replay.broker import Broker
     b = Broker(front, back, stats_interval_s=2)
     b.bind()
     q.put(("ready", os.getpid()))
@@ -117,7 +117,7 @@ def consumer_proc(back, q, latency):
     import logging
     logging.basicConfig(level=logging.WARNING)
     import msgpack
-    from consumer import Consumer
+    from routing_replay.consumer import Consumer
     recv_times = {}
     state = {"records": 0, "last": None, "held_peak": 0}
 
@@ -152,7 +152,7 @@ def consumer_proc(back, q, latency):
 def producer_proc(ep, workload, n_steps, q, rate_tokens_s):
     import logging
     logging.basicConfig(level=logging.WARNING)
-    from producer import Producer
+    from routing_replay.producer import Producer
     steps, fins, tok = _steps(workload, n_steps)
     payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
     p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30)

@@ -28,9 +28,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from routing_replay.synthetic import expected_record, workload  # noqa: E402
+from routing_replay.apps.synthetic import expected_record, workload  # noqa: E402
 
-CLI = [sys.executable, "-m", "routing_replay.cli"]
+CLI = [sys.executable, "-m", "routing_replay.apps.cli"]
 
 
 def rss_mb(pid: int) -> float:
@@ -85,8 +85,8 @@ def producer_proc(frontend: str, a, rounds_q, stop) -> None:
     """Publish rounds of synthetic requests at a.rate tokens/s; put each finished round's number on rounds_q."""
     import logging
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from producer import Producer
-    from routing_replay.synthetic import SyntheticEngine
+    from routing_replay.producer import Producer
+    from routing_replay.apps.synthetic import SyntheticEngine
 
     class Paced:
         def __init__(self, p):
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
 
-    from consumer import TrainerClient
+    from routing_replay.consumer import TrainerClient
     counts = dict(rounds=0, records_checked=0, records_complete=0, records_flagged=0, records_wrong=0)
     wrong: list[str] = []
     tokens = rows = 0

@@ -64,7 +64,7 @@ def _free_port() -> int:
 def write_model(out: Path, *, layers: int, hidden: int, experts: int, top_k: int, moe_intermediate: int, heads: int,
                 kv_heads: int, head_dim: int, dtype: str) -> Path:
     """config.json (Qwen3-MoE) and a byte-level tokenizer; no weights (vLLM loads with load_format="dummy")."""
-    from routing_replay.models import _tokenizer, make_config
+    from routing_replay.apps.models import _tokenizer, make_config
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = _tokenizer(out)
@@ -104,7 +104,7 @@ def _rpc_reinit_weights(worker, seed: int) -> int:
 
 
 def _rpc_set_timing(worker, on: bool) -> bool:
-    from routing_replay.vllm_plugin import capture_of
+    from routing_replay.engines.vllm_plugin import capture_of
 
     cap = capture_of(worker)
     if cap is None:
@@ -115,7 +115,7 @@ def _rpc_set_timing(worker, on: bool) -> bool:
 
 def _rpc_stats(worker) -> dict:
     """Counters of this engine-core process and, if it captures, of its WorkerCapture."""
-    from routing_replay.vllm_plugin import capture_of
+    from routing_replay.engines.vllm_plugin import capture_of
 
     cpu = os.times()
     d = {"pid": os.getpid(), "cpu_s": cpu.user + cpu.system, "capture": False}
@@ -150,7 +150,7 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
     import numpy as np
     import torch
 
-    from routing_replay.vllm_plugin import capture_of
+    from routing_replay.engines.vllm_plugin import capture_of
 
     cap = capture_of(worker)
     if cap is None or cap.device.type != "cuda":
@@ -245,7 +245,7 @@ class Helpers:
     def __init__(self, work: Path, log_dir: Path):
         self.fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
         self.npz = work / "npz"
-        cli = [sys.executable, "-m", "routing_replay.cli"]
+        cli = [sys.executable, "-m", "routing_replay.apps.cli"]
         self.logs = [open(log_dir / "broker.log", "w"), open(log_dir / "consumer.log", "w")]
         self.procs = [
             subprocess.Popen(cli + ["broker", "--frontend", self.fe, "--backend", be, "--stats-interval", "30"],
@@ -304,7 +304,7 @@ def _check_records(npz: Path, outs, prompt_len: int, output_len: int, layers: in
     """One complete record per request with every computed row present; expert load over all rows."""
     import numpy as np
 
-    from consumer import load_records
+    from routing_replay.consumer import load_records
 
     recs = load_records(npz)
     counts = None
@@ -391,7 +391,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     engines["off"] = LLM(**kw)                          # before the plugin is registered in this process
     start_off = time.monotonic() - t
     os.environ["ROUTING_REPLAY_BROKER"] = helpers.fe
-    import routing_replay.vllm_plugin as plugin
+    import routing_replay.engines.vllm_plugin as plugin
     plugin.register()
     t = time.monotonic()
     engines["on"] = LLM(**kw)

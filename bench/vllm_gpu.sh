@@ -32,7 +32,7 @@ m.entry_points(group='vllm.general_plugins')))" 2>/dev/null; then
   meta=$HOME/rr-meta/routing_replay-0.1.0.dist-info
   mkdir -p "$meta"
   printf 'Metadata-Version: 2.1\nName: routing-replay\nVersion: 0.1.0\n' > "$meta/METADATA"
-  printf '[vllm.general_plugins]\nrouting_replay = routing_replay.vllm_plugin:register\n' > "$meta/entry_points.txt"
+  printf '[vllm.general_plugins]\nrouting_replay = routing_replay.engines.vllm_plugin:register\n' > "$meta/entry_points.txt"
   export PYTHONPATH="$PYTHONPATH:$HOME/rr-meta"
 fi
 

@@ -2,7 +2,7 @@
 engine, same workload, rounds interleaved; and the host time the plugin adds to each engine step.
 
 Default workload: 64 concurrent requests, 256-token prompts (random byte tokens, no shared prefix), 128 output
-tokens each (ignore_eos), greedy, on the tiny random-weight Qwen3-MoE model (routing_replay.models).
+tokens each (ignore_eos), greedy, on the tiny random-weight Qwen3-MoE model (routing_replay.apps.models).
 "Off" rounds opt every request out (`extra_args={"return_routed_experts": False}`): the plugin is loaded and
 its hooks are installed, but no row is copied and no message is sent. "On" rounds capture every request.
 
@@ -64,11 +64,11 @@ def main(argv=None) -> int:
         os.environ["ROUTING_REPLAY_BROKER"] = "embedded"
         os.environ["ROUTING_REPLAY_NPZ_DIR"] = str(npz_dir)
         if a.broker == "embedded-threads":
-            import routing_replay.vllm_plugin.pipeline as pipeline
+            import routing_replay.engines.vllm_plugin.pipeline as pipeline
             pipeline.PipelineProcess = _ThreadPipeline
     else:
         fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
-        cli = pin + [sys.executable, "-m", "routing_replay.cli"]
+        cli = pin + [sys.executable, "-m", "routing_replay.apps.cli"]
         procs.append(subprocess.Popen(cli + ["broker", "--frontend", fe, "--backend", be, "--log-level", "warning"]))
         procs.append(subprocess.Popen(cli + ["consume", "--connect", be, "--npz-dir", str(npz_dir),
                                              "--log-level", "warning", "--no-progress"]))
@@ -92,8 +92,8 @@ class _ThreadPipeline:
 
         import zmq
 
-        from broker import Broker
-        from consumer import Consumer
+        from routing_replay.broker import Broker
+        from routing_replay.consumer import Consumer
 
         self.dir = tempfile.mkdtemp(prefix="rr-threads-")
         self.frontend = f"ipc://{self.dir}/frontend"
@@ -105,7 +105,7 @@ class _ThreadPipeline:
         self.alive = True
 
     def close(self, timeout_s: float = 30.0) -> None:
-        from routing_replay.vllm_plugin.pipeline import _wait_idle
+        from routing_replay.engines.vllm_plugin.pipeline import _wait_idle
 
         if self.alive:
             self.alive = False
@@ -121,9 +121,9 @@ def micro(num_layers: int = 4, top_k: int = 2, reqs: int = 64, n: int = 5000) ->
     import numpy as np
     import torch
 
-    from capture import AsyncCopier, RoutingCache
-    from routing_replay.vllm_plugin.binding import CaptureBinding
-    from routing_replay.vllm_plugin.worker import _StepBatch
+    from routing_replay.capture import AsyncCopier, RoutingCache
+    from routing_replay.engines.vllm_plugin.binding import CaptureBinding
+    from routing_replay.engines.vllm_plugin.worker import _StepBatch
 
     cache = RoutingCache(2048, num_layers, top_k)
     copier = AsyncCopier(cache, num_slots=2)
@@ -179,13 +179,13 @@ def micro(num_layers: int = 4, top_k: int = 2, reqs: int = 64, n: int = 5000) ->
 
 
 def _run(a, npz_dir: Path, procs: list) -> int:
-    from routing_replay.models import make_tiny_model
+    from routing_replay.apps.models import make_tiny_model
 
     model = make_tiny_model(a.model_dir, "qwen3_moe")
     import vllm
     from vllm import LLM, SamplingParams
 
-    import routing_replay.vllm_plugin as plugin
+    import routing_replay.engines.vllm_plugin as plugin
 
     plugin.register()          # no-op if vLLM already loaded it
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=a.prompt_len + a.output_len + 16,

@@ -1,5 +1,5 @@
 """Broker: route routing-replay messages by request id to the consumer that owns the request."""
 
-from broker.broker import Broker, BrokerStats
+from routing_replay.broker.broker import Broker, BrokerStats
 
 __all__ = ["Broker", "BrokerStats"]

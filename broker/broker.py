@@ -33,8 +33,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from routing_replay import security, wire
-from routing_replay.guard import guarded
+from routing_replay.protocol import security, wire
+from routing_replay.protocol.guard import guarded
 
 log = logging.getLogger("routing_replay.broker")
 
@@ -509,7 +509,7 @@ class Broker:
 
     def _on_producer_hello(self, ident: bytes, h: wire.Header) -> None:
         now = time.monotonic()
-        u = wire._int(h.body, "unacked_from", 0, (1 << 63) - 1, 1)
+        u = wire.int_field(h.body, "unacked_from", 0, (1 << 63) - 1, 1)
         ps = self.producers.get(h.producer)
         if ps is not None and ps.epoch != h.epoch:
             if h.epoch < ps.epoch:
@@ -637,7 +637,7 @@ class Broker:
         return new
 
     def _route_request(self, h: wire.Header, frames: list, tok: list, ps: _Prod) -> None:
-        rid = wire._request_id(h.key)
+        rid = wire.check_request_id(h.key)
         if h.kind == "open":
             wire.parse_open(h)
         if self._hold_all:

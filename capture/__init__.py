@@ -1,7 +1,7 @@
 """GPU side of routing-replay: the device routing cache and the asynchronous device-to-host copier."""
 
-from capture.cache import RoutingCache
-from capture.copier import AsyncCopier, CopierStats, PendingRows
-from capture.ring import RowRing
+from routing_replay.capture.cache import RoutingCache
+from routing_replay.capture.copier import AsyncCopier, CopierStats, PendingRows
+from routing_replay.capture.ring import RowRing
 
 __all__ = ["RoutingCache", "AsyncCopier", "CopierStats", "PendingRows", "RowRing"]

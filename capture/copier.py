@@ -34,8 +34,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from capture.cache import RoutingCache
-from capture.ring import RowRing
+from routing_replay.capture.cache import RoutingCache
+from routing_replay.capture.ring import RowRing
 
 ROW_DTYPE = np.dtype("<i2")
 

@@ -1,10 +1,22 @@
-"""Consumer: accumulate routing rows per request, emit finished records to npz files and trainers."""
+"""Consumer: accumulate routing rows per request, emit finished records to npz files and trainers.
 
-from consumer.accumulator import Accumulator, AccumulatorStats
-from consumer.client import RecordEvicted, TrainerClient
-from consumer.npz import NpzWriter, iter_records, load_records, read_record, safe_filename, write_record
-from consumer.service import Consumer
-from consumer.store import RecordStore
+The trainer side (TrainerClient, the npz readers) is importable without loading the consumer service: the
+service's names are resolved on first use.
+"""
+
+from importlib import import_module
+
+from routing_replay.consumer.client import RecordEvicted, TrainerClient
+from routing_replay.consumer.npz import NpzWriter, iter_records, load_records, read_record, safe_filename, write_record
+
+_LAZY = {"Accumulator": "accumulator", "AccumulatorStats": "accumulator", "Consumer": "service",
+         "RecordStore": "store"}
 
 __all__ = ["Accumulator", "AccumulatorStats", "Consumer", "NpzWriter", "RecordEvicted", "RecordStore",
            "TrainerClient", "iter_records", "load_records", "read_record", "safe_filename", "write_record"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

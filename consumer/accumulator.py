@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routing_replay import wire
+from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
 

@@ -7,8 +7,8 @@ from typing import Iterable, Iterator, Sequence
 
 import zmq
 
-from routing_replay import security, wire
-from routing_replay.ids import default_peer_id
+from routing_replay.protocol import security, wire
+from routing_replay.protocol.ids import default_peer_id
 
 
 class RecordEvicted(RuntimeError):

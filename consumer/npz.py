@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from routing_replay import wire
+from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
 

@@ -20,12 +20,12 @@ from typing import Callable
 
 import zmq
 
-from consumer.accumulator import Accumulator
-from consumer.npz import NpzWriter, Progress
-from consumer.store import EVICTED, RecordStore
-from routing_replay import security, wire
-from routing_replay.guard import guarded
-from routing_replay.ids import default_peer_id
+from routing_replay.consumer.accumulator import Accumulator
+from routing_replay.consumer.npz import NpzWriter, Progress
+from routing_replay.consumer.store import EVICTED, RecordStore
+from routing_replay.protocol import security, wire
+from routing_replay.protocol.guard import guarded
+from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
 
@@ -429,15 +429,15 @@ class Consumer:
                 if len(ids) > wire.MAX_REQUESTS_PER_DELTA:
                     raise wire.ProtocolError("too_large", f"fetch of {len(ids)} ids")
                 for rid in ids:
-                    wire._request_id(rid)
-                timeout_ms = wire._int(h.body, "timeout_ms", 0, 1 << 31, 60_000)
+                    wire.check_request_id(rid)
+                timeout_ms = wire.int_field(h.body, "timeout_ms", 0, 1 << 31, 60_000)
                 if len(self._waiters) + len(ids) > MAX_WAITERS:
                     raise wire.ProtocolError("too_many_waiters", f"{len(self._waiters)} ids already waited for, "
                                              f"limit {MAX_WAITERS}")
                 self._fetch(server, client, ids, now + timeout_ms / 1000)
             elif h.kind == "hello" and "subscribe" in h.body:
                 prefix = h.body["subscribe"]
-                if type(prefix) is not str or len(prefix) > wire.MAX_REQUEST_ID_LEN:
+                if type(prefix) is not str or len(prefix) > wire.MAX_REQUEST_ID_BYTES:
                     raise wire.ProtocolError("bad_field", "subscribe prefix must be a str")
                 if client not in self._subscribers and len(self._subscribers) >= MAX_SUBSCRIBERS:
                     raise wire.ProtocolError("too_many_subscribers", f"limit {MAX_SUBSCRIBERS}")

@@ -7,8 +7,8 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from consumer import npz
-from routing_replay import wire
+from routing_replay.consumer import npz
+from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
 

@@ -28,7 +28,7 @@ COPY broker ./broker
 COPY consumer ./consumer
 COPY docker/healthcheck.py ./docker/
 RUN pip install --no-cache-dir . \
-    && python3 -c "import routing_replay.vllm_plugin, vllm; from routing_replay.vllm_plugin.plugin import check_version; check_version(vllm.__version__)"
+    && python3 -c "import routing_replay.engines.vllm_plugin, vllm; from routing_replay.engines.vllm_plugin.plugin import check_version; check_version(vllm.__version__)"
 WORKDIR /
 EXPOSE 8000
 # The wheel's `vllm` script asks for the version of a distribution named "vllm", which this one is not

@@ -18,5 +18,5 @@ COPY docker/healthcheck.py ./docker/
 # vLLM's image installs its Python packages with uv into the system interpreter; add ours the same way (numpy
 # and pyzmq are already there and are kept; msgpack is added).
 RUN uv pip install --system --no-cache . \
-    && python3 -c "import routing_replay.vllm_plugin, vllm; from routing_replay.vllm_plugin.plugin import check_version; check_version(vllm.__version__)"
+    && python3 -c "import routing_replay.engines.vllm_plugin, vllm; from routing_replay.engines.vllm_plugin.plugin import check_version; check_version(vllm.__version__)"
 WORKDIR /

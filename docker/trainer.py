@@ -31,7 +31,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from consumer import TrainerClient, write_record
+from routing_replay.consumer import TrainerClient, write_record
 
 log = logging.getLogger("routing_replay.trainer")
 

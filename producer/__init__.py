@@ -1,5 +1,5 @@
 """Worker-side publisher of per-step routing deltas."""
 
-from producer.producer import Producer, ProducerStats, default_producer_id
+from routing_replay.producer.producer import Producer, ProducerStats, default_producer_id
 
 __all__ = ["Producer", "ProducerStats", "default_producer_id"]

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import zmq
 
-from routing_replay import security, wire
-from routing_replay.ids import default_peer_id
+from routing_replay.protocol import security, wire
+from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.producer")
 
@@ -251,7 +251,7 @@ class Producer:
              prompt_token_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Announce a request: its prompt length and how many leading prompt tokens were prefix-cache hits."""
         self._check()
-        wire._request_id(request_id)
+        wire.check_request_id(request_id)
         if not 0 <= num_cached_tokens <= prompt_len:
             raise ValueError(f"num_cached_tokens={num_cached_tokens} outside [0, prompt_len={prompt_len}]")
         body = {"prompt_len": int(prompt_len), "num_cached": int(num_cached_tokens), "num_layers": self.num_layers,
@@ -637,7 +637,7 @@ class Producer:
                 elif kind == "ack":
                     if h.body.get("epoch") != self.epoch:
                         continue
-                    upto = wire._int(h.body, "upto", -1, (1 << 63) - 1)
+                    upto = wire.int_field(h.body, "upto", -1, (1 << 63) - 1)
                     self._acked(upto, now)
                     if h.body.get("rewind"):
                         self._on_rewind_request(h.body, now)

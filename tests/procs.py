@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-BIN = [sys.executable, "-m", "routing_replay.cli"]
+BIN = [sys.executable, "-m", "routing_replay.apps.cli"]
 
 
 _LIVE: list = []          # every Proc started, so tests/conftest.py can reap what a failing test left behind

@@ -5,9 +5,9 @@ import sys
 import numpy as np
 import pytest
 
-from consumer import Accumulator
-from routing_replay import wire
-from routing_replay.synthetic import true_rows
+from routing_replay.consumer import Accumulator
+from routing_replay.protocol import wire
+from routing_replay.apps.synthetic import true_rows
 
 L, K, E = 3, 2, 16
 

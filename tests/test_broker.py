@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import Broker
-from broker.broker import _hrw
-from routing_replay import wire
+from routing_replay.broker import Broker
+from routing_replay.broker.broker import _hrw
+from routing_replay.protocol import wire
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capture import AsyncCopier, RoutingCache, RowRing
+from routing_replay.capture import AsyncCopier, RoutingCache, RowRing
 
 
 def _ids(n: int, K: int, E: int, seed: int, dtype=torch.int64) -> torch.Tensor:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from capture import AsyncCopier, RoutingCache
+from routing_replay.capture import AsyncCopier, RoutingCache
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -219,8 +219,8 @@ def test_hf_adapter_on_cuda_matches_router_topk(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from routing_replay.hf_adapter import HFRoutingAdapter
-    from routing_replay.models import make_tiny_model
+    from routing_replay.engines.hf_adapter import HFRoutingAdapter
+    from routing_replay.apps.models import make_tiny_model
     spec = importlib.util.spec_from_file_location("_hf_helpers", Path(__file__).with_name("test_hf_adapter.py"))
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)

@@ -59,7 +59,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML parses docker-compose.yml (vLL
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 IMAGE_ROOT = "/opt/routing-replay"              # where docker/Dockerfile and the engine images copy the repo
-CLI = [sys.executable, "-m", "routing_replay.cli"]
+CLI = [sys.executable, "-m", "routing_replay.apps.cli"]
 CURVE_FLAGS = ("--curve-secret", "--curve-allow", "--broker-key", "--server-key")
 CURVE_ENV = ("ROUTING_REPLAY_CURVE_SECRET", "ROUTING_REPLAY_BROKER_KEY")
 ENGINE_TEST_FLAGS = {"--kv-cache-memory-bytes": "128M"}
@@ -180,7 +180,7 @@ def _trainer_module():
 
 
 def test_commands_parse_with_the_real_parsers():
-    from routing_replay.cli import build_parser
+    from routing_replay.apps.cli import build_parser
     c = load_compose()
     seen = set()
     for name, s in c["services"].items():
@@ -216,7 +216,7 @@ def test_trainer_curve_flags_make_an_admitted_client(tmp_path):
     if not zmq.has("curve"):
         pytest.skip("libzmq built without CURVE")
     try:
-        from consumer import TrainerClient
+        from routing_replay.consumer import TrainerClient
         TrainerClient([], curve_secret=None, server_key=None).close()
     except TypeError:
         pytest.skip("TrainerClient takes no CURVE keys in this checkout")
@@ -491,14 +491,14 @@ def _wait_healthy(svc: Service, base: str, timeout_s: float) -> None:
 
 
 def _union_records(dirs: list[Path]) -> dict:
-    from consumer import load_records
+    from routing_replay.consumer import load_records
     return {k: r for d in dirs if d.exists() for k, r in load_records(d).items()}
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     pytest.importorskip("vllm")
-    from routing_replay.vllm_plugin.testing import tiny_model
+    from routing_replay.apps.vllm_harness import tiny_model
 
     t0 = time.monotonic()
     tmp = tmp_path_factory.mktemp("compose")
@@ -545,7 +545,7 @@ def deployment(tmp_path_factory):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_trainer_and_npz_records_agree_bit_for_bit(deployment):
-    from consumer import load_records
+    from routing_replay.consumer import load_records
     d = deployment
     per_consumer = [load_records(p) for p in d["npz_dirs"]]
     assert all(per_consumer), f"a consumer got no record: {[len(r) for r in per_consumer]}"
@@ -574,7 +574,7 @@ def test_trainer_and_npz_records_agree_bit_for_bit(deployment):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_records_complete_and_agree_with_the_oracle(deployment):
-    from routing_replay.oracle import Oracle
+    from routing_replay.apps.oracle import Oracle
     recs = _union_records(deployment["npz_dirs"])
     oracle = Oracle(str(deployment["model"]))
     L = len(oracle.layer_ids)

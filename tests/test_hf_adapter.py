@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay.hf_adapter import HFRoutingAdapter, find_moe_routers
-from routing_replay.models import make_tiny_model, moe_layer_ids
+from routing_replay.engines.hf_adapter import HFRoutingAdapter, find_moe_routers
+from routing_replay.apps.models import make_tiny_model, moe_layer_ids
 
 ARCHS = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
 PROMPTS = [[3, 17, 250, 99, 4, 61], [200, 5, 5, 18, 77, 140], [1, 2, 3, 4, 5, 6]]
@@ -207,7 +207,7 @@ def _recv_all(sock, rids, deadline_s=20.0):
     """Receive until every request's finish arrived; return decoded opens, deltas and finishes."""
     import zmq
 
-    from routing_replay import wire
+    from routing_replay.protocol import wire
     opens, deltas, finishes = {}, [], {}
     deadline = time.monotonic() + deadline_s
     while set(finishes) != set(rids):
@@ -243,8 +243,8 @@ def router(tmp_path):
 
 
 def test_end_to_end_through_producer_mixed_layers(models, router):
-    from producer import Producer
-    from routing_replay import wire
+    from routing_replay.producer import Producer
+    from routing_replay.protocol import wire
     endpoint, sock, ctx = router
     model = models["qwen3_moe_mixed"]
     rids = ["r0", "r1", "r2"]
@@ -272,7 +272,7 @@ def test_end_to_end_through_producer_mixed_layers(models, router):
 
 def test_dropped_step_is_reported_lost_in_finish(models, router):
     """A step the full host ring dropped reaches the consumer as lost positions, never as wrong rows."""
-    from producer import Producer
+    from routing_replay.producer import Producer
     endpoint, sock, ctx = router
     model = models["qwen3_moe"]
     hold = CollectSink(hold=True)

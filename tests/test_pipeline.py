@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import zmq
 
-from broker.broker import _hrw
-from consumer import TrainerClient, load_records
-from producer import Producer
-from routing_replay import wire
-from routing_replay.embedded import EmbeddedPipeline
-from routing_replay.synthetic import SyntheticEngine, expected_record, workload
+from routing_replay.broker.broker import _hrw
+from routing_replay.consumer import TrainerClient, load_records
+from routing_replay.producer import Producer
+from routing_replay.protocol import wire
+from routing_replay.apps.embedded import EmbeddedPipeline
+from routing_replay.apps.synthetic import SyntheticEngine, expected_record, workload
 from tests.procs import Proc, start_broker, start_consumer, wait_until
 
 L, K, E = 4, 2, 16

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import Broker
-from broker.broker import _hrw
-from consumer import Consumer, TrainerClient, load_records
-from producer import Producer
-from routing_replay import wire
-from routing_replay.synthetic import SyntheticEngine, expected_record, true_rows, workload
+from routing_replay.broker import Broker
+from routing_replay.broker.broker import _hrw
+from routing_replay.consumer import Consumer, TrainerClient, load_records
+from routing_replay.producer import Producer
+from routing_replay.protocol import wire
+from routing_replay.apps.synthetic import SyntheticEngine, expected_record, true_rows, workload
 from tests.procs import start_broker, start_consumer, stop_all, wait_until
 from tests.test_pipeline import check_records, wait_records
 
@@ -234,8 +234,8 @@ def test_consumer_killed_after_acking_its_rows_flags_exactly_what_it_held(tmp_pa
 PRODUCER_SCRIPT = """
 import sys
 import numpy as np
-from producer import Producer
-from routing_replay.synthetic import true_rows
+from routing_replay.producer import Producer
+from routing_replay.apps.synthetic import true_rows
 p = Producer(sys.argv[1], num_layers=48, top_k=8, heartbeat_interval_ms=200, producer_id="doomed")
 ids = [f"pk{i}" for i in range(8)]
 for rid in ids:
@@ -638,7 +638,7 @@ def test_producer_rewinds_for_a_new_broker_and_resends_in_seq_order(tmp_path):
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from consumer import Accumulator  # noqa: E402
+from routing_replay.consumer import Accumulator  # noqa: E402
 
 
 class Msgs:

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import zmq
 
-from consumer import TrainerClient
-from producer import Producer
-from routing_replay import security
-from routing_replay.synthetic import SyntheticEngine, workload
+from routing_replay.consumer import TrainerClient
+from routing_replay.producer import Producer
+from routing_replay.protocol import security
+from routing_replay.apps.synthetic import SyntheticEngine, workload
 from tests.procs import Proc, start_broker, start_consumer
 from tests.test_pipeline import check_records, wait_records
 
 L, K, E = 4, 2, 16
-CLI = [sys.executable, "-m", "routing_replay.cli"]
+CLI = [sys.executable, "-m", "routing_replay.apps.cli"]
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

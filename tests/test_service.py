@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import pytest
 
-from consumer import RecordEvicted, RecordStore, TrainerClient, load_records, safe_filename, write_record
-from consumer.npz import NpzWriter
-from producer import Producer
-from routing_replay import wire
-from routing_replay.embedded import EmbeddedPipeline
-from routing_replay.synthetic import SyntheticEngine, expected_record, true_rows, workload
+from routing_replay.consumer import RecordEvicted, RecordStore, TrainerClient, load_records, safe_filename, write_record
+from routing_replay.consumer.npz import NpzWriter
+from routing_replay.producer import Producer
+from routing_replay.protocol import wire
+from routing_replay.apps.embedded import EmbeddedPipeline
+from routing_replay.apps.synthetic import SyntheticEngine, expected_record, true_rows, workload
 from tests.procs import Proc, start_broker, start_consumer, wait_until
 
 L, K, E = 4, 2, 16
@@ -169,21 +169,21 @@ def test_shards_with_index_and_loader(tmp_path):
 
 def test_cli_help_and_errors(tmp_path):
     for sub in ("broker", "consume", "subscribe", "synth"):
-        out = subprocess.run([sys.executable, "-m", "routing_replay.cli", sub, "--help"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "routing_replay.apps.cli", sub, "--help"], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 0 and "--log-level" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "routing_replay.cli", "broker", "--frontend", "tcp://256.0.0.1:1"],
+    bad = subprocess.run([sys.executable, "-m", "routing_replay.apps.cli", "broker", "--frontend", "tcp://256.0.0.1:1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("routing-replay broker: cannot bind tcp://256.0.0.1:1")
-    nosub = subprocess.run([sys.executable, "-m", "routing_replay.cli"], capture_output=True, text=True, timeout=60)
+    nosub = subprocess.run([sys.executable, "-m", "routing_replay.apps.cli"], capture_output=True, text=True, timeout=60)
     assert nosub.returncode == 2
 
 
 def test_bind_conflict_exits_with_reason(tmp_path):
     b1, fe, be = start_broker(f"ipc://{tmp_path}/f", "tcp://127.0.0.1:*")
     try:
-        out = subprocess.run([sys.executable, "-m", "routing_replay.cli", "broker", "--frontend",
+        out = subprocess.run([sys.executable, "-m", "routing_replay.apps.cli", "broker", "--frontend",
                               f"ipc://{tmp_path}/f2", "--backend", be], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "Address already in use" in out.stderr.splitlines()[-1]
     finally:

@@ -1,4 +1,4 @@
-"""The main job end to end: `python -m routing_replay.demo` (vLLM's default multi-process layout, embedded
+"""The main job end to end: `python -m routing_replay.apps.demo` (vLLM's default multi-process layout, embedded
 pipeline, npz, oracle) exits 0 and leaves one complete record per captured request."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ pytest.importorskip("vllm")
 
 def test_demo_passes_and_writes_records(tmp_path):
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "routing_replay.demo", "--out", str(out), "--requests", "24",
+    p = subprocess.run([sys.executable, "-m", "routing_replay.apps.demo", "--out", str(out), "--requests", "24",
                         "--rounds", "1", "--max-tokens", "24"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "oracle (HF transformers)  PASS" in p.stdout and "\nOK\n" in p.stdout
     assert "24 written, 24 complete" in p.stdout
-    from consumer import load_records
+    from routing_replay.consumer import load_records
     recs = load_records(out)
     assert len(recs) == 24 and all(r.complete for r in recs.values())
     assert sum(r.num_cached_tokens for r in recs.values()) > 0          # the shared prefixes hit the cache

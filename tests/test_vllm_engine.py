@@ -24,9 +24,9 @@ vllm = pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
-from routing_replay.oracle import Oracle  # noqa: E402
-from routing_replay.vllm_plugin import capture_of, record_key  # noqa: E402
-from routing_replay.vllm_plugin.testing import (inprocess_llm, run_requests, shutdown, tiny_model,  # noqa: E402
+from routing_replay.apps.oracle import Oracle  # noqa: E402
+from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
+from routing_replay.apps.vllm_harness import (inprocess_llm, run_requests, shutdown, tiny_model,  # noqa: E402
                                                 wait_records, worker_of)
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS")
@@ -127,7 +127,7 @@ def test_many_concurrent_requests(eng):
 
 
 def test_trainer_fetches_from_the_embedded_consumer(eng):
-    from consumer import TrainerClient
+    from routing_replay.consumer import TrainerClient
     rnd = random.Random(12)
     outs = eng.generate([_tokens(rnd, 50) for _ in range(3)], SamplingParams(max_tokens=9, temperature=0))
     ids = [o.request_id for o in outs]

@@ -46,9 +46,9 @@ HAS_CUDA = current_platform.is_cuda()
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not (HAS_CUDA or ON_CPU), reason="needs a CUDA device")]
 
-from routing_replay.oracle import Oracle  # noqa: E402
-from routing_replay.vllm_plugin import capture_of, record_key  # noqa: E402
-from routing_replay.vllm_plugin.testing import (inprocess_llm, shutdown, tiny_model, wait_records,  # noqa: E402
+from routing_replay.apps.oracle import Oracle  # noqa: E402
+from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
+from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_model, wait_records,  # noqa: E402
                                                 worker_of)
 from tests.procs import start_broker, start_consumer  # noqa: E402
 
@@ -174,7 +174,7 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir):
     """vLLM's default multi-process engine publishing to broker and consumer processes; all steps replay graphs."""
     from vllm import LLM
 
-    import routing_replay.vllm_plugin as plugin
+    import routing_replay.engines.vllm_plugin as plugin
 
     npz = tmp_path / "npz"
     broker, fe, be = start_broker()

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 SCRIPT = r"""
 import json, random, sys
 from vllm import LLM, SamplingParams
-from routing_replay.vllm_plugin.testing import tiny_model
+from routing_replay.apps.vllm_harness import tiny_model
 m = tiny_model("qwen3_moe_mixed")
 llm = LLM(model=str(m), dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=64 << 20,
           tensor_parallel_size=2, seed=0)
@@ -37,13 +37,13 @@ def test_tensor_parallel_rank0_publishes_exact_records(tmp_path):
         pytest.skip("needs two CPU cores, one per TP worker")
     import json
 
-    from routing_replay.oracle import Oracle
-    from routing_replay.vllm_plugin.testing import tiny_model, wait_records
+    from routing_replay.apps.oracle import Oracle
+    from routing_replay.apps.vllm_harness import tiny_model, wait_records
 
     fe, be, npz = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be", tmp_path / "npz"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ROUTING_REPLAY_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    cli = [sys.executable, "-m", "routing_replay.cli"]
+    cli = [sys.executable, "-m", "routing_replay.apps.cli"]
     procs = [subprocess.Popen(cli + ["broker", "--frontend", fe, "--backend", be, "--log-level", "warning"], env=env),
              subprocess.Popen(cli + ["consume", "--connect", be, "--npz-dir", str(npz), "--no-progress",
                                      "--log-level", "warning"], env=env)]

@@ -23,8 +23,8 @@ import zmq
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm")
 
-from routing_replay.oracle import Oracle  # noqa: E402
-from routing_replay.vllm_plugin.testing import tiny_model, wait_records  # noqa: E402
+from routing_replay.apps.oracle import Oracle  # noqa: E402
+from routing_replay.apps.vllm_harness import tiny_model, wait_records  # noqa: E402
 
 STARTUP_S = 300
 
@@ -70,7 +70,7 @@ def server(tmp_path_factory):
     fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     uds, npz, keys = str(d / "http.sock"), d / "npz", d / "keys"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUTING_REPLAY_")}
-    cli = [sys.executable, "-m", "routing_replay.cli"]
+    cli = [sys.executable, "-m", "routing_replay.apps.cli"]
     for name in ("broker", "consumer", "engine"):
         subprocess.run(cli + ["keys", str(keys), "--name", name], check=True, capture_output=True, timeout=60)
     (keys / "allow").mkdir()

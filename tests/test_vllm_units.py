@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import wire
-from routing_replay.vllm_plugin import keys, plugin, scheduler_hooks, settings
-from routing_replay.vllm_plugin.binding import CaptureBinding
-from routing_replay.vllm_plugin.worker import LostHookError, _StepBatch
+from routing_replay.protocol import wire
+from routing_replay.engines.vllm_plugin import keys, plugin, scheduler_hooks, settings
+from routing_replay.engines.vllm_plugin.binding import CaptureBinding
+from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_settings_inert_without_broker(env):
     assert not s.enabled
     assert not s.captures(SP())
     # register() without ROUTING_REPLAY_BROKER imports nothing (not even vllm) and wraps nothing
-    code = ("import sys, routing_replay.vllm_plugin as p; p.register(); "
+    code = ("import sys, routing_replay.engines.vllm_plugin as p; p.register(); "
             "print(sorted(m for m in ('vllm', 'torch', 'capture', 'producer', 'zmq') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if not k.startswith("ROUTING_REPLAY_")})
@@ -274,7 +274,7 @@ def test_step_batch_refuses_unwritten_rows():
 
 @pytest.fixture(scope="module")
 def mixed_model():
-    from routing_replay.vllm_plugin.testing import tiny_model
+    from routing_replay.apps.vllm_harness import tiny_model
     return tiny_model("qwen3_moe_mixed")
 
 
@@ -288,7 +288,7 @@ def _record_from(oracle, prompt, output, cached):
 
 
 def test_oracle_accepts_its_own_routing_and_catches_errors(mixed_model):
-    from routing_replay.oracle import Oracle, verify
+    from routing_replay.apps.oracle import Oracle, verify
 
     o = Oracle(str(mixed_model))
     assert o.layer_ids == [0, 2, 3] and o.top_k == 2           # qwen3_moe_mixed: layer 1 is dense
@@ -316,9 +316,9 @@ def test_oracle_accepts_its_own_routing_and_catches_errors(mixed_model):
 
 
 def test_pipeline_process_writes_records_and_stops_cleanly(tmp_path):
-    from consumer import load_records
-    from producer import Producer
-    from routing_replay.vllm_plugin.pipeline import PipelineProcess
+    from routing_replay.consumer import load_records
+    from routing_replay.producer import Producer
+    from routing_replay.engines.vllm_plugin.pipeline import PipelineProcess
 
     pipe = PipelineProcess(npz_dir=str(tmp_path))
     try:
@@ -339,7 +339,7 @@ def test_pipeline_process_writes_records_and_stops_cleanly(tmp_path):
 
 
 def test_pipeline_process_that_cannot_start_raises(tmp_path):
-    from routing_replay.vllm_plugin.pipeline import PipelineProcess
+    from routing_replay.engines.vllm_plugin.pipeline import PipelineProcess
 
     with pytest.raises(RuntimeError, match="exited with"):
         PipelineProcess(serve="tcp://256.1.1.1:1")     # the consumer cannot bind this endpoint

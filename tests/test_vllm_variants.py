@@ -16,9 +16,9 @@ vllm = pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
-from routing_replay.oracle import Oracle, verify  # noqa: E402
-from routing_replay.vllm_plugin import capture_of  # noqa: E402
-from routing_replay.vllm_plugin.testing import inprocess_llm, shutdown, tiny_model, wait_records, worker_of  # noqa: E402
+from routing_replay.apps.oracle import Oracle, verify  # noqa: E402
+from routing_replay.engines.vllm_plugin import capture_of  # noqa: E402
+from routing_replay.apps.vllm_harness import inprocess_llm, shutdown, tiny_model, wait_records, worker_of  # noqa: E402
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS")
 BLOCK_BYTES = 128 * 4 * 1 * 64 * 2 * 4           # tokens x attention layers x kv heads x head dim x (k, v) x fp32

@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from routing_replay import wire
+from routing_replay.protocol import wire
 
 
 def delta_header(ids=("a", "b"), starts=(0, 5), counts=(3, 1), L=4, K=2, **extra):
@@ -102,7 +102,7 @@ def test_bad_delta_bodies_refused(key, body, reason):
 
 def test_overlong_request_id_refused_by_the_unpack_limit():
     with pytest.raises(wire.ProtocolError) as e:
-        wire.decode_header(wire.pack_header("delta", "p", 0, 0, ["x" * (wire.MAX_REQUEST_ID_LEN + 1)],
+        wire.decode_header(wire.pack_header("delta", "p", 0, 0, ["x" * (wire.MAX_REQUEST_ID_BYTES + 1)],
                                             wire.delta_body([0], [1], 4, 2)))
     assert e.value.reason == "undecodable"
 

@@ -24,8 +24,8 @@ with atheris.instrument_imports():
     import msgpack
     import numpy as np
 
-    from consumer.accumulator import Accumulator
-    from routing_replay import wire
+    from routing_replay.consumer.accumulator import Accumulator
+    from routing_replay.protocol import wire
 
 L, K = 4, 2
 ROW = L * K * 2

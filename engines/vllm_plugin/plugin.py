@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from routing_replay.vllm_plugin import settings as _settings
+from routing_replay.engines.vllm_plugin import settings as _settings
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -56,7 +56,7 @@ def register() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_worker import Worker
 
-    from routing_replay.vllm_plugin import scheduler_hooks
+    from routing_replay.engines.vllm_plugin import scheduler_hooks
 
     from vllm.v1.engine.core_client import InprocClient
 
@@ -76,7 +76,7 @@ def capture_of(worker):
 def _install_worker_hooks(cls) -> None:
     if getattr(cls, "_routing_replay_hooked", False):
         return
-    from routing_replay.vllm_plugin.worker import WorkerCapture
+    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
 
     def after(name, fn):
         orig = getattr(cls, name)

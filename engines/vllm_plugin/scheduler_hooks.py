@@ -26,7 +26,7 @@ import functools
 import logging
 from typing import NamedTuple
 
-from routing_replay.vllm_plugin import settings as _settings
+from routing_replay.engines.vllm_plugin import settings as _settings
 
 log = logging.getLogger("vllm.routing_replay")
 

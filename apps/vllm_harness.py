@@ -10,7 +10,7 @@ from pathlib import Path
 
 def tiny_model(arch: str = "qwen3_moe", dtype: str = "float32") -> Path:
     """A generated random-weight model, cached under the temp dir across runs (generation takes seconds)."""
-    from routing_replay.models import make_tiny_model
+    from routing_replay.apps.models import make_tiny_model
 
     d = Path(tempfile.gettempdir()) / "routing-replay-models" / f"{arch}-{dtype}"
     return make_tiny_model(d, arch, dtype=dtype)
@@ -20,7 +20,7 @@ def inprocess_llm(model: str | os.PathLike, **kw):
     """vLLM's LLM with engine core and worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that
     the worker's WorkerCapture can be inspected. Routing-replay settings are read from the environment when
     the worker loads the model, i.e. inside this call."""
-    import routing_replay.vllm_plugin as plugin
+    import routing_replay.engines.vllm_plugin as plugin
     from vllm import LLM
 
     plugin.register()        # vLLM loads it too, once per process; this covers a process that loaded it earlier
@@ -53,7 +53,7 @@ def shutdown(llm) -> None:
 def wait_records(npz_dir: str | os.PathLike, ids, timeout_s: float = 60.0) -> dict:
     """Poll an npz directory until records for all `ids` exist; returns every record found. Raises
     TimeoutError naming the missing ids."""
-    from consumer import load_records
+    from routing_replay.consumer import load_records
 
     want = set(ids)
     deadline = time.monotonic() + timeout_s

@@ -7,7 +7,7 @@ record agrees when, for every (token, MoE layer) row it carries, the SET of its 
 the prefix-cached prompt positions [0, num_cached_tokens) and the last output token (never fed to the model),
 plus, for an incomplete record, its declared `missing` ranges.
 
-`python -m routing_replay.oracle MODEL_DIR NPZ_DIR [--dtype bfloat16]` prints a verdict and exits 1 on any
+`python -m routing_replay.apps.oracle MODEL_DIR NPZ_DIR [--dtype bfloat16]` prints a verdict and exits 1 on any
 disagreement.
 """
 
@@ -196,12 +196,12 @@ def verify(records: Iterable, model_dir: str, dtype: str = "float32", oracle: Or
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m routing_replay.oracle", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m routing_replay.apps.oracle", description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
     ap.add_argument("npz_dir")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args(argv)
-    from consumer import load_records
+    from routing_replay.consumer import load_records
 
     recs = load_records(a.npz_dir)
     v = verify(recs.values(), a.model_dir, a.dtype)

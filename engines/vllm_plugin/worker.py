@@ -39,12 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from capture import AsyncCopier, RoutingCache
-from routing_replay.vllm_plugin import keys as _keys
-from routing_replay.vllm_plugin import scheduler_hooks
-from routing_replay.vllm_plugin.binding import CaptureBinding, find_moe_layers
-from routing_replay.vllm_plugin.endpoint import Sink
-from routing_replay.vllm_plugin.settings import Settings
+from routing_replay.capture import AsyncCopier, RoutingCache
+from routing_replay.engines.vllm_plugin import keys as _keys
+from routing_replay.engines.vllm_plugin import scheduler_hooks
+from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers
+from routing_replay.engines.vllm_plugin.endpoint import Sink
+from routing_replay.engines.vllm_plugin.settings import Settings
 
 log = logging.getLogger("vllm.routing_replay")
 

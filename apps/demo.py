@@ -2,14 +2,14 @@
 
     routing-replay demo [--out ./out] [--requests 64] [--arch qwen3_moe] [--inprocess]
 
-1. Generates a random-weight MoE checkpoint (routing_replay.models; cached under the temp dir).
+1. Generates a random-weight MoE checkpoint (routing_replay.apps.models; cached under the temp dir).
 2. Starts vLLM (`LLM(...)`, vLLM's own process layout unless --inprocess) with ROUTING_REPLAY_BROKER=embedded
    and ROUTING_REPLAY_NPZ_DIR=OUT: broker and consumer run inside the engine, one npz file per request.
 3. Runs a workload of requests that share a few long prefixes (so vLLM's prefix cache hits, in 128-token
    blocks on CPU), prompts longer than the chunked-prefill budget, sampled outputs. Rounds with capture off
    (every request opted out) and on alternate; the prefix cache is reset before each round.
 4. Waits for the records of the capture-on rounds, recomputes every routing decision with HF transformers
-   (routing_replay.oracle) and prints a summary. Exit status 1 if the oracle disagrees or a record is missing
+   (routing_replay.apps.oracle) and prints a summary. Exit status 1 if the oracle disagrees or a record is missing
    or incomplete.
 """
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
     os.environ.pop("ROUTING_REPLAY_SERVE", None)
 
-    from routing_replay.vllm_plugin.testing import tiny_model
+    from routing_replay.apps.vllm_harness import tiny_model
 
     t_start = time.monotonic()
     model = tiny_model(a.arch)
@@ -71,14 +71,14 @@ def main(argv=None) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    import routing_replay.vllm_plugin as plugin
+    import routing_replay.engines.vllm_plugin as plugin
 
     plugin.register()
     engine_kw = dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=1024,
                      max_num_batched_tokens=1024, enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
                      seed=0)
     if a.inprocess:
-        from routing_replay.vllm_plugin.testing import inprocess_llm
+        from routing_replay.apps.vllm_harness import inprocess_llm
         llm = inprocess_llm(model, **{k: v for k, v in engine_kw.items() if k != "model"})
     else:
         llm = LLM(**engine_kw)
@@ -106,9 +106,9 @@ def main(argv=None) -> int:
             print(f"round {len(on) + len(off)}: capture {'on ' if capture else 'off'} {tok_s:8.0f} tok/s "
                   f"({out_s:.0f} output tok/s)", flush=True)
 
-    from consumer import load_records
-    from routing_replay.oracle import verify
-    from routing_replay.vllm_plugin.testing import wait_records
+    from routing_replay.consumer import load_records
+    from routing_replay.apps.oracle import verify
+    from routing_replay.apps.vllm_harness import wait_records
 
     ids = [o.request_id for o in captured]
     missing_err = ""
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     except TimeoutError as e:
         missing_err = str(e)
     if a.inprocess:
-        from routing_replay.vllm_plugin.testing import shutdown
+        from routing_replay.apps.vllm_harness import shutdown
         shutdown(llm)
     else:
         llm.llm_engine.engine_core.shutdown()

@@ -1,7 +1,7 @@
 """Generate tiny random-weight MoE checkpoints (Qwen3-MoE, Qwen3-MoE with dense layers, Mixtral) on local disk.
 
 Nothing is downloaded: the config, the weights (seeded) and a byte-level tokenizer are made here and saved in
-HF format, loadable by transformers and by vLLM. `python -m routing_replay.models DIR --arch qwen3_moe`.
+HF format, loadable by transformers and by vLLM. `python -m routing_replay.apps.models DIR --arch qwen3_moe`.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m routing_replay.models", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m routing_replay.apps.models", description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
     ap.add_argument("--arch", choices=ARCHS, default="qwen3_moe")
     ap.add_argument("--seed", type=int, default=0)

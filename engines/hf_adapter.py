@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from capture import AsyncCopier, RoutingCache
+from routing_replay.capture import AsyncCopier, RoutingCache
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate$")
 

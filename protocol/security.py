@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 
-log = logging.getLogger("routing_replay.security")
+log = logging.getLogger("routing_replay.protocol.security")
 
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "ip6-loopback"})
 
@@ -92,7 +92,7 @@ def start_authenticator(ctx: zmq.Context, allow_dir: str | os.PathLike):
     n = len(list(d.glob("*.key")))
     if n == 0:
         raise ValueError(f"CURVE allow-list {d} holds no NAME.key public certs")
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("routing_replay.security.zap"))
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("routing_replay.protocol.security.zap"))
     auth.start()
     auth.configure_curve(domain="*", location=str(d))
     log.info("curve allow_dir=%s keys=%d", d, n)

@@ -7,11 +7,11 @@ writing npz files) is Python that would take the GIL from vLLM's engine thread, 
 too; measured on the CPU build, the threads cost several times more engine throughput than the same work in
 another process (docs/PERFORMANCE.md). The worker keeps only the producer thread.
 
-Parent side: `PipelineProcess(npz_dir, serve)` starts `python -m routing_replay.vllm_plugin.pipeline`, waits for
+Parent side: `PipelineProcess(npz_dir, serve)` starts `python -m routing_replay.engines.vllm_plugin.pipeline`, waits for
 its "ready" line, and exposes `frontend` (an ipc:// endpoint in a private temp dir). `close()` (after the
 producer has sent everything) sends SIGTERM; the child lets its consumer go idle, closes, and exits 0.
 Child side: a Broker (frontend ipc://, backend inproc://) and a Consumer in one process, as
-routing_replay.embedded wires them. It also exits if its parent disappears.
+routing_replay.apps.embedded wires them. It also exits if its parent disappears.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class PipelineProcess:
         self.dir = tempfile.mkdtemp(prefix="routing-replay-")
         self.frontend = f"ipc://{self.dir}/frontend"
         self.npz_dir, self.serve = npz_dir, serve
-        cmd = [sys.executable, "-m", "routing_replay.vllm_plugin.pipeline", "--frontend", self.frontend,
+        cmd = [sys.executable, "-m", "routing_replay.engines.vllm_plugin.pipeline", "--frontend", self.frontend,
                "--parent", str(os.getpid())]
         if npz_dir:
             cmd += ["--npz-dir", npz_dir]
@@ -111,7 +111,7 @@ def _wait_idle(consumer, timeout_s: float, quiet_s: float = 0.3) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m routing_replay.vllm_plugin.pipeline",
+    ap = argparse.ArgumentParser(prog="python -m routing_replay.engines.vllm_plugin.pipeline",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--frontend", required=True)
     ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
@@ -123,8 +123,8 @@ def main(argv=None) -> int:
 
     import zmq
 
-    from broker import Broker
-    from consumer import Consumer
+    from routing_replay.broker import Broker
+    from routing_replay.consumer import Consumer
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,9 +6,9 @@ import uuid
 
 import zmq
 
-from broker import Broker
-from consumer import Consumer
-from producer import Producer
+from routing_replay.broker import Broker
+from routing_replay.consumer import Consumer
+from routing_replay.producer import Producer
 
 
 class EmbeddedPipeline:

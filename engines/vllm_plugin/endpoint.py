@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from producer import Producer
-from routing_replay.vllm_plugin.settings import ENV_BROKER, Settings
+from routing_replay.producer import Producer
+from routing_replay.engines.vllm_plugin.settings import ENV_BROKER, Settings
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -21,7 +21,7 @@ class Sink:
                     f"{ENV_BROKER}=embedded runs broker and consumer inside the one worker that publishes; "
                     "with data or pipeline parallelism several workers publish. Run `routing-replay broker` "
                     f"and `routing-replay consume` and set {ENV_BROKER}=tcp://HOST:PORT instead.")
-            from routing_replay.vllm_plugin.pipeline import PipelineProcess
+            from routing_replay.engines.vllm_plugin.pipeline import PipelineProcess
             self.pipeline = PipelineProcess(npz_dir=settings.npz_dir, serve=settings.serve)
             self.endpoint = self.pipeline.frontend
             self.producer = Producer(self.endpoint, **producer_kw)

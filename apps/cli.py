@@ -32,7 +32,7 @@ def _on_signals(stop) -> None:
 
 
 def _check_binds(prog: str, endpoints: list, curve: bool, insecure: bool) -> str | None:
-    from routing_replay import security
+    from routing_replay.protocol import security
     for what, ep in endpoints:
         try:
             security.check_bind(ep, curve=curve, insecure=insecure, what=what)
@@ -43,7 +43,7 @@ def _check_binds(prog: str, endpoints: list, curve: bool, insecure: bool) -> str
 
 def cmd_broker(a) -> int:
     import zmq
-    from broker import Broker
+    from routing_replay.broker import Broker
     try:
         b = Broker(a.frontend, a.backend, heartbeat_interval_ms=a.heartbeat_ms, liveness=a.liveness,
                    stats_interval_s=a.stats_interval, max_pending_bytes=a.max_pending_mb << 20,
@@ -67,7 +67,7 @@ def cmd_broker(a) -> int:
 
 def cmd_consume(a) -> int:
     import zmq
-    from consumer import Consumer
+    from routing_replay.consumer import Consumer
     if a.serve:
         err = _check_binds("consume", [("--serve", a.serve)], bool(a.curve_secret), a.insecure)
         if err:
@@ -98,7 +98,7 @@ def cmd_consume(a) -> int:
 
 
 def cmd_subscribe(a) -> int:
-    from consumer import TrainerClient
+    from routing_replay.consumer import TrainerClient
     stop = threading.Event()
     _on_signals(stop.set)
     n = 0
@@ -127,7 +127,7 @@ def cmd_subscribe(a) -> int:
 
 
 def cmd_keys(a) -> int:
-    from routing_replay import security
+    from routing_replay.protocol import security
     try:
         pub, sec = security.create_keys(a.dir, a.name)
     except (ValueError, OSError) as e:
@@ -137,13 +137,13 @@ def cmd_keys(a) -> int:
 
 
 def cmd_synth(a) -> int:
-    from routing_replay import synthetic
+    from routing_replay.apps import synthetic
     return synthetic.main_from_args(a)
 
 
 def cmd_demo(a) -> int:
     try:
-        from routing_replay import demo
+        from routing_replay.apps import demo
     except ImportError as e:
         return _die("demo", f"the vLLM demo is not available: {e}")
     return demo.main(a.rest)
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synth", help="run a synthetic engine (no GPU, no vLLM) through a broker, or embedded",
                        description="Publishes a deterministic workload (chunked prefill, decode, prefix hits, "
                        "speculative overwrites, preemption, aborts) and checks the records it gets back.")
-    from routing_replay import synthetic
+    from routing_replay.apps import synthetic
     synthetic.add_arguments(p)
     common(p)
     p.set_defaults(fn=cmd_synth)
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:            # the demo owns its own flags (argparse REMAINDER drops option-like ones)
         _setup_logging("info")
-        from routing_replay import demo
+        from routing_replay.apps import demo
         return demo.main(argv[1:])
     ap = build_parser()
     a = ap.parse_args(argv)

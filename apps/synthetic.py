@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from routing_replay import wire
+from routing_replay.protocol import wire
 
-log = logging.getLogger("routing_replay.synthetic")
+log = logging.getLogger("routing_replay.apps.synthetic")
 
 _M = np.uint64(0xFFFFFFFF)
 
@@ -220,7 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main_from_args(a) -> int:
     """`routing-replay synth`: publish a workload; in embedded mode also check every record bit for bit."""
-    from producer import Producer
+    from routing_replay.producer import Producer
     specs = workload(a.requests, seed=a.seed, prefix=a.prefix)
     eng = SyntheticEngine(num_layers=a.num_layers, top_k=a.top_k, num_experts=a.num_experts,
                           token_budget=a.token_budget, log_every_s=1.0)
@@ -235,7 +235,7 @@ def main_from_args(a) -> int:
                  "dropped=%d seconds=%.2f", len(specs), len(eng.finished), len(eng.aborted), eng.steps,
                  eng.rows_published, st.sent_msgs, st.sent_bytes / 1e6, st.dropped_msgs, dt)
         return 0
-    from routing_replay.embedded import EmbeddedPipeline
+    from routing_replay.apps.embedded import EmbeddedPipeline
     got: dict = {}
     with EmbeddedPipeline(npz_dir=a.npz_dir, on_record=lambda r: got.__setitem__(r.request_id, r)) as pipe:
         with pipe.producer(num_layers=a.num_layers, top_k=a.top_k) as prod:

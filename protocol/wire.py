@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
@@ -85,7 +85,7 @@ REQUEST_KINDS = frozenset({"open", "finish", "abort"})
 # Limits on untrusted input. A message beyond any of them is refused before it allocates anything.
 MAX_HEADER_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 1 << 30          # ZMQ_MAXMSGSIZE on every receiving socket (per frame)
-MAX_REQUEST_ID_LEN = 1024            # bytes of UTF-8
+MAX_REQUEST_ID_BYTES = 1024          # UTF-8 bytes of a request id (the one definition; see check_request_id)
 MAX_PEER_ID_LEN = 256
 MAX_REQUESTS_PER_DELTA = 1 << 16
 MAX_ROWS_PER_DELTA = 1 << 20
@@ -96,7 +96,7 @@ MAX_FRAMES = 1 + MAX_REQUESTS_PER_DELTA
 COPY_THRESHOLD = 64 * 1024           # payload frames larger than this are sent zero-copy
 
 _UNPACK_LIMITS = dict(
-    max_str_len=MAX_REQUEST_ID_LEN,      # every str in a header (request ids are the longest)
+    max_str_len=MAX_REQUEST_ID_BYTES,    # bytes of every str in a header (request ids are the longest)
     max_bin_len=MAX_HEADER_BYTES,
     max_array_len=MAX_REQUESTS_PER_DELTA * 2,
     max_map_len=64,
@@ -166,7 +166,8 @@ def _int_list(values: Any, name: str, lo: int, hi: int) -> array.array:
     return arr
 
 
-def _int(body: dict, name: str, lo: int, hi: int, default: Any = ...) -> int:
+def int_field(body: dict, name: str, lo: int, hi: int, default: Any = ...) -> int:
+    """body[name] as an int in [lo, hi] (`default` when absent, if given); ProtocolError otherwise."""
     v = body.get(name, default)
     if v is ...:
         raise _bad("missing_field", f"body lacks {name!r}")
@@ -175,12 +176,33 @@ def _int(body: dict, name: str, lo: int, hi: int, default: Any = ...) -> int:
     return v
 
 
-def _request_id(key: Any) -> str:
-    if type(key) is not str or not key or len(key) > MAX_REQUEST_ID_LEN:
-        shown = key[:64] if isinstance(key, str) else type(key).__name__
-        raise _bad("bad_request_id", f"request id must be a non-empty str of at most {MAX_REQUEST_ID_LEN} "
-                   f"characters, got {shown!r}")
+
+def request_id_problem(key: Any) -> str | None:
+    """Why `key` cannot travel as a request id (None if it can): the one definition, used by every sender.
+
+    A request id is a non-empty str whose UTF-8 encoding has at most MAX_REQUEST_ID_BYTES bytes (the receivers'
+    msgpack limit counts bytes); a str with lone surrogates has no UTF-8 encoding at all.
+    """
+    if type(key) is not str or not key:
+        return f"request id must be a non-empty str, got {type(key).__name__} {str(key)[:64]!r}"
+    if len(key) > MAX_REQUEST_ID_BYTES:       # cheap bound first: every character is at least one byte
+        return f"request id of {len(key)} characters exceeds {MAX_REQUEST_ID_BYTES} UTF-8 bytes"
+    try:
+        n = len(key.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        return f"request id is not encodable as UTF-8 ({e.reason} at index {e.start})"
+    if n > MAX_REQUEST_ID_BYTES:
+        return f"request id of {len(key)} characters is {n} UTF-8 bytes, limit {MAX_REQUEST_ID_BYTES}"
+    return None
+
+
+def check_request_id(key: Any) -> str:
+    """`key` if it can travel as a request id; ProtocolError("bad_request_id") saying why otherwise."""
+    problem = request_id_problem(key)
+    if problem is not None:
+        raise _bad("bad_request_id", problem)
     return key
+
 
 
 def decode_header(frame: bytes | memoryview) -> Header:
@@ -267,10 +289,10 @@ def parse_delta(h: Header) -> Delta:
     total = int(counts.sum(dtype=np.int64))
     if total > MAX_ROWS_PER_DELTA:
         raise _bad("too_large", f"delta carries {total} rows, limit {MAX_ROWS_PER_DELTA}")
-    L = _int(b, "num_layers", 1, MAX_LAYERS)
-    K = _int(b, "top_k", 1, MAX_TOP_K)
-    lo = _int(b, "layer_lo", 0, L - 1, 0)
-    hi = _int(b, "layer_hi", lo + 1, L, L)
+    L = int_field(b, "num_layers", 1, MAX_LAYERS)
+    K = int_field(b, "top_k", 1, MAX_TOP_K)
+    lo = int_field(b, "layer_lo", 0, L - 1, 0)
+    hi = int_field(b, "layer_hi", lo + 1, L, L)
     return Delta(ids, starts, counts, L, K, lo, hi, total)
 
 
@@ -318,17 +340,17 @@ class Open:
 
 
 def parse_open(h: Header) -> Open:
-    rid = _request_id(h.key)
+    rid = check_request_id(h.key)
     b = h.body
-    P = _int(b, "prompt_len", 0, MAX_POSITION)
-    C = _int(b, "num_cached", 0, P)
-    L = _int(b, "num_layers", 1, MAX_LAYERS)
-    K = _int(b, "top_k", 1, MAX_TOP_K)
+    P = int_field(b, "prompt_len", 0, MAX_POSITION)
+    C = int_field(b, "num_cached", 0, P)
+    L = int_field(b, "num_layers", 1, MAX_LAYERS)
+    K = int_field(b, "top_k", 1, MAX_TOP_K)
     ids = b.get("layer_ids", list(range(L)))
     ids = list(_int_list(ids, "layer_ids", 0, 1 << 20))
     if len(ids) != L:
         raise _bad("bad_field", f"layer_ids has {len(ids)} entries for num_layers={L}")
-    nt = _int(b, "n_prompt_tokens", 0, MAX_POSITION, 0)
+    nt = int_field(b, "n_prompt_tokens", 0, MAX_POSITION, 0)
     return Open(rid, P, C, L, K, ids, nt)
 
 
@@ -344,14 +366,14 @@ class Finish:
 
 
 def parse_finish(h: Header) -> Finish:
-    rid = _request_id(h.key)
+    rid = check_request_id(h.key)
     b = h.body
-    G = _int(b, "num_output", 0, MAX_POSITION)
+    G = int_field(b, "num_output", 0, MAX_POSITION)
     reason = b.get("reason", "stop")
     if type(reason) is not str or len(reason) > 64:
         raise _bad("bad_field", "finish reason must be a str of at most 64 characters")
-    P = _int(b, "prompt_len", 0, MAX_POSITION, None) if b.get("prompt_len") is not None else None
-    C = _int(b, "num_cached", 0, MAX_POSITION, None) if b.get("num_cached") is not None else None
+    P = int_field(b, "prompt_len", 0, MAX_POSITION, None) if b.get("prompt_len") is not None else None
+    C = int_field(b, "num_cached", 0, MAX_POSITION, None) if b.get("num_cached") is not None else None
     lost_raw = b.get("lost", [])
     if not isinstance(lost_raw, list) or len(lost_raw) > 4096:
         raise _bad("bad_field", "lost must be a list of at most 4096 [lo, hi] ranges")
@@ -361,18 +383,18 @@ def parse_finish(h: Header) -> Finish:
                 or not 0 <= r[0] <= r[1] <= MAX_POSITION):
             raise _bad("bad_field", f"lost range {r!r} is not [lo, hi] with 0 <= lo <= hi")
         lost.append((r[0], r[1]))
-    nt = _int(b, "n_output_tokens", 0, MAX_POSITION, 0)
+    nt = int_field(b, "n_output_tokens", 0, MAX_POSITION, 0)
     return Finish(rid, G, reason, P, C, lost, nt)
 
 
 def parse_abort(h: Header) -> tuple[str, str, int | None]:
-    rid = _request_id(h.key)
+    rid = check_request_id(h.key)
     reason = h.body.get("reason", "abort")
     if type(reason) is not str or len(reason) > 64:
         raise _bad("bad_field", "abort reason must be a str of at most 64 characters")
     n = h.body.get("num_output")
     if n is not None:
-        n = _int(h.body, "num_output", 0, MAX_POSITION)
+        n = int_field(h.body, "num_output", 0, MAX_POSITION)
     return rid, reason, n
 
 
@@ -381,6 +403,115 @@ def tokens_from_frame(frame, n: int, what: str) -> np.ndarray:
     if len(buf) != n * TOKEN_DTYPE.itemsize:
         raise _bad("size_mismatch", f"{what} frame has {len(buf)} bytes for {n} int32 token ids")
     return np.frombuffer(buf, dtype=TOKEN_DTYPE).copy()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# control bodies: one typed parser per body, used at the boundary; the builders are the one place they are written
+
+_U63 = (1 << 63) - 1
+
+
+class ProducerAck(NamedTuple):
+    """broker -> producer `ack`: every data message of producer epoch `epoch` with seq <= `upto` was applied."""
+
+    epoch: int
+    upto: int                 # -1: nothing yet
+    rewind: bool = False      # send a hello, then resend everything unacknowledged, in seq order
+    expect: int | None = None  # with rewind: the seq the broker expects next
+    hello: bool = False       # with rewind: the broker does not know this producer (send a hello first)
+
+
+def producer_ack_body(ack: ProducerAck) -> dict:
+    body = {"epoch": ack.epoch, "upto": ack.upto}
+    if ack.rewind:
+        body["rewind"] = True
+        if ack.expect is not None:
+            body["expect"] = ack.expect
+        if ack.hello:
+            body["hello"] = True
+    return body
+
+
+def parse_producer_ack(h: Header) -> ProducerAck:
+    b = h.body
+    expect = b.get("expect")
+    if expect is not None:
+        expect = int_field(b, "expect", 0, _U63)
+    return ProducerAck(int_field(b, "epoch", 0, _U63), int_field(b, "upto", -1, _U63), bool(b.get("rewind")),
+                       expect, bool(b.get("hello")))
+
+
+class LinkAck(NamedTuple):
+    """consumer -> broker `ack`: every link message up to lseq `upto` of (broker_epoch, gen) was applied."""
+
+    broker_epoch: int
+    gen: int
+    upto: int
+    gap: int | None = None    # the lseq the consumer expected when a later one came: asks for a resync
+
+
+def link_ack_body(ack: LinkAck) -> dict:
+    body = {"link": [ack.broker_epoch, ack.gen, ack.upto]}
+    if ack.gap is not None:
+        body["gap"] = ack.gap
+    return body
+
+
+def parse_link_ack(h: Header) -> LinkAck:
+    link = h.body.get("link")
+    if (not isinstance(link, list) or len(link) != 3
+            or not all(type(x) is int and 0 <= x <= _U63 for x in link)):
+        raise _bad("bad_field", f"ack link must be [broker_epoch, gen, upto], got {str(link)[:80]}")
+    gap = h.body.get("gap")
+    if gap is not None:
+        gap = int_field(h.body, "gap", 0, _U63)
+    return LinkAck(link[0], link[1], link[2], gap)
+
+
+def parse_producer_hello(h: Header) -> int:
+    """producer -> broker `hello`/`heartbeat`: the producer's first seq not yet acknowledged (default 1)."""
+    return int_field(h.body, "unacked_from", 0, _U63, 1)
+
+
+def parse_consumer_hello(h: Header) -> int:
+    """consumer -> broker `hello`/`heartbeat`: the last broker epoch it got data from (0: none)."""
+    return int_field(h.body, "broker", 0, _U63, 0)
+
+
+def parse_broker_hello(h: Header) -> int:
+    """broker -> producer reply to `hello`/`heartbeat`: the number of live consumers."""
+    return int_field(h.body, "consumers", 0, _U63, 0)
+
+
+def parse_error(h: Header) -> str:
+    """`error` body: the reason a peer's message was refused, as printable text of at most 300 characters."""
+    return str(h.body.get("reason", ""))[:300]
+
+
+class Fetch(NamedTuple):
+    """trainer -> consumer `fetch`: the records of these request ids, waiting up to timeout_ms for unfinished ones."""
+
+    request_ids: list
+    timeout_ms: int
+
+
+def parse_fetch(h: Header) -> Fetch:
+    ids = h.key
+    if not isinstance(ids, list) or len(ids) > MAX_REQUESTS_PER_DELTA:
+        raise _bad("bad_field", f"fetch key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
+    for rid in ids:
+        check_request_id(rid)
+    return Fetch(ids, int_field(h.body, "timeout_ms", 0, 1 << 31, 60_000))
+
+
+def parse_subscribe(h: Header) -> str | None:
+    """trainer -> consumer `hello`: the request-id prefix it subscribes to (None: not a subscription)."""
+    prefix = h.body.get("subscribe")
+    if prefix is None:
+        return None
+    if type(prefix) is not str or len(prefix) > MAX_REQUEST_ID_BYTES:
+        raise _bad("bad_field", f"subscribe prefix must be a str of at most {MAX_REQUEST_ID_BYTES} characters")
+    return prefix
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -454,14 +585,14 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
 
 
 def decode_record(h: Header, frames: Sequence) -> Record:
-    rid = _request_id(h.key)
+    rid = check_request_id(h.key)
     b = h.body
-    P = _int(b, "prompt_len", 0, MAX_POSITION)
-    G = _int(b, "num_output", 0, MAX_POSITION)
-    L = _int(b, "num_layers", 1, MAX_LAYERS)
-    K = _int(b, "top_k", 1, MAX_TOP_K)
-    npt = _int(b, "n_prompt_tokens", -1, MAX_POSITION, -1)
-    nout = _int(b, "n_output_tokens", -1, MAX_POSITION, -1)
+    P = int_field(b, "prompt_len", 0, MAX_POSITION)
+    G = int_field(b, "num_output", 0, MAX_POSITION)
+    L = int_field(b, "num_layers", 1, MAX_LAYERS)
+    K = int_field(b, "top_k", 1, MAX_TOP_K)
+    npt = int_field(b, "n_prompt_tokens", -1, MAX_POSITION, -1)
+    nout = int_field(b, "n_output_tokens", -1, MAX_POSITION, -1)
     want = 2 + (npt >= 0) + (nout >= 0)
     if len(frames) != want:
         raise _bad("frame_count", f"record has {len(frames)} payload frames, expected {want}")
@@ -482,6 +613,6 @@ def decode_record(h: Header, frames: Sequence) -> Record:
     if nout >= 0:
         ot = tokens_from_frame(frames[i], nout, "output token")
     missing = [tuple(m) for m in b.get("missing", [])]
-    return Record(rid, prompt, gen, _int(b, "num_cached", 0, MAX_POSITION),
+    return Record(rid, prompt, gen, int_field(b, "num_cached", 0, MAX_POSITION),
                   np.asarray(b.get("layer_ids", list(range(L))), dtype=np.int32), bool(b.get("complete")),
                   missing, str(b.get("reason", "")), str(b.get("finish_reason", "")), pt, ot)
