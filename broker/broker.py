@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import zlib
 from collections import defaultdict, deque
@@ -34,7 +33,7 @@ import numpy as np
 import zmq
 
 from routing_replay.protocol import security, wire
-from routing_replay.protocol.guard import guarded
+from routing_replay.protocol.loop import ServiceThread, guarded
 
 log = logging.getLogger("routing_replay.broker")
 
@@ -114,12 +113,14 @@ class _Prod:
         self.held: set = set()              # seqs waiting in the pending queue
 
 
-class Broker:
+class Broker(ServiceThread):
     """Own the frontend and backend sockets, the consumer links, the producers' delivery state and the
     request -> consumer table.
 
     Sockets are created and used only by the thread running `run()` (or `bind()` + `serve()`).
     """
+
+    _service_name = "broker"
 
     def __init__(self, frontend: str, backend: str, *, context: zmq.Context | None = None,
                  heartbeat_interval_ms: int = 1000, liveness: int = 3, stats_interval_s: float = 10.0,
@@ -166,38 +167,15 @@ class Broker:
         self._started = time.monotonic()
         self._now = self._started                     # the serve loop's clock, read once per burst
         self._warned: set = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self.ready = threading.Event()
+        self._init_service(log)
         self._back = None
         self._front = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
-    def start(self) -> "Broker":
-        self._thread = threading.Thread(target=self._run_guarded, name="rr-broker", daemon=True)
-        self._thread.start()
-        self.ready.wait(10)
-        if self._failure is not None:
-            raise RuntimeError(f"broker failed to start: {self._failure}") from self._failure
-        return self
-
-    def _run_guarded(self) -> None:
-        try:
-            self.run()
-        except BaseException as e:
-            self._failure = e
-            log.exception("broker failed")
-            self.ready.set()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._join(timeout_s)
 
     def bind(self) -> None:
         """Create and bind both sockets (in the calling thread, which must then call serve())."""

@@ -13,7 +13,6 @@ applied link number every `ack_interval_ms` (one ack per interval, whatever the 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict, deque
 from typing import Callable
@@ -24,7 +23,7 @@ from routing_replay.consumer.accumulator import Accumulator
 from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import EVICTED, RecordStore
 from routing_replay.protocol import security, wire
-from routing_replay.protocol.guard import guarded
+from routing_replay.protocol.loop import ServiceThread, guarded
 from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
@@ -89,7 +88,7 @@ class LinkIn:
         return body
 
 
-class Consumer:
+class Consumer(ServiceThread):
     """Own a consumer's sockets (DEALER to the broker, optional ROUTER for trainers) and its accumulator.
 
     All sockets are created and used by the thread that calls `run()` (or the one `start()` makes).
@@ -138,39 +137,15 @@ class Consumer:
         self._retry: dict[bytes, tuple] = {}       # trainer -> (next try, backoff) while its send queue is full
         self._gone: set = set()                    # trainers found unreachable (their outboxes were dropped)
         self._subscribers: dict[bytes, str] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self.ready = threading.Event()
+        self._service_name = f"consumer-{self.consumer_id}"
+        self._init_service(log)
         self._seq = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
-    def start(self) -> "Consumer":
-        self._thread = threading.Thread(target=self._run_guarded, name=f"rr-consumer-{self.consumer_id}",
-                                        daemon=True)
-        self._thread.start()
-        self.ready.wait(10)
-        if self._failure:
-            raise RuntimeError(f"consumer failed to start: {self._failure}") from self._failure
-        return self
-
-    def _run_guarded(self) -> None:
-        try:
-            self.run()
-        except BaseException as e:
-            self._failure = e
-            log.exception("consumer %s failed", self.consumer_id)
-            self.ready.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the loop, write what is queued to disk, close sockets. Idempotent."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._join(timeout_s)
         if self.writer is not None:
             self.writer.close()
 

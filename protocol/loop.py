@@ -1,0 +1,67 @@
+"""Shared socket-loop helpers: a service thread's start/stop/close, and a handler call a bug cannot kill."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, MutableMapping
+
+
+def guarded(handler: Callable, args: tuple, bad: MutableMapping[str, int], log: logging.Logger, who: str) -> None:
+    """Call handler(*args); an exception it raises on some input is counted in bad["internal_error"] and logged
+    with its traceback (the first time and every 1000th), and the loop goes on. The message is then dropped like a
+    malformed one: the rows it carried are missing from their records, which say so."""
+    try:
+        handler(*args)
+    except Exception as e:  # noqa: BLE001 (the loop must survive any input; the traceback is logged)
+        bad["internal_error"] += 1
+        n = bad["internal_error"]
+        if n == 1 or n % 1000 == 0:
+            log.exception("%s internal error on a message (%d so far): %s", who, n, e)
+
+
+class ServiceThread:
+    """Own the background thread of a socket loop: start it, wait until it is ready, keep its failure, stop it.
+
+    A subclass implements run() (binds or connects its sockets, sets self.ready, serves until self._stop is set,
+    closes its sockets) and sets `_service_name` (thread name and log text). Used by the broker and the consumer.
+    """
+
+    _service_name = "service"
+    _start_timeout_s = 10.0
+
+    def _init_service(self, log: logging.Logger) -> None:
+        self._service_log = log
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.ready = threading.Event()
+
+    def run(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def start(self):
+        """Run the loop on a daemon thread; return once it is ready. RuntimeError, chained, if it failed to start."""
+        self._thread = threading.Thread(target=self._run_guarded, name=f"rr-{self._service_name}", daemon=True)
+        self._thread.start()
+        self.ready.wait(self._start_timeout_s)
+        if self._failure is not None:
+            raise RuntimeError(f"{self._service_name} failed to start: {self._failure}") from self._failure
+        return self
+
+    def _run_guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:
+            self._failure = e
+            self._service_log.exception("%s failed", self._service_name)
+            self.ready.set()
+
+    def stop(self) -> None:
+        """Ask the loop to stop (any thread, signal handlers included); close() also waits for it."""
+        self._stop.set()
+
+    def _join(self, timeout_s: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
