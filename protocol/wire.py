@@ -236,6 +236,48 @@ def decode_header(frame: bytes | memoryview) -> Header:
     return Header(version, kind, producer, epoch, seq, key, body, link)
 
 
+class Envelope(NamedTuple):
+    """What a receiver can still read of a header that decode_header refused: enough to answer for it.
+
+    Used so that one undecodable data message never leaves a permanent gap in a sequence: the broker accepts
+    and drops a producer's `seq` (and tells the producer which), the consumer does the same with a link's lseq.
+    Any field that cannot be read is None; `key` is the request id(s) as text where readable.
+    """
+
+    kind: str | None
+    producer: str | None
+    epoch: int | None
+    seq: int | None
+    key: Any
+    link: tuple | None
+
+
+def _u63(v: Any) -> int | None:
+    return v if type(v) is int and 0 <= v < 1 << 63 else None
+
+
+def peek_envelope(frame: bytes | memoryview) -> Envelope | None:
+    """Read kind, producer, epoch, seq, key and link from a header frame without its limits on strings (the frame
+    size is still bounded by MAX_HEADER_BYTES). None if the frame is not a msgpack array at all."""
+    if len(frame) > MAX_HEADER_BYTES:
+        return None
+    n = len(frame)
+    try:
+        h = msgpack.unpackb(frame, raw=False, unicode_errors="surrogateescape", strict_map_key=False,
+                            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n)
+    except Exception:  # noqa: BLE001 (garbage of any kind: nothing readable)
+        return None
+    if not isinstance(h, list) or len(h) < 5:
+        return None
+    kind = h[1] if type(h[1]) is str and h[1] in KINDS else None
+    producer = h[2] if type(h[2]) is str else None
+    key = h[5] if len(h) > 5 else None
+    link = None
+    if len(h) > 7 and isinstance(h[7], list) and len(h[7]) == 3 and all(_u63(x) is not None for x in h[7]):
+        link = tuple(h[7])
+    return Envelope(kind, producer, _u63(h[3]), _u63(h[4]), key, link)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # delta
 
