@@ -2,6 +2,6 @@
 
 from routing_replay.capture.cache import RoutingCache
 from routing_replay.capture.copier import AsyncCopier, CopierStats, PendingRows
-from routing_replay.capture.ring import RowRing
+from routing_replay.capture.ring import RingRange, RowRing
 
-__all__ = ["RoutingCache", "AsyncCopier", "CopierStats", "PendingRows", "RowRing"]
+__all__ = ["RoutingCache", "AsyncCopier", "CopierStats", "PendingRows", "RingRange", "RowRing"]

@@ -12,8 +12,8 @@ Two ways `record` writes (chosen at construction, `fused=`):
 - fused (default): `record(l, ids)` only keeps a reference to `ids`; when the last layer records (or on an
   explicit `flush()`) one `_foreach_copy_` writes every layer. Each layer's top-k tensor stays alive until then,
   which under CUDA graph capture means it is not reused by the graph pool: the addresses stay valid on replay.
-- per-layer: `record(l, ids)` copies at once, one small kernel per layer (1.6 us each on H100: +96 us per step
-  at 48 layers and 256 tokens, against one 1.6 us kernel fused; docs/PERFORMANCE.md).
+- per-layer: `record(l, ids)` copies at once, one small kernel per layer (L launches per step instead of one;
+  docs/PERFORMANCE.md has the measured cost of each).
 
 Graph safety: `record`, `flush` and `layer_view` allocate nothing, never read device values on the host and
 branch only on Python-side facts fixed at capture time (shapes, dtypes, the layer number). The same code runs

@@ -13,8 +13,7 @@ Per `submit(segments)` (engine thread, right after the forward):
   3. returns a `PendingRows`; the producer's thread calls `result()` (waits on the event there, never on the
      engine thread), copies the bytes out, and calls `release()`.
 On CPU the snapshot goes straight into the host ring and result() does not wait; everything else is the same.
-Measured on H100 (docs/PERFORMANCE.md): snapshot 2.1 us of compute-stream kernel time at 256 rows; the D2H of a
-prefill step (8192 rows, 6.3 MB) runs at 95% of a plain pinned copy_; engine-thread CPU ~70-170 us per submit.
+Measured costs (compute-stream kernel time, D2H bandwidth, engine-thread CPU per submit): docs/PERFORMANCE.md.
 For many non-adjacent segments pass an (m, 2) int array: long lists are converted and merged with numpy.
 
 Ring sizing and back-pressure: staging and host ring share one row allocator (`RowRing`) of

@@ -20,6 +20,20 @@ from collections import deque
 from typing import Any
 
 
+class RingRange:
+    """One allocation of a RowRing: rows [lo, hi), whether it was freed, the fence its reuse waits on, and the rows
+    it charged against the arena (its own plus a wasted tail when it wrapped)."""
+
+    __slots__ = ("lo", "hi", "freed", "fence", "charged")
+
+    def __init__(self, lo: int, hi: int, charged: int):
+        self.lo = lo
+        self.hi = hi
+        self.freed = False
+        self.fence: Any = None
+        self.charged = charged
+
+
 class RowRing:
     """Own the allocation state (head, tail, live ranges) of a circular arena of `capacity` rows."""
 
@@ -32,7 +46,7 @@ class RowRing:
         self._head = 0            # next row to hand out
         self._tail = 0            # oldest row still taken
         self._used = 0            # rows between tail and head, wasted tails included
-        self._live: deque = deque()   # entries made by alloc(), oldest first
+        self._live: deque[RingRange] = deque()   # ranges made by alloc(), oldest first
         self._lock = threading.Lock()
 
     @property
@@ -48,18 +62,18 @@ class RowRing:
         live = self._live
         while live:
             entry = live[0]
-            if not entry[2]:
+            if not entry.freed:
                 return
-            if entry[3] is not None:
-                if not entry[3].query():
+            if entry.fence is not None:
+                if not entry.fence.query():
                     return
-                entry[3] = None
+                entry.fence = None
             live.popleft()
-            self._used -= entry[4]
-            self._tail = entry[1] % self.capacity
+            self._used -= entry.charged
+            self._tail = entry.hi % self.capacity
         self._head = self._tail = 0      # empty: start over at row 0, nothing wasted
 
-    def alloc(self, n: int) -> tuple[int, list] | None:
+    def alloc(self, n: int) -> tuple[int, RingRange] | None:
         """Take n contiguous rows. Returns (lo, handle) or None when they do not fit now."""
         if not 0 < n <= self.capacity:
             raise ValueError(f"cannot allocate {n} rows from a ring of {self.capacity}")
@@ -72,17 +86,17 @@ class RowRing:
                 lo, charged = 0, n + self.capacity - head
             if charged > free:
                 return None
-            entry = [lo, lo + n, False, None, charged]   # lo, hi, freed, fence, rows charged (wasted tail too)
+            entry = RingRange(lo, lo + n, charged)
             self._used += charged
             self._live.append(entry)
             self._head = (lo + n) % self.capacity
             return lo, entry
 
-    def free(self, handle: list, fence: Any = None) -> None:
+    def free(self, handle: RingRange, fence: Any = None) -> None:
         """Give a range back; with a fence its rows are reused only once `fence.query()` is true. Idempotent."""
         with self._lock:
-            if handle[2]:
+            if handle.freed:
                 return
-            handle[3] = fence
-            handle[2] = True
+            handle.fence = fence
+            handle.freed = True
             self._reclaim()
