@@ -80,7 +80,6 @@ KINDS = frozenset({
     "hello", "heartbeat", "bye", "ack", "error",
     "fetch", "record",
 })
-REQUEST_KINDS = frozenset({"open", "finish", "abort"})
 
 # Limits on untrusted input. A message beyond any of them is refused before it allocates anything.
 MAX_HEADER_BYTES = 4 << 20
