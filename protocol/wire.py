@@ -1,65 +1,67 @@
-"""Encode and validate routing-replay wire messages (protocol v1); every stage imports this one module.
+"""Encode and validate routing-replay wire messages (protocol v1): the frame layout of every kind, one module.
+
+Every stage imports this module and nothing else builds frames. This docstring is the layout (what is in each
+frame and field, its type and default); docs/PROTOCOL.md says what the fields mean and how delivery works.
 
 A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames after it are raw payloads:
 
     frame 0   header: msgpack array [version, kind, producer, epoch, seq, key, body(, link)]
                 version   int, PROTOCOL_VERSION (1)
                 kind      str, one of KINDS
-                producer  str, id of the process that made the message (producer, consumer, broker or client id)
-                epoch     int, the sender's incarnation: a producer, consumer or broker picks a new one each start
-                seq       int, per (producer, epoch): 1, 2, 3, ... on the data messages (open, delta, finish,
-                          abort), with no gaps; control messages carry 0 or a counter of their own
-                key       routing key: the request id (str); for `delta` and `fetch`, a list of request ids
-                body      map, kind-specific fields (below); new fields are added with defaults
-                link      only broker -> consumer, on data messages: [broker_epoch, gen, lseq], the broker's
-                          sequence number on its link to that consumer (see "Delivery" below); absent elsewhere
+                producer  str of at most MAX_PEER_ID_LEN characters: the id of the process that made the
+                          message (producer, broker "broker", consumer or trainer-client id)
+                epoch     int >= 0, the sender's incarnation (a producer, consumer or broker picks a new one per start)
+                seq       int >= 0: per (producer, epoch), 1, 2, 3, ... on data messages (open, delta, finish,
+                          abort); 0 on the broker's own aborts, on records and on broker/producer control
+                          messages; a counter of its own on consumer and trainer-client control messages
+                key       a request id (str of at most MAX_REQUEST_ID_BYTES UTF-8 bytes); a list of request ids
+                          for delta and fetch; the sender's id on control messages; "" or a request id on error
+                body      map of kind-specific fields (below); readers ignore fields they do not know
+                link      8th element, broker -> consumer data messages only: [broker_epoch, gen, lseq]
     frame 1.. payload frames, raw little-endian bytes, sent zero-copy above COPY_THRESHOLD
 
-Kinds and bodies (producer -> broker -> consumer):
-    open      {prompt_len, num_cached, num_layers, top_k, layer_ids[, n_prompt_tokens]}
-              frame 1 (optional): prompt token ids, int32 LE, n_prompt_tokens of them
-    delta     {start: bin, count: bin, num_layers, top_k[, layer_lo, layer_hi]}
-              start and count are int32 little-endian arrays (msgpack bin), one entry per request in key.
-              One engine step, many requests: request key[i] gets count[i] rows at absolute token positions
-              start[i] .. start[i]+count[i]-1. The rows of all requests follow each other in key order,
-              each row is (layer_hi - layer_lo, top_k) int16 LE, so the payload is (sum(count), Lr, K) int16.
-              The payload may arrive as several frames (a broker's zero-copy split); frame boundaries fall
-              on request boundaries. A pipeline-parallel stage sends its own layer range [layer_lo, layer_hi).
-    finish    {num_output, reason, prompt_len, num_cached[, lost: [[lo, hi], ...]][, n_output_tokens]}
-              frame 1 (optional): output token ids, int32 LE
-    abort     {reason[, num_output]}
-Control (consumer <-> broker, producer <-> broker, trainer <-> consumer), key: the sender's id unless said:
-    hello, heartbeat   producer -> broker: {unacked_from}  the producer's first seq not yet acknowledged
-                       broker -> producer (reply to each): {consumers}  live consumers; epoch = broker epoch
-                       consumer -> broker: {broker}  the last broker epoch it got data from (0: none)
-                       trainer -> consumer: hello {subscribe: prefix}
-    bye       {}
-    ack       broker -> producer: key = producer id, {epoch, upto[, rewind]}: every data message of that
-                  producer epoch with seq <= upto was applied by each consumer it went to; rewind: true asks
-                  the producer to send a hello and then resend everything unacknowledged, in seq order
-              consumer -> broker: {link: [broker_epoch, gen, upto][, gap]}: every link message up to lseq
-                  `upto` was applied; gap: the lseq it expected when a later one came (asks for a resync)
-    error     {reason}                                   (sent back to a peer whose message was refused)
-    fetch     {timeout_ms}  key: list of request ids     (trainer -> consumer)
-    record    {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing,
-               reason, finish_reason, n_prompt_tokens, n_output_tokens}
-              frame 1: prompt rows (P, L, K) int16; frame 2: generation rows (G, L, K) int16;
-              frames 3, 4 (optional): prompt and output token ids, int32 LE
-Positions are absolute token positions; a delta that covers positions already received overwrites them.
+Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default when absent):
+    open      key: request id
+              {prompt_len, num_cached, num_layers, top_k[, layer_ids = range(num_layers)][, n_prompt_tokens = 0]
+               [, reassigned]}                    reassigned: added by the broker only (see docs/PROTOCOL.md)
+              frame 1 (when n_prompt_tokens is sent): the prompt token ids, n_prompt_tokens int32 LE
+    delta     key: list of request ids
+              {start: bin, count: bin, num_layers, top_k[, layer_lo = 0, layer_hi = num_layers]}
+              start, count: int32 LE arrays as msgpack bin, one entry per request id; layer_lo and layer_hi
+              are sent together, only for a partial layer range (a pipeline-parallel stage)
+              frames 1..: the rows, (sum(count), layer_hi - layer_lo, top_k) int16 LE, requests in key order;
+              several frames only where a frame boundary falls on a request boundary (a broker's zero-copy split)
+    finish    key: request id
+              {num_output[, reason = "stop"][, prompt_len][, num_cached][, lost: [[lo, hi], ...]]
+               [, n_output_tokens = 0]}
+              frame 1 (when n_output_tokens is sent): the output token ids, n_output_tokens int32 LE
+    abort     key: request id                     {[reason = "abort"][, num_output]}             no frames
 
-Delivery (at least once, applied in order; docs/RELIABILITY.md has the argument):
-    A producer keeps every data message until an ack covers it, and resends all of them, in seq order, after a
-    `rewind`, a new broker epoch (seen on any broker message) or an ack timeout. The broker accepts a producer's
-    message only if its seq is the next one expected or an earlier one (a resend); after a gap it drops and asks
-    for a rewind, so no consumer ever applies seq s+1 of a producer before seq s. On each consumer link the
-    broker numbers data messages lseq = 1, 2, 3, ... per (broker_epoch, gen); a consumer applies only the next
-    lseq, drops everything after a gap and asks for a resync (gap), and the broker starts gen + 1 at lseq 1.
-    The broker acks a producer's seq once every part of it (a split delta goes to several consumers) was
-    acked by its consumer, and only as a contiguous prefix (upto), so what a producer resends is always a suffix
-    of its stream: re-applied in order over what a consumer already has, the newest write of each position wins.
+Control kinds, one frame (the header) each; key: the sender's id unless said:
+    hello       producer -> broker      {unacked_from = 1}
+                consumer -> broker      {broker = 0}
+                trainer -> consumer     {subscribe: prefix}
+    heartbeat   producer -> broker      {unacked_from = 1}
+                broker -> producer      {consumers = 0}   the reply to each producer hello/heartbeat; key: the
+                                                          producer id
+                consumer -> broker      {broker = 0}
+    bye         producer -> broker, consumer -> broker, trainer -> consumer: {}
+    ack         broker -> producer      key: the producer id; {epoch, upto[, rewind][, expect][, hello]}
+                                        (ProducerAck, producer_ack_body, parse_producer_ack); upto = -1: nothing
+                                        yet; expect and hello come only with rewind: true
+                consumer -> broker      {link: [broker_epoch, gen, upto][, gap]} (LinkAck, link_ack_body,
+                                        parse_link_ack)
+    error       broker -> producer or consumer, consumer -> trainer: {reason}
+    fetch       trainer -> consumer     key: list of request ids; {timeout_ms = 60000} (Fetch, parse_fetch)
+    record      consumer -> trainer     key: request id (encode_record, decode_record)
+                {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
+                 ...], reason, finish_reason, n_prompt_tokens, n_output_tokens}   (token counts -1: not sent)
+                frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
+                (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
+                int32 LE
 
-Every decode path here validates against the named limits below before anything is allocated from
-an untrusted number, and raises ProtocolError(reason_key, message) for the caller to log, count and drop.
+Every decode path here validates against the named limits below before anything is allocated from an untrusted
+number, and raises ProtocolError(reason_key, message) for the caller to log, count and drop.
 """
 
 from __future__ import annotations
