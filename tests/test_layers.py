@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "routing_replay"
 FLOOR = {"protocol"}
-STAGES = {"capture", "producer", "broker", "consumer"}
+STAGES = {"capture", "producer", "broker", "consumer", "replay"}
 ENGINES = {"engines"}
 APPS = {"apps"}
 LAYER_OF = {**{p: 0 for p in FLOOR}, **{p: 1 for p in STAGES}, **{p: 2 for p in ENGINES}, **{p: 3 for p in APPS}}
