@@ -7,10 +7,139 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5558"
 DEFAULT_SERVE = "tcp://127.0.0.1:5559"
+
+
+# ---- argument types: a bad value is refused while parsing, in one line naming the flag ---------------------------
+#
+# Shared by every subcommand (the consume flags included): `endpoint_arg(bind=...)` for every ZeroMQ endpoint flag,
+# `directory_arg` for every directory a command writes to, `int_at_least(n)` / `float_above(x)` for counts and
+# intervals. argparse turns their ArgumentTypeError into "routing-replay CMD: argument --FLAG: invalid ..." and
+# exit status 2 (see _Parser.error).
+
+MAX_PORT = 65535
+MAX_IPC_PATH_BYTES = 107            # sockaddr_un.sun_path on Linux, less the terminating NUL
+_TRANSPORTS = ("tcp", "ipc", "inproc")
+
+
+def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
+    """Why `endpoint` is not a ZeroMQ endpoint this CLI can bind (or connect), None if it is.
+
+    libzmq does not refuse everything that is wrong: it wraps a tcp port above 65535 (tcp://127.0.0.1:99999 binds
+    port 34463), so the port is checked here. Host names are left to libzmq ("cannot bind ..." from the command).
+    """
+    transport, sep, addr = endpoint.partition("://")
+    if not sep:
+        return "expected TRANSPORT://ADDRESS, e.g. tcp://127.0.0.1:5557 or ipc:///tmp/rr.sock"
+    if transport not in _TRANSPORTS:
+        return f"transport {transport!r} is not one of {', '.join(_TRANSPORTS)}"
+    if not addr:
+        return "empty address"
+    if transport == "ipc":
+        n = len(addr.encode("utf-8", "surrogateescape"))
+        if n > MAX_IPC_PATH_BYTES:
+            return f"ipc path of {n} bytes exceeds {MAX_IPC_PATH_BYTES}"
+        return None
+    if transport == "inproc":
+        return None
+    addr = addr.rsplit(";", 1)[-1]               # tcp://source;dest: the last part is bound or connected
+    host, colon, port = addr.rpartition(":")
+    if not colon or not host:
+        return "expected tcp://HOST:PORT"
+    if host == "*" and not bind:
+        return "cannot connect to host '*' (a wildcard is for binding)"
+    if port == "*":
+        return None if bind else "cannot connect to port '*' (a wildcard is for binding)"
+    if not port.isascii() or not port.isdigit():
+        return f"port {port!r} is not a number" + (" or '*'" if bind else "")
+    lo = 0 if bind else 1                        # bind port 0: any free port, like '*'
+    if not lo <= int(port) <= MAX_PORT:
+        return f"port {int(port)} is not in {lo}..{MAX_PORT}"
+    return None
+
+
+def endpoint_arg(*, bind: bool):
+    """argparse type for a ZeroMQ endpoint flag (bound with bind=True, connected to otherwise)."""
+    def endpoint(value: str) -> str:
+        why = endpoint_problem(value, bind=bind)
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"invalid endpoint {value!r}: {why}")
+        return value
+    return endpoint
+
+
+def directory_arg(value: str) -> str:
+    """argparse type for a directory the command creates or writes into: it is a directory or can be made one
+    (no part of the path is an existing file). Writability is left to the command (the path may be for another
+    host's mount)."""
+    if not value:
+        raise argparse.ArgumentTypeError("invalid directory '': empty path")
+    p = Path(value)
+    if p.exists():
+        if not p.is_dir():
+            raise argparse.ArgumentTypeError(f"invalid directory {value!r}: it exists and is not a directory")
+        return value
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"invalid directory {value!r}: {str(parent)!r} is not a directory")
+            break
+    return value
+
+
+def int_at_least(minimum: int):
+    """argparse type for an integer count or interval of at least `minimum`."""
+    def count(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"invalid value {n}: must be >= {minimum}")
+        return n
+    return count
+
+
+def float_above(minimum: float):
+    """argparse type for a number of seconds (or similar) strictly greater than `minimum`."""
+    def number(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {value!r}") from None
+        if not x > minimum:                      # also refuses nan
+            raise argparse.ArgumentTypeError(f"invalid value {value}: must be > {minimum:g}")
+        return x
+    return number
+
+
+def retype(parser: argparse.ArgumentParser, **types) -> None:
+    """Give the options of `parser` whose dest is a key of `types` that argparse type (options defined elsewhere,
+    e.g. synthetic.add_arguments). Unknown dests are skipped."""
+    for action in parser._actions:
+        if action.dest in types:
+            action.type = types[action.dest]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error shape: a bad value is one line naming the (sub)command and the flag; a bad
+    command line (unknown flag, missing argument) prints the usage of the (sub)command it was given to."""
+
+    def error(self, message: str):
+        if message.startswith("argument ") and ": invalid " in message:
+            self.exit(2, f"{self.prog}: {message}\n")
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+POSITIVE = int_at_least(1)
+NON_NEGATIVE = int_at_least(0)
+BIND = endpoint_arg(bind=True)
+CONNECT = endpoint_arg(bind=False)
 
 
 def _setup_logging(level: str) -> None:
@@ -150,7 +279,7 @@ def cmd_demo(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="routing-replay", description="Stream MoE routing decisions from inference "
+    ap = _Parser(prog="routing-replay", description="Stream MoE routing decisions from inference "
                                  "engines to RL trainers over ZeroMQ.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
@@ -164,19 +293,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p):
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-        p.add_argument("--stats-interval", type=float, default=10.0, metavar="S", help="seconds between stats lines")
-        p.add_argument("--heartbeat-ms", type=int, default=1000)
+        p.add_argument("--stats-interval", type=float_above(0), default=10.0, metavar="S",
+                       help="seconds between stats lines")
+        p.add_argument("--heartbeat-ms", type=POSITIVE, default=1000)
 
     p = sub.add_parser("broker", help="route producers' messages to consumers by request id",
                        description="Producers connect to --frontend, consumers to --backend.")
-    p.add_argument("--frontend", default=DEFAULT_FRONTEND, help=f"endpoint producers connect to ({DEFAULT_FRONTEND})")
-    p.add_argument("--backend", default=DEFAULT_BACKEND, help=f"endpoint consumers connect to ({DEFAULT_BACKEND})")
-    p.add_argument("--liveness", type=int, default=3, help="heartbeats a consumer may miss before it is dropped")
-    p.add_argument("--max-pending-mb", type=int, default=512, help="held while no consumer is live (MiB)")
-    p.add_argument("--producer-timeout-ms", type=int, default=10_000, help="a producer silent this long is lost: "
+    p.add_argument("--frontend", type=BIND, default=DEFAULT_FRONTEND, help=f"endpoint producers connect to ({DEFAULT_FRONTEND})")
+    p.add_argument("--backend", type=BIND, default=DEFAULT_BACKEND, help=f"endpoint consumers connect to ({DEFAULT_BACKEND})")
+    p.add_argument("--liveness", type=POSITIVE, default=3, help="heartbeats a consumer may miss before it is dropped")
+    p.add_argument("--max-pending-mb", type=NON_NEGATIVE, default=512, help="held while no consumer is live (MiB)")
+    p.add_argument("--producer-timeout-ms", type=POSITIVE, default=10_000, help="a producer silent this long is lost: "
                    "the requests it opened are aborted (reason producer_lost)")
-    p.add_argument("--ack-interval-ms", type=int, default=20, help="acks to producers at most this often")
-    p.add_argument("--restart-grace-ms", type=int, default=None, help="after a restart, hold messages this long "
+    p.add_argument("--ack-interval-ms", type=POSITIVE, default=20, help="acks to producers at most this often")
+    p.add_argument("--restart-grace-ms", type=NON_NEGATIVE, default=None, help="after a restart, hold messages this long "
                    "while the old consumers reconnect (default: 2 heartbeats)")
     curve_server(p, "producers and consumers")
     common(p)
@@ -204,11 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
     curve_server(p, "trainers on --serve")
     common(p)
     p.set_defaults(fn=cmd_consume)
+    # Validation of the consume flags with the shared types (the consume subparser above is the consumer's).
+    retype(p, connect=CONNECT, serve=BIND, npz_dir=directory_arg, spill_dir=directory_arg, shard_size=NON_NEGATIVE,
+           store_mb=NON_NEGATIVE, finish_grace_ms=NON_NEGATIVE, request_timeout_s=float_above(0),
+           ack_interval_ms=POSITIVE, remember_finished=NON_NEGATIVE)
 
     p = sub.add_parser("subscribe", help="print live records from consumers' trainer endpoints")
-    p.add_argument("--connect", nargs="+", default=[DEFAULT_SERVE], help="consumer --serve endpoints")
+    p.add_argument("--connect", type=CONNECT, nargs="+", default=[DEFAULT_SERVE], help="consumer --serve endpoints")
     p.add_argument("--prefix", default="", help="only request ids starting with this")
-    p.add_argument("--count", type=int, default=0, help="exit after this many records (0: run until signalled)")
+    p.add_argument("--count", type=NON_NEGATIVE, default=0, help="exit after this many records (0: run until signalled)")
     p.add_argument("--timeout", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--curve-secret", metavar="FILE", help="this trainer's secret cert (NAME.key_secret)")
     p.add_argument("--server-key", metavar="FILE", nargs="+", help="the consumers' public cert (NAME.key): one "
@@ -219,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keys", help="generate a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret",
                        description="Writes a key pair in pyzmq's certificate format. Give NAME.key to the peers that "
                        "must accept or pin this one; keep NAME.key_secret (mode 0600) where this process runs.")
-    p.add_argument("dir", help="directory to write the pair to (created if missing)")
+    p.add_argument("dir", type=directory_arg, help="directory to write the pair to (created if missing)")
     p.add_argument("--name", required=True, help="the pair's name, e.g. broker, consumer, engine, trainer")
     p.add_argument("--log-level", default="info", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_keys)
@@ -229,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "speculative overwrites, preemption, aborts) and checks the records it gets back.")
     from routing_replay.apps import synthetic
     synthetic.add_arguments(p)
+    retype(p, connect=CONNECT, npz_dir=directory_arg, requests=POSITIVE, num_layers=POSITIVE, top_k=POSITIVE,
+           num_experts=POSITIVE, token_budget=POSITIVE, seed=NON_NEGATIVE)
     common(p)
     p.set_defaults(fn=cmd_synth)
 
@@ -247,7 +383,10 @@ def main(argv=None) -> int:
         from routing_replay.apps import demo
         return demo.main(argv[1:])
     ap = build_parser()
-    a = ap.parse_args(argv)
+    a, extra = ap.parse_known_args(argv)
+    if extra:                           # the subcommand's usage, not the top-level one
+        sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction))
+        sub.choices[a.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(a.log_level)
     return a.fn(a)
 
