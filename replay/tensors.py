@@ -180,7 +180,7 @@ def _check_record(rec: wire.Record, b: int, L: int, K: int, layer_ids: np.ndarra
         raise ValueError(f"record {b} ({rec.request_id!r}) has rows {pr.shape} and {ge.shape}, "
                          f"record 0 has (L, K) = ({L}, {K})")
     if not np.array_equal(np.asarray(rec.moe_layer_ids, np.int64), layer_ids):
-        raise ValueError(f"record {b} ({rec.request_id!r}) has moe_layer_ids {list(rec.moe_layer_ids)}, "
+        raise ValueError(f"record {b} ({rec.request_id!r}) has moe_layer_ids {np.asarray(rec.moe_layer_ids).tolist()}, "
                          f"record 0 has {layer_ids.tolist()}")
     if not rec.complete and not allow_incomplete:
         raise ValueError(f"record {b} ({rec.request_id!r}) is incomplete ({rec.reason!r}, missing "
