@@ -1,0 +1,198 @@
+"""Name what the producer's caller hands its thread (Announce, Step), encode them, and keep per-request books.
+
+Socket-free: `encode_announce`/`encode_step` turn a queue item into wire frames (tested on bytes alone);
+`RequestBook` holds the caller-side per-request state (lost ranges, refused ids, ids known to travel).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from routing_replay.protocol import wire
+from routing_replay.producer.replay import Parts
+
+
+class Announce(NamedTuple):
+    """open / finish / abort of one request, as the caller built it."""
+
+    kind: str
+    request_id: str
+    body: dict
+    frames: list              # token-id arrays (open: prompt, finish: output), possibly empty
+
+
+class Step(NamedTuple):
+    """One engine step (or a batch of them): request_ids[i] gets counts[i] rows at starts[i]...
+
+    `rows` is an ndarray or a deferred object (result(), release(), dropped); `keep`, when not None, says which
+    request parts travel (the others were refused on the caller's thread and are cut out after result()).
+    """
+
+    request_ids: list
+    starts: list
+    counts: list
+    rows: Any
+    keep: list | None = None
+
+
+class Geometry(NamedTuple):
+    num_layers: int
+    top_k: int
+    layer_lo: int
+    layer_hi: int
+
+
+class Encoded(NamedTuple):
+    """One data message ready for the replay buffer."""
+
+    parts: Parts
+    frames: list
+    payload: int              # routing-row bytes
+
+
+def encode_announce(item: Announce, producer_id: str, epoch: int, seq: int) -> Encoded:
+    head = wire.pack_header(item.kind, producer_id, epoch, seq, item.request_id, item.body)
+    extra = [memoryview(np.ascontiguousarray(x)).cast("B") for x in item.frames]
+    return Encoded(Parts(item.kind, (item.request_id,)), [head, *extra], 0)
+
+
+def kept_rows(rows: np.ndarray, counts: Sequence[int], keep: Sequence[bool]) -> np.ndarray:
+    """The rows of the kept request parts, in order (one copy)."""
+    pieces, at = [], 0
+    for c, k in zip(counts, keep):
+        if k:
+            pieces.append(rows[at:at + c])
+        at += c
+    return np.concatenate(pieces, axis=0) if pieces else rows[:0]
+
+
+def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry) -> Encoded:
+    """Wait for deferred rows, cut out refused parts, and encode the delta (the deferred slot is released here,
+    whatever happens)."""
+    rows = item.rows
+    release = None
+    if not isinstance(rows, np.ndarray):
+        release = getattr(rows, "release", None)
+    try:
+        if release is not None or not isinstance(rows, np.ndarray):
+            rows = rows.result()
+        ids, starts, counts = item.request_ids, item.starts, item.counts
+        copied = False
+        if item.keep is not None:
+            rows = kept_rows(np.asarray(rows), counts, item.keep)
+            copied = True
+            ids = [x for x, k in zip(ids, item.keep) if k]
+            starts = [x for x, k in zip(starts, item.keep) if k]
+            counts = [x for x, k in zip(counts, item.keep) if k]
+        body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi)
+        head = wire.pack_header("delta", producer_id, epoch, seq, ids, body)
+        payload = memoryview(np.ascontiguousarray(rows)).cast("B")
+        if release is not None and not copied:
+            payload = bytes(payload)          # copy out of the ring slot before releasing it
+    finally:
+        if release is not None:
+            release()
+    parts = Parts("delta", tuple(ids), tuple(int(s) for s in starts), tuple(int(c) for c in counts))
+    return Encoded(parts, [head, payload], len(payload))
+
+
+def with_lost(item: Announce, lost: list) -> Announce:
+    """A finish that also reports `lost` position ranges (after those it already carries)."""
+    body = dict(item.body)
+    body["lost"] = list(body.get("lost", ())) + [list(r) for r in lost]
+    return item._replace(body=body)
+
+
+def escaped_id(request_id: Any, limit: int = 80) -> str:
+    """A request id as printable ASCII (escapes for anything else, lone surrogates included), at most `limit`
+    characters of it."""
+    text = ascii(request_id) if type(request_id) is str else f"<{type(request_id).__name__}> {ascii(request_id)}"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters escaped)"
+
+
+class Screen(NamedTuple):
+    """Which request parts of one call may travel: `keep` None means all of them."""
+
+    keep: list | None
+    dropped: int
+
+
+class RequestBook:
+    """Own the caller-side per-request state, under one lock: position ranges lost to drops (reported in the
+    request's finish), ids refused (by a failed open, or by the broker), and a bounded set of ids known to
+    travel (validated once; a cache, cleared when it reaches `known_limit`)."""
+
+    def __init__(self, known_limit: int = 1 << 16):
+        self.lock = threading.Lock()
+        self.known_limit = known_limit
+        self._lost: dict[str, list] = {}
+        self._refused: set[str] = set()
+        self._known: set[str] = set()
+
+    def problem(self, request_id: Any) -> str | None:
+        """Why this id's parts may not travel (None if they may). Caller holds no lock."""
+        if type(request_id) is not str:
+            return wire.request_id_problem(request_id)
+        with self.lock:
+            if request_id in self._known and request_id not in self._refused:
+                return None
+            if request_id in self._refused:
+                return "refused"
+        p = wire.request_id_problem(request_id)
+        if p is None:
+            with self.lock:
+                if len(self._known) >= self.known_limit:
+                    self._known.clear()
+                self._known.add(request_id)
+        return p
+
+    def screen(self, request_ids: Iterable) -> Screen:
+        with self.lock:
+            try:
+                if not self._refused and self._known.issuperset(request_ids):
+                    return Screen(None, 0)
+            except TypeError:             # an unhashable "id": checked one by one below
+                pass
+        keep = [self.problem(r) is None for r in request_ids]
+        n = keep.count(False)
+        return Screen(None if n == 0 else keep, n)
+
+    def opened(self, request_id: str) -> None:
+        with self.lock:
+            self._refused.discard(request_id)
+            if len(self._known) >= self.known_limit:
+                self._known.clear()
+            self._known.add(request_id)
+
+    def refuse(self, request_id: Any) -> None:
+        if type(request_id) is not str:
+            return
+        with self.lock:
+            self._refused.add(request_id)
+            self._lost.pop(request_id, None)
+
+    def is_refused(self, request_id: Any) -> bool:
+        with self.lock:
+            return type(request_id) is str and request_id in self._refused
+
+    @property
+    def any_refused(self) -> bool:
+        return bool(self._refused)
+
+    def ended(self, request_id: Any) -> tuple[bool, list | None]:
+        """A finish/abort: (was it refused, the lost ranges to report); the request's state is forgotten."""
+        with self.lock:
+            lost = self._lost.pop(request_id, None) if type(request_id) is str else None
+            if type(request_id) is str and request_id in self._refused:
+                self._refused.discard(request_id)
+                return True, None
+            return False, lost
+
+    def add_lost(self, request_ids: Sequence, starts: Sequence[int], counts: Sequence[int]) -> None:
+        with self.lock:
+            for rid, s, c in zip(request_ids, starts, counts):
+                if type(rid) is str and rid not in self._refused:
+                    self._lost.setdefault(rid, []).append([int(s), int(s) + int(c)])
