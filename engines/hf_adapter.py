@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from routing_replay.capture import AsyncCopier, RoutingCache
+from routing_replay.protocol.ids import record_key_for
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate$")
 
@@ -90,7 +91,8 @@ class HFRoutingAdapter:
         the routing of every step to `sink` (default: the adapter's). Returns each request's output tokens.
 
         A request stops after emitting eos_token_id (included in its output) or max_new_tokens tokens; it keeps
-        being fed as padding while others run, but publishes nothing more.
+        being fed as padding while others run, but publishes nothing more. Its record key is
+        `protocol.ids.record_key_for(request_id)`: the id itself unless it cannot travel (docs/VLLM.md).
         """
         sink = sink if sink is not None else self.sink
         if sink is None:
@@ -107,7 +109,7 @@ class HFRoutingAdapter:
             raise ValueError(f"prefill of {B}x{P} tokens exceeds the cache's max_tokens={self.cache.max_tokens}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        rids = [str(r) for r in request_ids]
+        rids = [record_key_for(str(r)) for r in request_ids]       # an id that cannot travel: derived key
         for rid, p in zip(rids, prompts):
             sink.open(rid, prompt_len=P, num_cached_tokens=0, prompt_token_ids=list(p))
         outputs: list[list[int]] = [[] for _ in range(B)]

@@ -10,13 +10,21 @@ set. With `n > 1` the sampling is split into child requests `f"{index}_{internal
 
 `record_key()` computes the same key on the trainer's side. The OpenAI server builds its engine request ids
 from the response id: chat completions use the response id itself ("chatcmpl-..."), completions append the
-prompt's position in the batch ("cmpl-...-0", "cmpl-...-1", ...).
+prompt's position in the batch ("cmpl-...-0", "cmpl-...-1", ...). The response id is "chatcmpl-" / "cmpl-"
+followed by the `X-Request-Id` header, else the body's `request_id` field, else a random id.
+
+An id that cannot travel as it is (`wire.request_id_problem`: over MAX_REQUEST_ID_BYTES UTF-8 bytes, lone
+surrogates) is captured under `protocol.ids.record_key_for(id)` = "rr-sha256-" + its SHA-256 in hex; both
+functions here apply it last, to the whole key (child index included), so the trainer's `record_key()` agrees.
 """
 
 from __future__ import annotations
 
 import os
 import re
+
+from routing_replay.protocol.ids import record_key_for
+from routing_replay.protocol.wire import request_id_problem
 
 _SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
 
@@ -38,9 +46,17 @@ def external_key(internal_id: str, randomized: bool = True) -> str:
     return internal_id
 
 
+def capture_key(internal_id: str, randomized: bool = True) -> tuple[str, str | None]:
+    """(record key, None) for an engine-internal request id whose external id can travel; (derived key, why it
+    could not) otherwise. Raises ValueError like external_key."""
+    ext = external_key(internal_id, randomized)
+    problem = request_id_problem(ext)
+    return (ext, None) if problem is None else (record_key_for(ext), problem)
+
+
 def record_key(request_id: str, index: int = 0, n: int = 1) -> str:
     """Key of the record for sample `index` of a request with `n` samples (RequestOutput.request_id,
-    CompletionOutput.index, SamplingParams.n)."""
+    CompletionOutput.index, SamplingParams.n); derived (`record_key_for`) when the id cannot travel as it is."""
     if not 0 <= index < max(n, 1):
         raise ValueError(f"sample index {index} outside [0, n={n})")
-    return request_id if n == 1 else f"{index}_{request_id}"
+    return record_key_for(request_id if n == 1 else f"{index}_{request_id}")

@@ -48,8 +48,28 @@ def _reason(request) -> str:
     return getattr(request.status, "name", "finished").lower()
 
 
+class SchedulerStats:
+    """Counters of this process's scheduler hooks."""
+    note_errors = 0                 # finished requests whose note failed (the worker falls back to its own count)
+
+
+stats = SchedulerStats()
+
+
 def note_finished(scheduler, request) -> None:
-    """Remember a finished request's final numbers if it is captured (a few attribute reads otherwise)."""
+    """Remember a finished request's final numbers if it is captured (a few attribute reads otherwise). Never
+    raises into vLLM's scheduler: a failure is one request's, logged and counted (stats.note_errors)."""
+    try:
+        _note(scheduler, request)
+    except Exception as e:          # noqa: BLE001 -- one request's problem must not stop the engine core
+        stats.note_errors += 1
+        rid = getattr(request, "request_id", "?")
+        log.warning("routing-replay: finish note of request %s failed: %s: %s (note_errors=%d)",
+                    ascii(rid[:64]) if isinstance(rid, str) else "?", type(e).__name__, str(e)[:200],
+                    stats.note_errors)
+
+
+def _note(scheduler, request) -> None:
     try:
         captured = _settings.current().captures(request.sampling_params)
     except ValueError:

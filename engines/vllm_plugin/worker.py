@@ -68,6 +68,8 @@ class WorkerStats:
     spec_steps: int = 0             # steps that verified speculative draft tokens
     host_ns: int = 0                # engine-thread CPU time in pre_step + post_step (only while `timing`)
     rebinds: int = 0
+    derived_keys: int = 0           # requests captured under record_key_for(id): their id cannot travel as it is
+    skipped: int = 0                # requests not captured (or closed as aborted) after an error of their own
 
 
 class _BatchedRows:
@@ -129,6 +131,13 @@ class _StepBatch:
         return out
 
 
+def show_id(request_id: str, limit: int = 64) -> str:
+    """A request id for a log line: ASCII-escaped (lone surrogates too), at most `limit` characters of it."""
+    if len(request_id) <= limit:
+        return ascii(request_id)
+    return f"{ascii(request_id[:limit])}... ({len(request_id)} chars)"
+
+
 def _v1_runner_cls():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     return GPUModelRunner
@@ -161,6 +170,7 @@ class WorkerCapture:
         self.binding = None
         self.sink = None
         self._warned_no_notes = False
+        self.producer = None
         if not self.publisher:
             return
 
@@ -236,16 +246,8 @@ class WorkerCapture:
                 if key is not None:
                     self._close_request(rid, key, notes)
         for new in so.scheduled_new_reqs:
-            if new.req_id in tracked or not self.settings.captures(new.sampling_params):
-                continue
-            key = _keys.external_key(new.req_id, self.randomized)
-            tracked[new.req_id] = key
-            if self.announces:
-                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
-                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
-                self.producer.open(key, prompt_len=prompt_len, num_cached_tokens=int(new.num_computed_tokens),
-                                   prompt_token_ids=prompt)
-                self.stats.opened += 1
+            if new.req_id not in tracked:
+                self._open_request(new)
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
         b = self.binding
@@ -258,7 +260,55 @@ class WorkerCapture:
         if t0:
             self.stats.host_ns += time.thread_time_ns() - t0
 
+    # ---- per request: nothing here raises into vLLM's step for one request's sake ------------------------------
+
+    def _open_request(self, new) -> None:
+        """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
+        captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped)."""
+        try:
+            if not self.settings.captures(new.sampling_params):
+                return
+            key, problem = _keys.capture_key(new.req_id, self.randomized)
+            if self.announces:
+                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
+                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
+                self.producer.open(key, prompt_len=prompt_len, num_cached_tokens=int(new.num_computed_tokens),
+                                   prompt_token_ids=prompt)
+                self.stats.opened += 1
+        except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
+            self._skip(new.req_id, "open", e)
+            return
+        self.tracked[new.req_id] = key
+        if problem is not None:
+            self.stats.derived_keys += 1
+            log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
+                        "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
+                        key, self.stats.derived_keys)
+
+    def _skip(self, rid: str, what: str, error: Exception) -> None:
+        """Log and count a per-request failure; re-raise it if the producer itself failed (engine-wide)."""
+        p = self.producer
+        # The producer's own failure (its thread died, e.g. LostHookError from a copied row) or a closed producer
+        # fails every request alike: that stops the engine as before. (Producer has no public health property.)
+        if p is not None and (getattr(p, "_failure", None) is not None or getattr(p, "_closed", False)):
+            raise error
+        self.stats.skipped += 1
+        log.warning("routing-replay: %s of request %s failed, its routing is not captured: %s: %s (skipped=%d)",
+                    what, show_id(rid), type(error).__name__, str(error)[:200], self.stats.skipped)
+
     def _close_request(self, rid: str, key: str, notes) -> None:
+        try:
+            self._send_close(rid, key, notes)
+        except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
+            self._skip(rid, "finish", e)
+            if self.announces:
+                try:                    # the consumer would otherwise wait request_timeout_s for the finish
+                    self.producer.abort(key, "capture_error")
+                except Exception as e2:  # noqa: BLE001
+                    log.warning("routing-replay: abort of %s after a failed finish failed too: %s", show_id(key),
+                                e2)
+
+    def _send_close(self, rid: str, key: str, notes) -> None:
         info = notes.get(rid) if notes is not None else None
         if info is None:
             # The scheduler hook did not see this request finish (a scheduler class that does not derive from
@@ -341,6 +391,10 @@ class WorkerCapture:
         if self.binding is not None:
             self.binding.unbind()
         if self.sink is not None:
+            st = self.stats
+            log.info("routing-replay: worker capture closing: steps=%d active_steps=%d rows=%d opened=%d finished=%d "
+                     "aborted=%d derived_keys=%d skipped=%d rebinds=%d", st.steps, st.active_steps, st.rows,
+                     st.opened, st.finished, st.aborted, st.derived_keys, st.skipped, st.rebinds)
             try:
                 self._flush()
             finally:
