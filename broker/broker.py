@@ -1,46 +1,51 @@
-"""Route wire-v1 messages from producers to the consumer that owns each request id, and carry acks back.
+"""Route wire-v1 messages from producers to the consumer that owns each request id, and carry acks back: the
+broker's socket loop.
 
 Sockets: `frontend` ROUTER (producers' DEALERs connect), `backend` ROUTER (consumers' DEALERs connect and
-announce themselves with hello/heartbeat). Ownership: a request id is assigned when first seen, by rendezvous
-hashing over the live consumers, and stays with that consumer until its finish/abort (sticky), so adding a
-consumer never moves an in-flight request. A delta that spans requests of several consumers is split: each
-owner gets a re-encoded header with its requests and the matching slices of the payload, forwarded zero-copy
-(large runs) or gathered into one frame (rows smaller than COPY_THRESHOLD on average, e.g. decode steps).
+announce themselves with hello/heartbeat). The loop reads a burst from each socket, hands every message to one
+handler, and runs the timed work (acks, liveness, stats) between bursts. What it decides with lives in three
+socket-free parts: `intake` (per-producer go-back-N: which seq is accepted next, the unacked parts on each
+consumer link, the ack frontier), `ownership` (request id -> owner link, sticky rendezvous hashing) and `split`
+(one delta into one per owner, zero-copy).
 
 Delivery (wire.py "Delivery", docs/RELIABILITY.md): per producer incarnation the broker accepts data messages
 in seq order only (a resend of an earlier seq is accepted, a gap is dropped and answered with a rewind request),
 numbers what it sends on each consumer link (lseq, per link generation), and acks a producer's seq once every
-consumer part of it was acked, as a contiguous prefix. A consumer that stops heartbeating for `liveness`
-intervals, restarts (new epoch) or becomes unreachable loses its link: the producers whose messages it had not
-acked are asked to rewind, and its in-flight requests are reassigned to a live consumer on their next message
-(the new owner gets the request's open marked `reassigned: true` and flags the record "consumer_lost" unless
-every row arrives anyway). A producer silent for `producer_timeout_ms` is lost: the owners of the requests it
-opened get an abort with reason "producer_lost". When no consumer is live (or, after a restart, for a grace
-period while the old consumers reconnect) messages wait in a bounded queue (max_pending_bytes).
+consumer part of it was acked, as a contiguous prefix. A data message that can never be valid (its header does not
+decode, or its body or payload is refused) is accepted and dropped when its seq is readable: the frontier passes it,
+and the producer gets an `error` naming it (`refused_seq`), so one bad request id never stops a stream. A
+consumer that stops heartbeating for `liveness` intervals, restarts (new epoch) or becomes unreachable loses its
+link: the producers whose messages it had not acked are asked to rewind, and its in-flight requests are reassigned
+to a live consumer on their next message (the new owner gets the request's open marked `reassigned: true` and
+flags the record "consumer_lost" unless every row arrives anyway). A producer silent for `producer_timeout_ms` is
+lost: the owners of the requests it opened get an abort with reason "producer_lost". When no consumer is live (or,
+after a restart, for a grace period while the old consumers reconnect) messages wait in a bounded queue
+(max_pending_bytes).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
-import msgpack
-import numpy as np
 import zmq
 
+from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
+from routing_replay.broker.ownership import OpenMsg, Ownership, rendezvous as _hrw  # noqa: F401 (tests use _hrw)
+from routing_replay.broker.split import split_delta
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded
 
 log = logging.getLogger("routing_replay.broker")
 
 DATA_KINDS = frozenset({"delta", "open", "finish", "abort"})
-MAX_PRODUCERS = 4096
 MAX_CONSUMERS = 1024
 MAX_UNACKED_PER_LINK = 1 << 20       # parts sent to one consumer and not acked; beyond it the link is dropped
+MAX_FRONTEND_BURST = 10_000          # frontend messages handled before the loop looks at the backend again
+MAX_ERROR_PEERS = 10_000             # (peer, reason) pairs remembered so each gets one `error` reply
 
 
 @dataclass
@@ -66,56 +71,23 @@ class BrokerStats:
     links_lost: int = 0
     producers_lost: int = 0
     aborted_for_lost_producer: int = 0
+    dropped_bad: int = 0             # data messages refused for good (bad header, body or payload): acked past,
+                                     # answered with an `error` naming their seq
 
 
-def _hrw(rid: bytes, consumers: list[bytes]) -> bytes:
-    best, best_score = consumers[0], -1
-    for c in consumers:
-        s = zlib.crc32(rid, zlib.crc32(c))
-        if s > best_score:
-            best, best_score = c, s
-    return best
+class Held(NamedTuple):
+    """A data message waiting in the pending queue for a live consumer."""
 
-
-class _Link:
-    """Own the broker's side of one consumer incarnation: its lseq numbering and the parts it has not acked."""
-
-    __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "alive", "last_seen", "name")
-
-    def __init__(self, cid: bytes, epoch: int, gen: int, now: float):
-        self.cid = cid
-        self.epoch = epoch
-        self.gen = gen
-        self.lseq = 0
-        self.sent: deque = deque()          # (lseq, token or None), lseq increasing
-        self.alive = True
-        self.last_seen = now
-        self.name = cid.decode(errors="replace")
-
-
-class _Prod:
-    """Own what the broker knows of one producer incarnation: next seq expected, ack frontier, rewind state."""
-
-    __slots__ = ("pid", "epoch", "ident", "next", "frontier", "done", "acked_sent", "last_seen", "nacked_at",
-                 "nacked_for", "held")
-
-    def __init__(self, pid: str, epoch: int, ident: bytes, unacked_from: int, now: float):
-        self.pid = pid
-        self.epoch = epoch
-        self.ident = ident
-        self.next = unacked_from            # the seq accepted next (anything lower is a resend)
-        self.frontier = unacked_from - 1    # every seq <= frontier is done (applied everywhere it went)
-        self.done: set = set()              # done seqs above frontier + 1
-        self.acked_sent = self.frontier
-        self.last_seen = now
-        self.nacked_at = -1e9
-        self.nacked_for = -1                # `next` when the last rewind was asked (one ask per gap episode)
-        self.held: set = set()              # seqs waiting in the pending queue
+    header: wire.Header
+    frames: list
+    tok: InFlight
+    producer: ProducerIntake
+    nbytes: int
 
 
 class Broker(ServiceThread):
-    """Own the frontend and backend sockets, the consumer links, the producers' delivery state and the
-    request -> consumer table.
+    """Own the frontend and backend sockets, and through them the consumer links, the producers' intake, the
+    ownership table and the pending queue.
 
     Sockets are created and used only by the thread running `run()` (or `bind()` + `serve()`).
     """
@@ -150,17 +122,11 @@ class Broker(ServiceThread):
         self.epoch = time.time_ns() // 1000          # a new one per start: consumers and producers see restarts
         self.stats = BrokerStats()
         self.bad: dict[str, int] = defaultdict(int)
-        self.links: dict[bytes, _Link] = {}           # consumer id -> its live link
-        self._live: list[bytes] = []                  # sorted live consumer ids (for rendezvous hashing)
-        self._live_set: frozenset = frozenset()       # live _Link objects
+        self.links: dict[bytes, ConsumerLink] = {}    # consumer id -> its live link
         self._gen = 0                                 # link generations, broker-wide, increasing
-        self.owner: dict[str, _Link] = {}             # request id -> the link of its consumer
-        self._open_msg: dict[str, tuple] = {}         # request id -> (open header bytes, token frames)
-        self._req_prod: dict[str, _Prod] = {}         # request id -> the producer that opened it
-        self.producers: dict[str, _Prod] = {}         # producer id -> its current incarnation
-        self._ack_dirty: set = set()
-        self._nacked_idents: dict[bytes, float] = {}
-        self._pending: deque = deque()                # (header, frames, token, producer) held in order
+        self.intake = Intake(rewind_interval_s=max(0.5, self.heartbeat_interval_s))
+        self.ownership = Ownership(max_open_requests)
+        self._pending: deque[Held] = deque()          # held in arrival order
         self._pending_bytes = 0
         self._hold_all = True                         # no live consumer, or a restart's grace period
         self._restart_seen = False
@@ -171,8 +137,17 @@ class Broker(ServiceThread):
         self._back = None
         self._front = None
 
-    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    @property
+    def producers(self) -> dict[str, ProducerIntake]:
+        """Producer id -> its current incarnation."""
+        return self.intake.producers
 
+    @property
+    def _live(self) -> list[bytes]:
+        """Sorted ids of the live consumers."""
+        return self.ownership.live_ids
+
+    # ---- the socket loop ----------------------------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._join(timeout_s)
@@ -241,7 +216,7 @@ class Broker(ServiceThread):
                         guarded(self._on_backend, (frames, time.monotonic()), self.bad, log, "broker")
                 if front in events:
                     self._now = time.monotonic()
-                    for _ in range(10_000):
+                    for _ in range(MAX_FRONTEND_BURST):
                         try:
                             frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
@@ -272,19 +247,18 @@ class Broker(ServiceThread):
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d links_lost=%d producers_lost=%d "
-                 "aborted_for_lost_producer=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
-                 s.bytes_out / 1e6, s.deltas_split, len(self.owner), len(self._live), len(self.producers),
+                 "aborted_for_lost_producer=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
+                 s.bytes_out / 1e6, s.deltas_split, len(self.ownership), len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.links_lost,
-                 s.producers_lost, s.aborted_for_lost_producer, sum(self.bad.values()),
+                 s.producers_lost, s.aborted_for_lost_producer, s.dropped_bad, sum(self.bad.values()),
                  dict(self.bad) if self.bad else "")
 
     # ---- consumers ----------------------------------------------------------------------------------------------
 
     def _set_live(self) -> None:
-        self._live = sorted(self.links)
-        self._live_set = frozenset(self.links.values())
+        self.ownership.set_live(self.links)
         self._update_hold(time.monotonic())
 
     def _update_hold(self, now: float) -> None:
@@ -301,66 +275,51 @@ class Broker(ServiceThread):
             if len(frames) != 2:
                 raise wire.ProtocolError("frame_count", f"consumer sent {len(frames) - 1} frames, expected 1")
             h = wire.decode_header(frames[1].buffer)
+            link = self.links.get(cid)
+            kind = h.kind
+            if kind in ("hello", "heartbeat"):
+                self._on_consumer_hello(cid, link, h, now)
+            elif kind == "ack":
+                if link is None or link.epoch != h.epoch:
+                    self.bad["stale_ack"] += 1
+                    return
+                self._on_ack(link, wire.parse_link_ack(h))
+            elif kind == "bye":
+                if link is not None and link.epoch == h.epoch:
+                    self._link_lost(link, "bye")
+            else:
+                raise wire.ProtocolError("unexpected_kind", f"consumer sent {kind!r}")
         except wire.ProtocolError as e:
             self._bad(e, cid, self._back)
-            return
-        link = self.links.get(cid)
-        kind = h.kind
-        if kind in ("hello", "heartbeat"):
-            if link is None or link.epoch != h.epoch:
-                if link is not None:
-                    self._link_lost(link, "restarted")
-                if len(self.links) >= MAX_CONSUMERS:
-                    self._bad(wire.ProtocolError("too_many_consumers", f"{len(self.links)} consumers"), cid,
-                              self._back)
-                    return
-                self._gen += 1
-                link = self.links[cid] = _Link(cid, h.epoch, self._gen, now)
-                seen = h.body.get("broker", 0)
-                if type(seen) is int and seen not in (0, self.epoch) and now < self._started + self.restart_grace_s:
-                    self._restart_seen = True          # it was with an earlier broker: this one is a restart
-                self._set_live()
-                log.info("broker consumer joined id=%s epoch=%d gen=%d consumers=%d restart_grace=%s", link.name,
-                         h.epoch, link.gen, len(self._live), self._hold_all and bool(self._live))
-            link.last_seen = now
-        elif kind == "ack":
-            if link is None or link.epoch != h.epoch:
-                self.bad["stale_ack"] += 1
-                return
-            try:
-                self._on_ack(link, h.body)
-            except wire.ProtocolError as e:
-                self._bad(e, cid, self._back)
-        elif kind == "bye":
-            if link is not None and link.epoch == h.epoch:
-                self._link_lost(link, "bye")
-        else:
-            self._bad(wire.ProtocolError("unexpected_kind", f"consumer sent {kind!r}"), cid, self._back)
 
-    def _on_ack(self, link: _Link, body: dict) -> None:
-        lk = body.get("link")
-        if (not isinstance(lk, list) or len(lk) != 3
-                or not all(type(x) is int and 0 <= x < 1 << 63 for x in lk)):
-            raise wire.ProtocolError("bad_field", "ack link must be [broker_epoch, gen, upto]")
+    def _on_consumer_hello(self, cid: bytes, link: ConsumerLink | None, h: wire.Header, now: float) -> None:
+        seen = wire.parse_consumer_hello(h)
+        if link is None or link.epoch != h.epoch:
+            if link is not None:
+                self._link_lost(link, "restarted")
+            if len(self.links) >= MAX_CONSUMERS:
+                raise wire.ProtocolError("too_many_consumers", f"{len(self.links)} consumers, limit {MAX_CONSUMERS}")
+            self._gen += 1
+            link = self.links[cid] = ConsumerLink(cid, h.epoch, self._gen, now)
+            if seen not in (0, self.epoch) and now < self._started + self.restart_grace_s:
+                self._restart_seen = True          # it was with an earlier broker: this one is a restart
+            self._set_live()
+            log.info("broker consumer joined id=%s epoch=%d gen=%d consumers=%d restart_grace=%s", link.name,
+                     h.epoch, link.gen, len(self._live), self._hold_all and bool(self._live))
+        link.last_seen = now
+
+    def _on_ack(self, link: ConsumerLink, ack: wire.LinkAck) -> None:
         self.stats.acks_in += 1
-        if lk[0] != self.epoch or lk[1] != link.gen:
+        if ack.broker_epoch != self.epoch or ack.gen != link.gen:
             return                                  # for an earlier broker or link generation
-        upto = lk[2]
-        sent = link.sent
-        while sent and sent[0][0] <= upto:
-            tok = sent.popleft()[1]
-            if tok is not None:
-                tok[0] -= 1
-                if tok[0] == 0 and tok[1] is not None:
-                    self._complete(tok[1], tok[2])
-        gap = body.get("gap")
-        if gap is not None:
-            self._resync(link, gap)
+        self.intake.parts_acked(link.sent, ack.upto)
+        if ack.gap is not None:
+            self._resync(link, ack.gap)
 
-    def _resync(self, link: _Link, gap) -> None:
+    def _resync(self, link: ConsumerLink, gap: int) -> None:
         """The consumer missed lseq `gap` (dropped what came after it): start a new link generation."""
         n = len(link.sent)
-        affected = self._poison(link)
+        affected = self.intake.forget_parts(link.sent)
         self._gen += 1
         link.gen = self._gen
         link.lseq = 0
@@ -370,40 +329,19 @@ class Broker(ServiceThread):
         for ps in affected:
             self._ask_rewind(ps, force=True)
 
-    def _poison(self, link: _Link) -> set:
-        """Forget the parts sent on this link that it has not acked: their seqs will never be acked through it.
-
-        Go back N: each affected producer's next accepted seq becomes its lowest seq lost here, so nothing that
-        follows it reaches any consumer again before the producer has resent it (in seq order, from its first
-        unacked). Otherwise a consumer could apply a later message of a request before an earlier one it never
-        got, and emit a record whose rows the earlier message should have overwritten.
-        """
-        low: dict = {}
-        for _, tok in link.sent:
-            if tok is not None and tok[1] is not None:
-                ps = tok[1]
-                if tok[2] < low.get(ps, 1 << 63):
-                    low[ps] = tok[2]
-                tok[1] = None
-        link.sent.clear()
-        for ps, seq in low.items():
-            if seq < ps.next and self.producers.get(ps.pid) is ps:
-                ps.next = seq
-        return set(low)
-
-    def _link_lost(self, link: _Link, why: str) -> None:
+    def _link_lost(self, link: ConsumerLink, why: str) -> None:
         if self.links.get(link.cid) is link:
             del self.links[link.cid]
         link.alive = False
         n_parts = len(link.sent)
-        affected = self._poison(link)
-        n_req = sum(1 for o in self.owner.values() if o is link)
+        affected = self.intake.forget_parts(link.sent)
+        n_req = self.ownership.owned_by(link)
         self.stats.links_lost += 1
         self._set_live()
         (log.info if why == "bye" and not n_req and not n_parts else log.warning)(
             "broker consumer %s id=%s why=%s in_flight_requests=%d unacked_parts=%d "
-                    "producers_to_rewind=%d consumers=%d", "expired" if why.startswith("silent") else "lost",
-                    link.name, why, n_req, n_parts, len(affected), len(self._live))
+            "producers_to_rewind=%d consumers=%d", "expired" if why.startswith("silent") else "lost",
+            link.name, why, n_req, n_parts, len(affected), len(self._live))
         for ps in affected:
             self._ask_rewind(ps, force=True)
 
@@ -411,11 +349,8 @@ class Broker(ServiceThread):
         cutoff = now - self.liveness * self.heartbeat_interval_s
         for link in [k for k in self.links.values() if k.last_seen < cutoff]:
             self._link_lost(link, f"silent_{now - link.last_seen:.1f}s")
-        cutoff_p = now - self.producer_timeout_s
-        for ps in [p for p in self.producers.values() if p.last_seen < cutoff_p]:
+        for ps in self.intake.silent_since(now - self.producer_timeout_s):
             self._producer_lost(ps, "producer_lost", now)
-        if len(self._nacked_idents) > 10_000:
-            self._nacked_idents.clear()
 
     # ---- producers ----------------------------------------------------------------------------------------------
 
@@ -424,7 +359,7 @@ class Broker(ServiceThread):
         n = self.bad[e.reason]
         if n == 1 or n % 1000 == 0:
             log.warning("broker dropped a bad message from %r (%s, %d so far): %s", peer[:48], e.reason, n, e)
-        if (peer, e.reason) not in self._warned and len(self._warned) < 10_000:
+        if (peer, e.reason) not in self._warned and len(self._warned) < MAX_ERROR_PEERS:
             self._warned.add((peer, e.reason))
             try:
                 sock.send_multipart([peer, wire.pack_header("error", "broker", self.epoch, 0, "",
@@ -441,263 +376,199 @@ class Broker(ServiceThread):
             return False
 
     def _on_frontend(self, frames: list) -> None:
-        st = self.stats
-        st.msgs_in += 1
+        self.stats.msgs_in += 1
         ident = frames[0].bytes
         try:
             if len(frames) < 2 or len(frames) > wire.MAX_FRAMES:
                 raise wire.ProtocolError("frame_count", f"message has {len(frames) - 1} frames")
-            h = wire.decode_header(frames[1].buffer)
+            try:
+                h = wire.decode_header(frames[1].buffer)
+            except wire.ProtocolError as e:
+                if not self._on_undecodable(ident, frames[1].buffer, e):
+                    raise
+                return
             kind = h.kind
             if kind in DATA_KINDS:
-                ps = self.producers.get(h.producer)
-                if ps is None or ps.epoch != h.epoch or ps.ident != ident:
-                    st.refused_unknown += 1
-                    self._ask_rewind_unknown(ident, h)
-                    return
-                seq = h.seq
-                if seq != ps.next:
-                    if seq > ps.next:
-                        st.refused_gap += 1
-                        self._ask_rewind(ps)
-                        return
-                    st.resent_in += 1
-                    if seq in ps.held:                # already waiting in the pending queue
-                        ps.next = seq + 1
-                        return
-                ps.next = seq + 1
-                ps.last_seen = self._now             # data counts as a sign of life (heartbeats queue behind it)
-                tok = [0, ps, seq]
-                try:
-                    self._route(h, frames, tok, ps)
-                except Exception:
-                    if tok[0] == 0 and tok[1] is not None:
-                        self._complete(ps, seq)       # refused for good: a resend would not make it valid
-                    raise
+                self._on_data(ident, h, frames)
             elif kind in ("hello", "heartbeat"):
                 self._on_producer_hello(ident, h)
             elif kind == "bye":
-                ps = self.producers.get(h.producer)
-                if ps is not None and ps.epoch == h.epoch and ps.ident == ident:
+                ps = self.intake.current(h.producer, h.epoch, ident)
+                if ps is not None:
                     self._producer_lost(ps, "producer_closed", time.monotonic())
             else:
                 raise wire.ProtocolError("unexpected_kind", f"producers do not send {kind!r}")
         except wire.ProtocolError as e:
             self._bad(e, ident, self._front)
 
+    def _on_data(self, ident: bytes, h: wire.Header, frames: list) -> None:
+        ps = self.intake.current(h.producer, h.epoch, ident)
+        if ps is None:
+            self._refuse_unknown(ident, h.producer, h.epoch)
+            return
+        seq = h.seq
+        if not self._admit(ps, seq):
+            return
+        tok = InFlight(ps, seq)
+        try:
+            self._route(h, frames, tok, ps)
+        except wire.ProtocolError as e:
+            if tok.parts or tok.refused:
+                raise
+            self._drop_for_good(ps, h.kind, seq, e)
+        except Exception:
+            if not tok.parts and not tok.refused:
+                self.intake.complete(ps, seq)     # refused for good: a resend would not make it valid
+            raise
+
+    def _admit(self, ps: ProducerIntake, seq: int) -> bool:
+        """Whether to route a data message of `ps` with `seq` (go-back-N); a gap is counted and a rewind asked."""
+        adm = ps.admit(seq)
+        if adm is not Admission.ACCEPT:
+            if adm is Admission.GAP:
+                self.stats.refused_gap += 1
+                self._ask_rewind(ps)
+                return False
+            self.stats.resent_in += 1
+            if adm is Admission.HELD:             # already waiting in the pending queue
+                return False
+        ps.last_seen = self._now                  # data counts as a sign of life (heartbeats queue behind it)
+        return True
+
+    def _on_undecodable(self, ident: bytes, frame, e: wire.ProtocolError) -> bool:
+        """A header that decode_header refused: if it is a known producer's data message whose seq is readable and
+        due, accept and drop it (True); False to refuse it as any bad message (nothing readable to answer for)."""
+        env = wire.peek_envelope(frame)
+        if (env is None or env.kind not in DATA_KINDS or env.producer is None or env.epoch is None
+                or env.seq is None):
+            return False
+        ps = self.intake.current(env.producer, env.epoch, ident)
+        if ps is None:
+            return False
+        if self._admit(ps, env.seq):
+            self._drop_for_good(ps, env.kind, env.seq, e)
+        return True
+
+    def _drop_for_good(self, ps: ProducerIntake, kind: str, seq: int, e: wire.ProtocolError) -> None:
+        """Accept and drop an admitted data message that can never be valid: the ack frontier passes it once all
+        before it is acked (applied by nobody), and its producer hears which seq was refused and why."""
+        self.intake.complete(ps, seq)
+        self.bad[e.reason] += 1
+        st = self.stats
+        st.dropped_bad += 1
+        n = st.dropped_bad
+        if n <= 100 or n % 1000 == 0:
+            log.warning("broker dropped bad data producer=%s epoch=%d seq=%d kind=%s reason=%s dropped_bad=%d: %s",
+                        ps.pid[:64], ps.epoch, seq, kind, e.reason, n, str(e)[:200])
+        self._reply(ps.ident, "error", "", {"reason": f"{e.reason}: {e}"[:300], "refused_seq": seq,
+                                             "epoch": ps.epoch})
+
+    def _refuse_unknown(self, ident: bytes, pid: str, epoch: int) -> None:
+        self.stats.refused_unknown += 1
+        ack = self.intake.unknown_ask(ident, epoch, time.monotonic())
+        if ack is not None:
+            self.stats.rewinds_asked += 1
+            self._reply(ident, "ack", pid, wire.producer_ack_body(ack))
+
     def _on_producer_hello(self, ident: bytes, h: wire.Header) -> None:
         now = time.monotonic()
-        u = wire.int_field(h.body, "unacked_from", 0, (1 << 63) - 1, 1)
-        ps = self.producers.get(h.producer)
-        if ps is not None and ps.epoch != h.epoch:
-            if h.epoch < ps.epoch:
-                raise wire.ProtocolError("stale_epoch", f"producer {h.producer[:64]!r} epoch {h.epoch} is older "
-                                         f"than its current epoch {ps.epoch}")
-            self._producer_lost(ps, "producer_restarted", now)
-            ps = None
-        if ps is None:
-            if len(self.producers) >= MAX_PRODUCERS:
-                raise wire.ProtocolError("too_many_producers", f"{len(self.producers)} producers")
-            ps = self.producers[h.producer] = _Prod(h.producer, h.epoch, ident, u, now)
+        u = wire.parse_producer_hello(h)
+        old = self.intake.replaced_by(h.producer, h.epoch)
+        if old is not None:
+            self._producer_lost(old, "producer_restarted", now)
+        ps, outcome = self.intake.hello(h.producer, h.epoch, ident, u, now)
+        if outcome is Hello.JOINED:
             log.info("broker producer joined id=%s epoch=%d unacked_from=%d producers=%d", h.producer[:64],
-                     h.epoch, u, len(self.producers))
-        else:
-            if ps.ident != ident:
-                log.info("broker producer reconnected id=%s", h.producer[:64])
-                ps.ident = ident
-            if u > ps.next:                  # everything below u was acked: nothing missing there
-                ps.next = u
-            if u - 1 > ps.frontier:
-                ps.frontier = u - 1
-                ps.done = {s for s in ps.done if s >= u}
-                if u in ps.done:
-                    ps.done.discard(u)
-                    self._complete(ps, u)
-        ps.last_seen = now
+                     h.epoch, u, len(self.intake))
+        elif outcome is Hello.RECONNECTED:
+            log.info("broker producer reconnected id=%s", h.producer[:64])
         self._reply(ident, "heartbeat", h.producer, {"consumers": len(self._live)})
 
-    def _ask_rewind(self, ps: _Prod, force: bool = False) -> None:
+    def _ask_rewind(self, ps: ProducerIntake, force: bool = False) -> None:
         """Ask a producer to resend everything it has not had acked (once per gap, again after a while)."""
-        now = time.monotonic()
-        if not force and ps.nacked_for == ps.next and now - ps.nacked_at < max(0.5, self.heartbeat_interval_s):
-            return
-        ps.nacked_for, ps.nacked_at = ps.next, now
-        self.stats.rewinds_asked += 1
-        self._reply(ps.ident, "ack", ps.pid, {"epoch": ps.epoch, "upto": ps.frontier, "rewind": True,
-                                              "expect": ps.next})
-
-    def _ask_rewind_unknown(self, ident: bytes, h: wire.Header) -> None:
-        now = time.monotonic()
-        if now - self._nacked_idents.get(ident, -1e9) < 0.5:
-            return
-        self._nacked_idents[ident] = now
-        self.stats.rewinds_asked += 1
-        self._reply(ident, "ack", h.producer, {"epoch": h.epoch, "upto": -1, "rewind": True, "hello": True})
-
-    def _complete(self, ps: _Prod, seq: int) -> None:
-        f = ps.frontier
-        if seq == f + 1:
-            f = seq
-            done = ps.done
-            if done:
-                while f + 1 in done:
-                    f += 1
-                    done.discard(f)
-            ps.frontier = f
-            self._ack_dirty.add(ps)
-        elif seq > f:
-            ps.done.add(seq)
+        ack = self.intake.rewind_ask(ps, time.monotonic(), force)
+        if ack is not None:
+            self.stats.rewinds_asked += 1
+            self._reply(ps.ident, "ack", ps.pid, wire.producer_ack_body(ack))
 
     def _send_acks(self) -> None:
-        if not self._ack_dirty:
-            return
-        dirty, self._ack_dirty = self._ack_dirty, set()
-        for ps in dirty:
-            if ps.frontier > ps.acked_sent and self.producers.get(ps.pid) is ps:
-                if self._reply(ps.ident, "ack", ps.pid, {"epoch": ps.epoch, "upto": ps.frontier}):
-                    ps.acked_sent = ps.frontier
-                    self.stats.acks_out += 1
-                else:
-                    self._ack_dirty.add(ps)
+        for ps, ack in self.intake.acks_due():
+            ok = self._reply(ps.ident, "ack", ps.pid, wire.producer_ack_body(ack))
+            self.intake.ack_sent(ps, ack, ok)
+            if ok:
+                self.stats.acks_out += 1
 
-    def _producer_lost(self, ps: _Prod, reason: str, now: float) -> None:
+    def _producer_lost(self, ps: ProducerIntake, reason: str, now: float) -> None:
         """The producer is gone: tell the owners of the requests it opened, so they emit them now."""
-        if self.producers.get(ps.pid) is ps:
-            del self.producers[ps.pid]
-        rids = [rid for rid, p in self._req_prod.items() if p is ps]
+        self.intake.remove(ps)
+        dropped = self.ownership.drop_producer(ps)
         told = 0
-        for rid in rids:
-            del self._req_prod[rid]
-            self._open_msg.pop(rid, None)
-            link = self.owner.pop(rid, None)
+        for rid, link in dropped:
             if link is not None and link.alive:
                 head = wire.pack_header("abort", ps.pid, ps.epoch, 0, rid, {"reason": reason})
                 if self._send(link, head, (), None):
                     told += 1
         self.stats.producers_lost += 1
         self.stats.aborted_for_lost_producer += told
-        (log.info if reason == "producer_closed" and not rids else log.warning)(
+        (log.info if reason == "producer_closed" and not dropped else log.warning)(
             "broker producer lost id=%s epoch=%d why=%s silent_s=%.1f open_requests=%d aborted=%d "
-                    "unacked_from=%d", ps.pid[:64], ps.epoch, reason, now - ps.last_seen, len(rids), told,
-                    ps.frontier + 1)
+            "unacked_from=%d", ps.pid[:64], ps.epoch, reason, now - ps.last_seen, len(dropped), told,
+            ps.frontier + 1)
 
     # ---- routing ------------------------------------------------------------------------------------------------
 
-    def _route(self, h: wire.Header, frames: list, tok: list, ps: _Prod) -> None:
+    def _route(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         if h.kind == "delta":
             self._route_delta(h, frames, tok, ps)
         else:
             self._route_request(h, frames, tok, ps)
 
-    def _assign(self, rid: str) -> _Link:
-        owner = self.links[_hrw(rid.encode("utf-8", "surrogatepass"), self._live)]
-        if len(self.owner) >= self.max_open_requests:
-            old = next(iter(self.owner))
-            del self.owner[old]
-            self._open_msg.pop(old, None)
-            self._req_prod.pop(old, None)
-        self.owner[rid] = owner
-        return owner
+    def _owner_of(self, rid: str) -> ConsumerLink:
+        o = self.ownership.owner_of(rid)
+        if o.reassigned:
+            self.stats.reassigned += 1
+            if o.reopen is not None:
+                self._send(o.link, o.reopen.reassigned_head(), o.reopen.frames, None)
+        return o.link
 
-    def _owner_of(self, rid: str) -> _Link:
-        o = self.owner.get(rid)
-        if o is None:
-            return self._assign(rid)
-        if o.alive:
-            return o
-        new = self._assign(rid)
-        self.stats.reassigned += 1
-        msg = self._open_msg.get(rid)
-        if msg is not None:
-            h = msgpack.unpackb(msg[0], raw=False)
-            h[6] = dict(h[6], reassigned=True)
-            self._send(new, msgpack.packb(h[:7], use_bin_type=True), msg[1], None)
-        return new
-
-    def _route_request(self, h: wire.Header, frames: list, tok: list, ps: _Prod) -> None:
+    def _route_request(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         rid = wire.check_request_id(h.key)
         if h.kind == "open":
             wire.parse_open(h)
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
+        owner = self._owner_of(rid)
         if h.kind == "open":
             self.stats.requests_opened += 1
-            owner = self._owner_of(rid)
-            self._open_msg[rid] = (frames[1].bytes, frames[2:])
-            self._req_prod[rid] = ps
+            self.ownership.opened(rid, ps, OpenMsg(frames[1].bytes, frames[2:]))
         else:
-            owner = self._owner_of(rid)
-            self.owner.pop(rid, None)
-            self._open_msg.pop(rid, None)
-            self._req_prod.pop(rid, None)
+            self.ownership.close(rid)
             self.stats.requests_closed += 1
         if not self._send(owner, frames[1].buffer, frames[2:], tok):
-            self._unaccept(ps, tok)
+            self._unaccept(tok)
 
-    def _route_delta(self, h: wire.Header, d_frames: list, tok: list, ps: _Prod) -> None:
+    def _route_delta(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         d = wire.parse_delta(h)
-        payload = d_frames[2:]
+        payload = frames[2:]
         wire.check_payload(d, payload)
         self.stats.bytes_in += d.total_rows * d.row_bytes
         if self._hold_all:
-            return self._hold(h, d_frames, tok, ps)
-        ids = d.request_ids
-        owners = list(map(self.owner.get, ids))
-        uniq = set(owners)
-        if None in uniq or not uniq <= self._live_set:
-            owners = [self._owner_of(r) for r in ids]
-            uniq = set(owners)
-        if len(uniq) == 1:
-            ok = self._send(owners[0], d_frames[1].buffer, payload, tok)      # payload untouched, zero-copy
+            return self._hold(h, frames, tok, ps)
+        owners = self.ownership.lookup(d.request_ids)
+        if owners is None:
+            links = [self._owner_of(r) for r in d.request_ids]
+            owners = (links, set(links))
+        links, distinct = owners
+        if len(distinct) == 1:
+            ok = self._send(links[0], frames[1].buffer, payload, tok)      # payload untouched, zero-copy
         else:
             self.stats.deltas_split += 1
-            ok = self._split(h, d, owners, uniq, payload, tok)
+            ok = all(self._send(p.owner, p.head, p.frames, tok)
+                     for p in split_delta(h, d, links, distinct, payload))
         if not ok:
-            self._unaccept(ps, tok)
+            self._unaccept(tok)
 
-    def _split(self, h: wire.Header, d: wire.Delta, owners: list, uniq: set, payload: list, tok: list) -> bool:
-        rb = d.row_bytes
-        ids = d.request_ids
-        index = {o: i for i, o in enumerate(uniq)}
-        codes = np.fromiter(map(index.__getitem__, owners), dtype=np.int16, count=len(owners))
-        if len(payload) == 1:
-            mv = memoryview(payload[0].buffer)
-        else:
-            mv = memoryview(b"".join(bytes(f.buffer) for f in payload))
-        counts = d.counts
-        uniform = d.total_rows == len(counts) * int(counts[0]) and int(counts.min()) == int(counts[0])
-        per = int(counts[0]) * rb
-        if not uniform:
-            offs = np.zeros(len(counts) + 1, dtype=np.int64)
-            np.cumsum(counts, out=offs[1:])
-            offs *= rb
-        for o, c in index.items():
-            idx = np.flatnonzero(codes == c)
-            sub = idx.tolist()
-            body = wire.delta_body(d.starts[idx], counts[idx], d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
-            head = wire.pack_header("delta", h.producer, h.epoch, h.seq, [ids[i] for i in sub], body)
-            # contiguous runs of this owner's requests: [run_lo, run_hi) in request index space
-            brk = np.flatnonzero(np.diff(idx) != 1)
-            run_lo = np.concatenate(([idx[0]], idx[brk + 1]))
-            run_hi = np.concatenate((idx[brk] + 1, [idx[-1] + 1]))
-            if uniform:
-                a_bytes, b_bytes = run_lo * per, run_hi * per
-            else:
-                a_bytes, b_bytes = offs[run_lo], offs[run_hi]
-            total = int((b_bytes - a_bytes).sum())
-            if len(run_lo) == 1:
-                parts = [mv[int(a_bytes[0]):int(b_bytes[0])]]
-            elif total >= wire.COPY_THRESHOLD * len(run_lo):
-                parts = [mv[a:b] for a, b in zip(a_bytes.tolist(), b_bytes.tolist())]
-            elif uniform and per:
-                parts = [np.frombuffer(mv, dtype=np.dtype((np.void, per))).take(idx)]
-            else:
-                parts = [b"".join(mv[a:b] for a, b in zip(a_bytes.tolist(), b_bytes.tolist()))]
-            if not self._send(o, head, parts, tok):
-                return False
-        return True
-
-    def _send(self, link: _Link, head, rest, tok: list | None) -> bool:
+    def _send(self, link: ConsumerLink, head, rest, tok: InFlight | None) -> bool:
         """Send one data message (header + payload frames) on a consumer link, numbered with the next lseq.
 
         False if it could not be queued (the consumer is slow or gone); the lseq is then not used.
@@ -723,22 +594,21 @@ class Broker(ServiceThread):
         sent = link.sent
         sent.append((lseq, tok))
         if tok is not None:
-            tok[0] += 1
+            tok.parts += 1
         self.stats.msgs_out += 1
         if len(sent) > MAX_UNACKED_PER_LINK:
             self._link_lost(link, f"not_acking_{len(sent)}_parts")
         return True
 
-    def _unaccept(self, ps: _Prod, tok: list) -> None:
+    def _unaccept(self, tok: InFlight) -> None:
         """A message could not go everywhere it must: refuse it and what follows, until the producer rewinds."""
-        tok[1] = None                              # parts already sent will not ack this seq
-        if self.producers.get(ps.pid) is ps and tok[2] < ps.next:
-            ps.next = tok[2]
-        self._ask_rewind(ps, force=True)
+        ps = self.intake.refuse(tok)              # parts already sent will not ack its seq
+        if ps is not None:
+            self._ask_rewind(ps, force=True)
 
     # ---- no consumer yet ----------------------------------------------------------------------------------------
 
-    def _hold(self, h: wire.Header, frames: list, tok: list, ps: _Prod) -> None:
+    def _hold(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         n = sum(len(f.buffer) for f in frames[1:])
         if self._pending_bytes + n > self.max_pending_bytes:
             self.stats.dropped_no_consumer += 1
@@ -746,10 +616,10 @@ class Broker(ServiceThread):
             if c == 1 or c % 1000 == 0:
                 log.warning("broker has no consumer and %d bytes pending: refused=%d messages (their producers "
                             "keep them and resend)", self._pending_bytes, c)
-            self._unaccept(ps, tok)
+            self._unaccept(tok)
             return
-        ps.held.add(tok[2])
-        self._pending.append((h, frames, tok, ps, n))
+        ps.held.add(tok.seq)
+        self._pending.append(Held(h, frames, tok, ps, n))
         self._pending_bytes += n
 
     def _flush_pending(self) -> None:
@@ -759,18 +629,19 @@ class Broker(ServiceThread):
         self._pending_bytes = 0
         log.info("broker routing %d messages held while no consumer was live", len(pending))
         while pending:
-            h, frames, tok, ps, n = pending.popleft()
-            ps.held.discard(tok[2])
-            if tok[1] is None:
+            held = pending.popleft()
+            h, frames, tok, ps, n = held
+            ps.held.discard(tok.seq)
+            if tok.refused:
                 continue                           # refused meanwhile: its producer resends it
             if self._hold_all:                     # every consumer left again while flushing
-                self._pending.append((h, frames, tok, ps, n))
+                self._pending.append(held)
                 self._pending_bytes += n
-                ps.held.add(tok[2])
+                ps.held.add(tok.seq)
                 continue
             try:
                 self._route(h, frames, tok, ps)
             except wire.ProtocolError as e:
                 self._bad(e, ps.ident, self._front)
-                if tok[0] == 0 and tok[1] is not None:
-                    self._complete(ps, tok[2])
+                if not tok.parts and not tok.refused:
+                    self.intake.complete(ps, tok.seq)

@@ -1,0 +1,162 @@
+"""The broker's ownership table: which consumer link owns each open request id (sticky rendezvous hashing), with
+per-link and per-producer indexes so that losing one touches only its own entries (socket-free).
+
+A request id is assigned when first seen, by rendezvous hashing over the live consumers, and keeps its owner until
+its finish or abort (sticky), so adding a consumer never moves an in-flight request. A request whose owner was lost
+is assigned again on its next message; the new owner must then get the request's open again, marked
+`reassigned: true` (the table keeps each open message for that). Links and producers are any hashable objects; a
+link has `alive` (False once lost) and the table never looks further into them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Hashable, NamedTuple
+
+import msgpack
+
+
+def rendezvous(rid: bytes, consumers: list[bytes]) -> bytes:
+    """The consumer id with the highest hash of (consumer, request id): highest random weight."""
+    best, best_score = consumers[0], -1
+    for c in consumers:
+        s = zlib.crc32(rid, zlib.crc32(c))
+        if s > best_score:
+            best, best_score = c, s
+    return best
+
+
+class OpenMsg(NamedTuple):
+    """A request's open message as the producer sent it, kept to send again to a new owner."""
+
+    head: bytes               # the msgpack header frame
+    frames: list              # its payload frames (prompt token ids, if any)
+
+    def reassigned_head(self) -> bytes:
+        """The header with `reassigned: true` added to its body (the new owner flags what it missed)."""
+        h = msgpack.unpackb(self.head, raw=False)
+        h[6] = dict(h[6], reassigned=True)
+        return msgpack.packb(h[:7], use_bin_type=True)
+
+
+class Owner(NamedTuple):
+    """The link that owns a request; when its earlier owner was lost, `reassigned` and the open message to send the
+    new owner first (None if the request's open was never seen)."""
+
+    link: Any
+    reassigned: bool = False
+    reopen: OpenMsg | None = None
+
+
+class Owners(NamedTuple):
+    """The owner link of each request id of a delta, in key order, and the distinct ones among them."""
+
+    links: list
+    distinct: set
+
+
+class Ownership:
+    """Own the request id -> owner link table, the open message and producer of each opened request, and the
+    indexes by link and by producer.
+
+    `owner` is the plain dict the delta path reads (one `dict.get` per request id); the other maps move with it.
+    """
+
+    def __init__(self, max_open_requests: int):
+        self.max_open_requests = max_open_requests
+        self.owner: dict[str, Any] = {}                  # request id -> its owner link
+        self._open: dict[str, OpenMsg] = {}              # request id -> its open message
+        self._producer: dict[str, Hashable] = {}         # request id -> the producer that opened it
+        self._by_link: dict[Any, set] = {}               # link -> request ids it owns
+        self._by_producer: dict[Hashable, set] = {}      # producer -> request ids it opened
+        self.live_ids: list[bytes] = []                  # sorted ids of the live links (the hash's candidates)
+        self.live: frozenset = frozenset()               # the live links
+        self._link_of: dict[bytes, Any] = {}
+        self.evicted = 0                                 # requests forgotten at max_open_requests
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+    def set_live(self, links: dict[bytes, Any]) -> None:
+        """The live links, by consumer id (each new assignment hashes over them)."""
+        self._link_of = dict(links)
+        self.live_ids = sorted(links)
+        self.live = frozenset(links.values())
+
+    def owned_by(self, link: Any) -> int:
+        """How many open requests `link` owns (those of a lost link move on their next message)."""
+        return len(self._by_link.get(link, ()))
+
+    def lookup(self, ids: list) -> Owners | None:
+        """The live owner of every id, or None if one is unassigned or owned by a lost link (then use owner_of)."""
+        links = list(map(self.owner.get, ids))
+        distinct = set(links)
+        if None in distinct or not distinct <= self.live:
+            return None
+        return Owners(links, distinct)
+
+    def owner_of(self, rid: str) -> Owner:
+        """The live owner of `rid`, assigned now if it has none or its owner was lost (needs a live link)."""
+        link = self.owner.get(rid)
+        if link is None:
+            return Owner(self._assign(rid))
+        if link.alive:
+            return Owner(link)
+        self._by_link_discard(link, rid)
+        return Owner(self._assign(rid), True, self._open.get(rid))
+
+    def opened(self, rid: str, producer: Hashable, msg: OpenMsg) -> None:
+        """`rid` was opened by `producer` with `msg` (call after owner_of)."""
+        self._open[rid] = msg
+        old = self._producer.get(rid)
+        if old is not producer:
+            if old is not None:
+                self._by_producer_discard(old, rid)
+            self._producer[rid] = producer
+            self._by_producer.setdefault(producer, set()).add(rid)
+
+    def close(self, rid: str) -> None:
+        """`rid` finished or was aborted: forget it."""
+        link = self.owner.pop(rid, None)
+        if link is not None:
+            self._by_link_discard(link, rid)
+        self._open.pop(rid, None)
+        p = self._producer.pop(rid, None)
+        if p is not None:
+            self._by_producer_discard(p, rid)
+
+    def drop_producer(self, producer: Hashable) -> list[tuple[str, Any]]:
+        """Forget every request `producer` opened; returns each (request id, owner link or None)."""
+        rids = self._by_producer.pop(producer, ())
+        out = []
+        for rid in rids:
+            del self._producer[rid]
+            self._open.pop(rid, None)
+            link = self.owner.pop(rid, None)
+            if link is not None:
+                self._by_link_discard(link, rid)
+            out.append((rid, link))
+        return out
+
+    def _assign(self, rid: str) -> Any:
+        link = self._link_of[rendezvous(rid.encode("utf-8", "surrogatepass"), self.live_ids)]
+        if rid not in self.owner and len(self.owner) >= self.max_open_requests:
+            self.close(next(iter(self.owner)))
+            self.evicted += 1
+        self.owner[rid] = link
+        self._by_link.setdefault(link, set()).add(rid)
+        return link
+
+    def _by_link_discard(self, link: Any, rid: str) -> None:
+        s = self._by_link.get(link)
+        if s is not None:
+            s.discard(rid)
+            if not s:
+                del self._by_link[link]
+
+    def _by_producer_discard(self, producer: Hashable, rid: str) -> None:
+        s = self._by_producer.get(producer)
+        if s is not None:
+            s.discard(rid)
+            if not s:
+                del self._by_producer[producer]
