@@ -1,0 +1,234 @@
+"""The producer on real sockets under bad input and bad brokers: a request id that cannot travel, a broker that
+refuses one message (error with refused_seq), a broker that never answers or refuses the handshake."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from routing_replay.broker import Broker
+from routing_replay.producer import Producer
+from routing_replay.protocol import security, wire
+
+L, K = 2, 2
+BAD = "req-\udc80-lone"          # a lone surrogate: no UTF-8 encoding
+
+
+def rows(n: int, base: int = 0) -> np.ndarray:
+    return (np.arange(n * L * K, dtype=np.int16) + base).reshape(n, L, K)
+
+
+class FakeBroker:
+    """A ROUTER the test owns, playing the broker with hand-built replies."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.epoch = 777
+        self.ident: bytes | None = None
+
+    def recv(self, timeout_s: float = 10.0) -> tuple[wire.Header, list]:
+        """The next message from the producer (control messages answered like a broker: heartbeat)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.sock.poll(50):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            self.ident = ident
+            h = wire.decode_header(frames[0])
+            if h.kind in ("hello", "heartbeat"):
+                self.reply("heartbeat", {"consumers": 1})
+                continue
+            return h, frames[1:]
+        raise TimeoutError("no data message from the producer")
+
+    def reply(self, kind: str, body: dict) -> None:
+        self.sock.send_multipart([self.ident, wire.pack_header(kind, "broker", self.epoch, 0, "p", body)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def test_a_bad_request_id_is_refused_at_open_and_never_stops_the_stream(ctx, tmp_path):
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        with pytest.raises(wire.ProtocolError) as err:
+            p.open(BAD, prompt_len=4)
+        assert err.value.reason == "bad_request_id" and "'req-\\udc80-lone'" in str(err.value)
+        with pytest.raises(wire.ProtocolError, match="bad_request_id|1025 characters"):
+            p.open("x" * 1025, prompt_len=1)
+        # its parts are dropped and counted, never raised; a step shared with a good request keeps the good part
+        assert p.publish_rows([BAD], [0], [4], rows(4)) is True
+        p.open("good", prompt_len=4)
+        assert p.publish_rows([BAD, "good", 7], [0, 0, 0], [2, 4, 1], rows(7)) is True
+        p.finish(BAD, num_output_tokens=1)
+        p.abort(BAD)
+        p.finish("good", num_output_tokens=1)
+        assert p.stats.dropped_parts == 1 + 2 + 1 + 1
+        got = [fake.recv() for _ in range(3)]
+        assert [(h.kind, h.seq, h.key) for h, _ in got] == [("open", 1, "good"), ("delta", 2, ["good"]),
+                                                            ("finish", 3, "good")]
+        d = wire.parse_delta(got[1][0])
+        assert d.starts.tolist() == [0] and d.counts.tolist() == [4]
+        assert got[1][1][0] == rows(7)[2:6].tobytes()
+        assert "lost" not in got[2][0].body
+        assert p.stats.encode_errors == 0 and p._failure is None
+        p.open("after", prompt_len=1)                       # the thread still takes work
+        assert fake.recv()[0].key == "after"
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+
+
+def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(ctx, tmp_path):
+    class Broken:
+        shape = (3, L, K)
+        dtype = np.int16
+        released = 0
+
+        def result(self):
+            raise RuntimeError("device copy failed")
+
+        def release(self):
+            Broken.released += 1
+
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        p.open("a", prompt_len=3)
+        p.publish_rows(["a"], [0], [3], Broken())
+        wait_for(lambda: p.stats.encode_errors == 1)
+        p.publish_rows(["a"], [3], [1], rows(1))
+        p.finish("a", num_output_tokens=2)
+        got = [fake.recv() for _ in range(3)]
+        assert [(h.kind, h.seq) for h, _ in got] == [("open", 1), ("delta", 2), ("finish", 3)]
+        assert got[2][0].body["lost"] == [[0, 3]] and Broken.released == 1
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+
+
+def test_a_refused_delta_is_reported_lost_and_a_refused_open_drops_its_request(ctx, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="routing_replay.producer")
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        p.open("a", prompt_len=8)
+        p.open("b", prompt_len=2)
+        p.publish_rows(["a", "b"], [0, 0], [4, 2], rows(6))
+        p.publish_rows(["a"], [4], [4], rows(4))
+        got = [fake.recv() for _ in range(4)]
+        assert [(h.kind, h.seq) for h, _ in got] == [("open", 1), ("open", 2), ("delta", 3), ("delta", 4)]
+        # a plain error (no refused_seq) is logged as before and changes nothing
+        fake.reply("error", {"reason": "bad_field: something"})
+        # the broker could not decode seq 3 (the shared delta) and seq 2 (b's open): it says so
+        fake.reply("error", {"reason": "undecodable: test", "refused_seq": 3, "epoch": p.epoch})
+        fake.reply("error", {"reason": "undecodable: test", "refused_seq": 2, "epoch": p.epoch})
+        fake.reply("error", {"reason": "stale", "refused_seq": 1, "epoch": p.epoch + 1})   # another epoch: ignored
+        fake.reply("ack", {"epoch": p.epoch, "upto": 4})
+        wait_for(lambda: p.stats.refused_by_broker == 2 and p.unacked_msgs == 0)
+        assert p.stats.errors_from_broker == 4
+        p.publish_rows(["b", "a"], [2, 8], [1, 1], rows(2))        # b was refused: its part is dropped
+        p.finish("b", num_output_tokens=1)
+        p.finish("a", num_output_tokens=2)
+        got = [fake.recv() for _ in range(2)]
+        assert [(h.kind, h.seq, h.key) for h, _ in got] == [("delta", 5, ["a"]), ("finish", 6, "a")]
+        assert got[1][0].body["lost"] == [[0, 4]]
+        assert p.stats.dropped_parts == 2
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(re.search(r"broker refused seq=3 kind=delta requests=2 rows=6 .*undecodable: test", m)
+                   for m in warnings), warnings
+        assert any("broker refused seq=2 kind=open request='b'" in m for m in warnings), warnings
+        assert any("broker refused a message: bad_field: something" in r.getMessage() for r in caplog.records
+                   if r.levelno == logging.ERROR)
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+
+
+def _silence_lines(caplog) -> list:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "no answer from broker" in r.getMessage()]
+
+
+def test_nothing_listening_is_said_with_the_numbers(ctx, caplog):
+    caplog.set_level(logging.INFO, logger="routing_replay.producer")
+    s = ctx.socket(zmq.ROUTER)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    s.close(0)
+    p = Producer(f"tcp://127.0.0.1:{port}", num_layers=L, top_k=K, context=ctx, linger_ms=0,
+                 replay_max_bytes=1 << 20, silence_warn_after_ms=200, silence_warn_every_ms=200)
+    try:
+        p.open("a", prompt_len=4)
+        p.publish_rows(["a"], [0], [4], rows(4))
+        wait_for(lambda: p.unacked_msgs == 2)
+        nbytes = p.replay_bytes
+        wait_for(lambda: len(_silence_lines(caplog)) >= 2)
+        lines = _silence_lines(caplog)
+        for i, line in enumerate(lines[:2]):
+            m = re.search(r"for (\d+\.\d)s \(report (\d+); connections=0 .*\): unacked=(\d+) msgs "
+                          r"unacked_bytes=(\d+) \(memory (\d+) \+ spill 0\) bound=(\d+)\+0 bytes", line)
+            assert m, line
+            assert int(m[2]) == i + 1 and float(m[1]) >= 0.2
+            assert (int(m[3]), int(m[4]), int(m[6])) == (2, nbytes, 1 << 20)
+        assert not [r for r in caplog.records if "broker answered" in r.getMessage()]
+    finally:
+        p.close(timeout_s=0.5)
+
+
+def test_a_curve_broker_refusing_a_plaintext_producer_is_said(ctx, tmp_path, caplog):
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    caplog.set_level(logging.INFO, logger="routing_replay.producer")
+    security.create_keys(tmp_path, "broker")
+    security.create_keys(tmp_path, "engine")
+    (tmp_path / "allow").mkdir()
+    (tmp_path / "allow" / "engine.key").write_bytes((tmp_path / "engine.key").read_bytes())
+    b = Broker("tcp://127.0.0.1:*", f"ipc://{tmp_path}/b", curve_secret=str(tmp_path / "broker.key_secret"),
+               curve_allow=str(tmp_path / "allow")).start()
+    p = Producer(b.frontend, num_layers=L, top_k=K, context=ctx, linger_ms=0, silence_warn_after_ms=300,
+                 silence_warn_every_ms=10_000)
+    try:
+        p.open("a", prompt_len=4)
+        wait_for(lambda: len(_silence_lines(caplog)) >= 1)
+        m = re.search(r"report 1; connections=0 .*\): unacked=1 msgs", _silence_lines(caplog)[0])
+        assert m, _silence_lines(caplog)[0]
+    finally:
+        p.close(timeout_s=0.5)
+        b.close()
+
+
+def test_a_reachable_broker_gives_one_startup_line(ctx, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="routing_replay.producer")
+    b = Broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", context=ctx).start()
+    p = Producer(b.frontend, num_layers=L, top_k=K, context=ctx, linger_ms=0, silence_warn_after_ms=5000)
+    try:
+        wait_for(lambda: any("broker answered" in r.getMessage() for r in caplog.records))
+        lines = [r.getMessage() for r in caplog.records if "broker answered" in r.getMessage()]
+        assert len(lines) == 1 and re.search(r"broker answered at ipc://\S+ in \d+ ms$", lines[0]), lines
+        assert lines[0].startswith(f"producer {p.producer_id}: ")
+        assert not _silence_lines(caplog)
+    finally:
+        p.close(timeout_s=0.5)
+        b.close()
