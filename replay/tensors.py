@@ -89,12 +89,16 @@ def padded(records, *, padding_side: str = "right", seq_len: int | None = None, 
     if S < longest:
         b = int(np.argmax(plan.lengths))
         raise ValueError(f"seq_len={S} is shorter than sample {b} ({plan.records[b].request_id!r}, {longest} tokens)")
-    out = np.full((B, S, len(plan.columns), plan.top_k), -1, plan.dtype)
+    out = np.empty((B, S, len(plan.columns), plan.top_k), plan.dtype)
+    mask = np.empty((B, S, len(plan.columns)), bool)
     for b, rec in enumerate(plan.records):                    # per record, never per token
         n = int(plan.lengths[b])
         start = 0 if padding_side == "right" else S - n
-        _fill(out[b, start:start + n], rec, n, plan.columns)
-    return _finish(out, plan, None)
+        pad = slice(n, S) if padding_side == "right" else slice(0, start)
+        out[b, pad] = -1
+        mask[b, pad] = True
+        _fill(out[b, start:start + n], mask[b, start:start + n], rec, n, plan.columns)
+    return _finish(out, mask, plan, None)
 
 
 def packed(records, *, layout: str = "moe", layers: tuple[int, int] | None = None, num_layers: int | None = None,
@@ -105,31 +109,66 @@ def packed(records, *, layout: str = "moe", layers: tuple[int, int] | None = Non
     plan = _plan(records, layout, layers, num_layers, dtype, token_ids, allow_incomplete, allow_prefix)
     cu = np.zeros(len(plan.records) + 1, np.int64)
     np.cumsum(plan.lengths, out=cu[1:])
-    out = np.full((int(cu[-1]), len(plan.columns), plan.top_k), -1, plan.dtype)
+    out = np.empty((int(cu[-1]), len(plan.columns), plan.top_k), plan.dtype)
+    mask = np.empty(out.shape[:2], bool)
     for b, rec in enumerate(plan.records):
-        _fill(out[cu[b]:cu[b + 1]], rec, int(plan.lengths[b]), plan.columns)
-    return _finish(out, plan, torch.from_numpy(cu.astype(np.int32)))
+        _fill(out[cu[b]:cu[b + 1]], mask[cu[b]:cu[b + 1]], rec, int(plan.lengths[b]), plan.columns)
+    return _finish(out, mask, plan, torch.from_numpy(cu.astype(np.int32)))
 
 
-def _fill(dst: np.ndarray, rec: wire.Record, n: int, columns: np.ndarray) -> None:
-    """Write the first n rows of prompt + generation into dst (n, L_out, K), column by column of `columns`."""
+def _fill(dst: np.ndarray, dmask: np.ndarray, rec: wire.Record, n: int, columns: np.ndarray) -> None:
+    """Write the first n rows of prompt + generation into dst (n, L_out, K) and their no-routing flags into
+    dmask (n, L_out), column by column of `columns` (-1: a dense layer, all -1 and flagged). Works in runs of
+    consecutive columns (one run in the "moe" layout, one per gap between dense layers in "all")."""
     P = rec.prompt_routed_experts.shape[0]
-    moe = columns >= 0
-    if moe.all() and np.array_equal(columns, np.arange(columns[0], columns[0] + len(columns))):
-        lo, hi = int(columns[0]), int(columns[0]) + len(columns)          # contiguous: plain slices
-        dst[:min(n, P)] = rec.prompt_routed_experts[:n, lo:hi]
-        if n > P:
-            dst[P:n] = rec.routed_experts[:n - P, lo:hi]
+    parts = ((slice(0, min(n, P)), rec.prompt_routed_experts[:n]), (slice(P, n), rec.routed_experts[:max(n - P, 0)]))
+    for out_lo, out_hi, src_lo in _runs(columns):
+        cols = slice(out_lo, out_hi)
+        if src_lo < 0:
+            dst[:, cols] = -1
+            dmask[:, cols] = True
+            continue
+        for rows, src in parts:
+            src = src[:, src_lo:src_lo + out_hi - out_lo]
+            dst[rows, cols] = src
+            _negative_rows(src, dmask[rows, cols])
+
+
+def _runs(columns: np.ndarray) -> list[tuple[int, int, int]]:
+    """(out_lo, out_hi, src_lo) for each run of output columns fed by consecutive record columns (src_lo -1 for
+    a run of dense columns)."""
+    runs = []
+    for j, c in enumerate(columns.tolist()):          # one step per layer, at most a few hundred
+        if runs:
+            lo, hi, s = runs[-1]
+            if (c < 0 and s < 0) or (c >= 0 and s >= 0 and c == s + hi - lo):
+                runs[-1] = (lo, hi + 1, s)
+                continue
+        runs.append((j, j + 1, c if c >= 0 else -1))
+    return runs
+
+
+_SIGN_BITS = np.uint64(0x8000_8000_8000_8000)
+
+
+def _negative_rows(src: np.ndarray, out: np.ndarray) -> None:
+    """out[...] = any id < 0 in src[..., :] (int16), reading sign bits four ids at a time (a min over the short
+    K axis is several times slower)."""
+    K = src.shape[-1]
+    if src.dtype != np.int16 or K % 4 or src.strides[-1] != 2 or len(src) == 0:
+        np.less(src.min(-1, initial=0) if len(src) == 0 else src.min(-1), 0, out=out)
         return
-    where, src = np.nonzero(moe)[0], columns[moe]
-    dst[:min(n, P), where] = rec.prompt_routed_experts[:n][:, src]
-    if n > P:
-        dst[P:n, where] = rec.routed_experts[:n - P][:, src]
+    words = src.view(np.uint64)                       # (..., K // 4), four int16 ids per word
+    acc = words[..., 0].copy()
+    for i in range(1, K // 4):                        # K // 4 whole-array ops, not per token
+        acc |= words[..., i]
+    acc &= _SIGN_BITS
+    np.not_equal(acc, 0, out=out)
 
 
-def _finish(out: np.ndarray, plan: _Plan, cu: torch.Tensor | None) -> ReplayTensors:
-    ids = torch.from_numpy(out)
-    return ReplayTensors(expert_ids=ids, no_routing=(ids < 0).any(-1), lengths=torch.from_numpy(plan.lengths),
+def _finish(out: np.ndarray, mask: np.ndarray, plan: _Plan, cu: torch.Tensor | None) -> ReplayTensors:
+    return ReplayTensors(expert_ids=torch.from_numpy(out), no_routing=torch.from_numpy(mask),
+                         lengths=torch.from_numpy(plan.lengths),
                          layer_ids=torch.from_numpy(plan.layer_ids), cu_seqlens=cu)
 
 

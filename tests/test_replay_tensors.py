@@ -152,3 +152,18 @@ def test_bad_arguments():
         packed([rec], layout="all", num_layers=3)
     with pytest.raises(ValueError, match=r"2 token id sequences for 1 records"):
         packed([rec], token_ids=[[1], [2]])
+
+
+@pytest.mark.parametrize("k", [4, 8, 3])
+def test_no_routing_flags_a_negative_id_in_any_slot(k):
+    """The flags are read four int16 ids at a time when K allows it: a -1 in any slot of any layer counts."""
+    rec = record("a", 6, 4, k=k)
+    rec.prompt_routed_experts[2, 1, k - 1] = -1
+    rec.prompt_routed_experts[3, 0, 0] = -1
+    rec.routed_experts[1, 2, k // 2] = -1
+    t = packed([rec])
+    want = (torch.from_numpy(np.r_[rec.prompt_routed_experts, rec.routed_experts]) < 0).any(-1)
+    assert int(want.sum()) == 3 + L                           # three single slots and the last output row
+    assert torch.equal(t.no_routing, want)
+    a = packed([rec], layout="all", layers=(1, 4))            # dense layer 1, then MoE layers 2, 3
+    assert torch.equal(a.no_routing, torch.cat([torch.ones(10, 1, dtype=torch.bool), want[:, 1:]], 1))
