@@ -107,7 +107,9 @@ def curve_cli() -> bool:
 
 def curve_plugin() -> bool:
     """The vLLM plugin reads ROUTING_REPLAY_CURVE_SECRET (without it the engine cannot reach a CURVE broker)."""
-    return any(CURVE_ENV[0] in p.read_text() for p in (ROOT / "routing_replay" / "vllm_plugin").glob("*.py"))
+    files = list((ROOT / "engines" / "vllm_plugin").glob("*.py"))
+    assert files, "engines/vllm_plugin/ has no modules: the plugin moved?"
+    return any(CURVE_ENV[0] in p.read_text() for p in files)
 
 
 def strip_curve(args: list[str]) -> list[str]:
@@ -170,6 +172,53 @@ def test_images_built_here_or_pinned():
             for ref in re.findall(r"^FROM (\S+)", text, re.M):
                 base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], ref)
                 assert _pinned(base), f"{df.name}: FROM {ref} -> {base!r} is not pinned to a tag"
+
+
+def _package_sources() -> list[str]:
+    """What the wheel is built from: setup.py and its metadata, and every top-level package folder (setup.py
+    finds them the same way: a folder with an __init__.py, tests excepted)."""
+    folders = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
+    return ["setup.py", "pyproject.toml", "README.md", *folders]
+
+
+def _stages(text: str) -> list[tuple[str, str]]:
+    """(FROM line, body) per build stage of a Dockerfile, continuation lines joined."""
+    text = re.sub(r"\s*\\\n\s*", " ", text)
+    parts = re.split(r"^(FROM .*)$", text, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
+DOCKERFILES = sorted(p.name for p in (ROOT / "docker").glob("*Dockerfile"))
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_images_install_the_wheel_and_check_it_outside_the_source(name):
+    """A builder stage copies every source folder and builds the wheel; the image installs only that wheel (the
+    source tree is not in it, so nothing can shadow the install) and checks the console script and the imports
+    from /; the build context allow-lists everything the Dockerfile copies."""
+    df = ROOT / "docker" / name
+    stages = _stages(df.read_text())
+    assert len(stages) == 2 and stages[0][0].endswith(" AS wheel"), f"{name}: want stages `wheel` and the image"
+    (_, build), (_, image) = stages
+    copied = {m.group(1).rstrip("/") for m in re.finditer(r"^COPY (\S+) \./", build, re.M)}
+    copied |= {f for m in re.finditer(r"^COPY ((?:\S+ )+)\./$", build, re.M) for f in m.group(1).split()}
+    missing = [src for src in _package_sources() if src not in copied]
+    assert not missing, f"{name}: the wheel stage does not COPY {missing}"
+    assert re.search(r"^RUN pip wheel .*--no-deps -w /dist \.$", build, re.M), f"{name}: no `pip wheel` of the sources"
+    in_image = [ln for ln in image.splitlines() if ln.startswith("COPY ") and "--from=wheel" not in ln]
+    assert all(" docker/" in ln for ln in in_image), f"{name}: the image copies more than docker/ helpers: {in_image}"
+    assert "COPY --from=wheel /dist/ /tmp/dist/" in image, f"{name}: the image does not take the built wheel"
+    run = next((ln for ln in image.splitlines() if ln.startswith("RUN ") and "/tmp/dist/routing_replay-" in ln), "")
+    assert re.search(r"install .*/tmp/dist/routing_replay-\*\.whl && rm -rf /tmp/dist && cd / && "
+                     r"routing-replay --help >/dev/null && python3? -c \"import routing_replay\.", run), \
+        f"{name}: install the wheel, then run the script and import from /: {run}"
+    if name.startswith("engine"):
+        assert "import routing_replay.engines.vllm_plugin" in run and "vllm.general_plugins" in run, run
+    ignore = (ROOT / "docker" / f"{name}.dockerignore").read_text().splitlines()
+    sources = _package_sources() + [f for m in re.finditer(r"^COPY (docker/\S+(?: docker/\S+)*) ", df.read_text(), re.M)
+                                    for f in m.group(1).split()]
+    assert ignore[ignore.index("*") + 1:] and not [s for s in sources if f"!{s}" not in ignore], \
+        f"{name}.dockerignore does not allow {[s for s in sources if f'!{s}' not in ignore]}"
 
 
 def _trainer_module():
