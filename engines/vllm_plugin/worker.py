@@ -132,10 +132,12 @@ class _StepBatch:
 
 
 def show_id(request_id: str, limit: int = 64) -> str:
-    """A request id for a log line: ASCII-escaped (lone surrogates too), at most `limit` characters of it."""
-    if len(request_id) <= limit:
-        return ascii(request_id)
-    return f"{ascii(request_id[:limit])}... ({len(request_id)} chars)"
+    """A request id for a log line: ASCII-escaped (lone surrogates and non-ASCII too), cut to `limit` characters
+    of escaped text, with the id's length when cut."""
+    text = ascii(request_id)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(request_id)} chars)"
 
 
 def _v1_runner_cls():
