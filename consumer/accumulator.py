@@ -19,6 +19,7 @@ import logging
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +46,16 @@ class AccumulatorStats:
     refused_msgs: int = 0
     refused_rows: int = 0
     replayed_opens: int = 0
+
+
+class _Ending(NamedTuple):
+    """How a request ended, as its finish, abort or timeout said: what `_build` turns into a Record."""
+
+    num_output: int
+    reason: str               # the engine's finish reason ("stop", "length", ...), or the abort's / "timeout"
+    lost: list                # [[lo, hi], ...] positions the producer dropped (finish only)
+    output_tokens: object     # np.ndarray of output token ids, or None
+    aborted: bool             # an abort or a timeout: the record is incomplete whatever it holds
 
 
 class _Rows:
@@ -163,7 +174,7 @@ class _Request:
 
     __slots__ = ("rid", "opened", "prompt_len", "num_cached", "num_layers", "top_k", "layer_ids", "ranges",
                  "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "cursor_shapes",
-                 "seen_n", "key")
+                 "seen_n", "key", "damaged")
 
     def __init__(self, rid: str, now: float):
         self.rid = rid
@@ -176,13 +187,14 @@ class _Request:
         self.ranges: dict[tuple[int, int], _Rows] = {}
         self.last_seen = now
         self.prompt_tokens = None
-        self.finish = None          # (num_output, reason, lost, output_tokens, aborted)
+        self.finish: _Ending | None = None
         self.finish_at = 0.0
         self.notes: list[str] = []  # reasons gathered on the way (reassigned, refused, ...)
         self.refused = False
         self.cursor_shapes: list = []  # the append cursors this request has (see Accumulator._delta)
         self.seen_n = 0
         self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
+        self.damaged = False        # a message for it could not be read: its record can never be complete
 
 
 class Accumulator:
@@ -303,6 +315,17 @@ class Accumulator:
         if st is not None and note not in st.notes:
             st.notes.append(note)
 
+    def mark_damaged(self, rid: str, note: str) -> bool:
+        """A message for `rid` could not be read (its rows, or how it ended, are unknown): if the request is held
+        here, its record is marked incomplete with `note` as a reason. False if `rid` is not held."""
+        st = self.requests.get(rid) if type(rid) is str else None
+        if st is None:
+            return False
+        st.damaged = True
+        if note not in st.notes:
+            st.notes.append(note)
+        return True
+
     def _delta(self, d: wire.Delta, frames: list, now: float) -> None:
         wire.check_payload(d, frames)
         # read the frames in place: their boundaries fall on request boundaries (check_payload), so a request's
@@ -419,7 +442,7 @@ class Accumulator:
             else:
                 st.prompt_len = f.prompt_len
                 st.num_cached = f.num_cached or 0
-        st.finish = (f.num_output, f.reason, f.lost, out_tokens, False)
+        st.finish = _Ending(f.num_output, f.reason, f.lost, out_tokens, False)
         st.finish_at = now
         st.last_seen = now
         return self._try_emit(st, now, force="no_open" in st.notes)
@@ -438,7 +461,7 @@ class Accumulator:
         self.stats.aborted += 1
         if st.prompt_len is None:
             st.prompt_len = 0
-        st.finish = (n if n is not None else self._computed_outputs(st), reason, [], None, True)
+        st.finish = _Ending(n if n is not None else self._computed_outputs(st), reason, [], None, True)
         st.finish_at = now
         return self._try_emit(st, now, force=True)
 
@@ -480,7 +503,7 @@ class Accumulator:
             self.stats.timed_out += 1
             if st.prompt_len is None:
                 st.prompt_len = 0
-            st.finish = (self._computed_outputs(st), "timeout", [], None, True)
+            st.finish = _Ending(self._computed_outputs(st), "timeout", [], None, True)
             st.notes.append("timeout")
             rec = self._build(st)
             self._emit_done(st, rec)
@@ -508,7 +531,8 @@ class Accumulator:
         st.cursor_shapes = []
 
     def _build(self, st: _Request) -> wire.Record:
-        G, finish_reason, lost, out_tokens, aborted = st.finish
+        end = st.finish
+        G, finish_reason, lost, aborted = end.num_output, end.reason, end.lost, end.aborted
         P, C = st.prompt_len, min(st.num_cached, st.prompt_len)
         L = st.num_layers or 0
         K = st.top_k or 0
@@ -545,7 +569,7 @@ class Accumulator:
         if L == 0 and need_hi > C:
             missing = [[C, need_hi]]
         reason = ""
-        complete = not missing and not aborted and "no_open" not in notes
+        complete = not missing and not aborted and "no_open" not in notes and not st.damaged
         if not complete:
             if aborted:
                 reason = finish_reason if finish_reason else "abort"
@@ -561,7 +585,7 @@ class Accumulator:
                 finish_reason = "abort" if finish_reason in ("", "timeout") and not notes else finish_reason
         layer_ids = np.asarray(st.layer_ids if st.layer_ids is not None else range(L), dtype=np.int32)
         return wire.Record(st.rid, arr[:P], arr[P:], C, layer_ids, complete, [tuple(m) for m in missing],
-                           reason, finish_reason, st.prompt_tokens, out_tokens)
+                           reason, finish_reason, st.prompt_tokens, end.output_tokens)
 
     @property
     def in_flight(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import zmq
 
@@ -13,6 +13,28 @@ from routing_replay.protocol.ids import default_peer_id
 
 class RecordEvicted(RuntimeError):
     """The consumer had to evict this record (its store bound was hit, no spill dir) before it was fetched."""
+
+
+class RecordUnknown(TimeoutError):
+    """No consumer holds, has on disk, or has open these request ids (`fetch(..., unknown="raise")`).
+
+    `request_ids`: the unknown ids; `records`: what the same fetch did get. A TimeoutError, so code written for a
+    fetch that waited out its timeout on such ids still catches it.
+    """
+
+    def __init__(self, request_ids: list[str], records: dict):
+        super().__init__(f"{len(request_ids)} request ids unknown to every consumer: {request_ids[:8]}")
+        self.request_ids = request_ids
+        self.records = records
+
+
+class Reply(NamedTuple):
+    """One reply from a consumer: kind 'record' (value: Record) or 'error' (value: (key, reason)); `sock`: which
+    consumer (its index in the client's endpoints)."""
+
+    kind: str
+    value: object
+    sock: int
 
 
 class TrainerClient:
@@ -85,57 +107,81 @@ class TrainerClient:
                 failed.append(s)
         return failed
 
-    def _recv(self, timeout_ms: int) -> tuple[str, object] | None:
-        """One reply: ('record', Record) or ('error', (request_id, reason)), or None on timeout."""
+    def _recv(self, timeout_ms: int) -> Reply | None:
+        """One reply, or None on timeout."""
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         while True:
             left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
             ready = self._poller.poll(left)
             if not ready:
                 return None
-            frames = ready[0][0].recv_multipart(copy=False)
+            sock = ready[0][0]
+            frames = sock.recv_multipart(copy=False)
             try:
                 if len(frames) > 8:
                     raise wire.ProtocolError("frame_count", f"reply of {len(frames)} frames")
                 h = wire.decode_header(frames[0].buffer)
                 if h.kind == "record":
-                    return "record", wire.decode_record(h, frames[1:])
+                    return Reply("record", wire.decode_record(h, frames[1:]), self._socks.index(sock))
                 if h.kind == "error":
-                    return "error", (h.key, str(h.body.get("reason", "")))
+                    return Reply("error", (h.key, wire.parse_error(h)), self._socks.index(sock))
             except wire.ProtocolError:
                 self.bad_replies += 1            # a malformed reply is dropped; fetch asks again for what is missing
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0) -> dict[str, wire.Record]:
-        """Return {request_id: Record} for every id; raises TimeoutError naming the ids still missing."""
+    def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0, *,
+              unknown: str = "wait") -> dict[str, wire.Record]:
+        """Return {request_id: Record} for every id; raises TimeoutError naming the ids still missing.
+
+        unknown="wait" (the default): an id no consumer knows yet is waited for (its request may not have reached
+        the consumer yet). unknown="raise": every consumer says at once which ids it neither holds, has on disk,
+        nor has open; once each id is received or unknown to all of them, RecordUnknown names the unknown ones
+        (with the records received). RecordEvicted if a consumer had to evict one.
+        """
+        if unknown not in ("wait", "raise"):
+            raise ValueError(f"unknown must be 'wait' or 'raise', got {unknown!r}")
         want = set(request_ids)
         got = {rid: self._early.pop(rid) for rid in list(want) if rid in self._early}
+        unknown_at: dict[str, set] = {}          # id -> the consumers that said it is unknown to them
+        n_socks = len(self._socks)
         deadline = time.monotonic() + timeout_s
         next_ask = 0.0
         while len(got) < len(want):
             now = time.monotonic()
+            if unknown == "raise":
+                gone = sorted(rid for rid in want - set(got) if len(unknown_at.get(rid, ())) >= n_socks)
+                if gone and len(gone) + len(got) == len(want):
+                    raise RecordUnknown(gone, got)
             if now >= deadline:
                 missing = sorted(want - set(got))
                 raise TimeoutError(f"{len(missing)} of {len(want)} records not received in {timeout_s}s: "
                                    f"{missing[:8]}")
             if now >= next_ask:
                 outstanding = sorted(want - set(got))
+                body = {"timeout_ms": int(max(deadline - now, 0.001) * 1000)}
+                if unknown == "raise":
+                    body["answer_unknown"] = True
+                    unknown_at.clear()           # asked again: the answers start over
                 for i in range(0, len(outstanding), 4096):
-                    self._send_all("fetch", outstanding[i:i + 4096],
-                                   {"timeout_ms": int(max(deadline - now, 0.001) * 1000)})
+                    self._send_all("fetch", outstanding[i:i + 4096], body)
                 next_ask = now + self.retry_interval_s
             r = self._recv(int(max(1, min(deadline, next_ask) - now) * 1000) or 1)
             if r is None:
                 continue
-            kind, val = r
-            if kind == "record":
-                if val.request_id in want:
-                    got[val.request_id] = val
+            if r.kind == "record":
+                if r.value.request_id in want:
+                    got[r.value.request_id] = r.value
                 else:
-                    self._early[val.request_id] = val
-            elif val[1] == "evicted" and val[0] in want:
-                raise RecordEvicted(f"record {val[0]!r} was evicted by its consumer before it was fetched")
+                    self._early[r.value.request_id] = r.value
+                continue
+            key, reason = r.value
+            if reason == "evicted" and key in want:
+                raise RecordEvicted(f"record {key!r} was evicted by its consumer before it was fetched")
+            if reason == "unknown" and isinstance(key, list):
+                for rid in key:
+                    if type(rid) is str and rid in want:
+                        unknown_at.setdefault(rid, set()).add(r.sock)
         return got
 
     def subscribe(self, prefix: str = "") -> None:
@@ -160,5 +206,5 @@ class TrainerClient:
                     continue
                 return
             started = time.monotonic()
-            if r[0] == "record":
-                yield r[1]
+            if r.kind == "record":
+                yield r.value

@@ -17,8 +17,9 @@ import queue
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 from urllib.parse import quote
 
 import numpy as np
@@ -104,30 +105,112 @@ def write_record(directory: str | os.PathLike, rec: wire.Record) -> Path:
     return path
 
 
+class ShardEntry(NamedTuple):
+    """Where a record lives in the shard layout: DIR/<shard>, keys "<i>/<name>"."""
+
+    shard: str
+    i: int
+
+
+class NpzIndex:
+    """Own the lookup of records already on disk under DIR, read lazily (nothing is loaded until asked for).
+
+    A per-request file is found by its name (safe_filename of the id), so that layout needs no index; the shard
+    layout's DIR/index.jsonl is read once at start and extended by the writer as it writes shards.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        self.shards: dict[str, ShardEntry] = {}
+        index = self.dir / "index.jsonl"
+        if index.exists():
+            for line in index.read_text().splitlines():
+                try:
+                    e = json.loads(line)
+                    self.shards[e["request_id"]] = ShardEntry(e["shard"], int(e["i"]))
+                except (ValueError, KeyError, TypeError):
+                    continue          # a torn last line (a crash while appending): its shard is unreadable anyway
+
+    def _file(self, rid: str) -> Path:
+        return self.dir / (safe_filename(rid) + ".npz")
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.shards or self._file(rid).is_file()
+
+    def read(self, rid: str) -> wire.Record | None:
+        """The record of `rid` from disk, or None if it is not there (or unreadable: logged)."""
+        try:
+            entry = self.shards.get(rid)
+            if entry is not None:
+                with np.load(self.dir / entry.shard, allow_pickle=False) as z:
+                    rec = _record(z, f"{entry.i}/")
+            else:
+                path = self._file(rid)
+                if not path.is_file():
+                    return None
+                rec = read_record(path)
+        except (OSError, ValueError, KeyError) as e:
+            log.error("npz read of %r under %s failed: %s", rid[:64], self.dir, e)
+            return None
+        return rec if rec.request_id == rid else None
+
+
 class NpzWriter:
     """Own a writer thread that puts finished records on disk, so the consumer's socket loop never waits on I/O.
 
     The queue is bounded in bytes (max_pending_bytes); `put` blocks the caller only beyond that bound, which is
     the consumer's back-pressure to the broker (its pipe fills, the broker counts drops, records are marked).
+
+    A record whose write fails (a full disk, a directory that went away) is kept, not dropped: in memory up to
+    hold_max_bytes, beyond that in spill_dir/unwritten, and written again with a growing backoff (retry_min_s
+    doubling up to retry_max_s) until the directory takes it. Every failed attempt is counted (write_failed);
+    `retry_pending` says how many records wait. While more than hold_max_bytes is held in memory, `backlogged`
+    is True: the consumer stops taking messages from the broker (nothing more is acknowledged) until it clears.
+    Records still unwritten at close() are named in one log line (and stay in spill_dir/unwritten if they are).
     """
 
-    def __init__(self, directory: str | os.PathLike, shard_size: int = 0, max_pending_bytes: int = 1 << 30):
+    def __init__(self, directory: str | os.PathLike, shard_size: int = 0, max_pending_bytes: int = 1 << 30,
+                 hold_max_bytes: int = 2 << 30, spill_dir: str | os.PathLike | None = None,
+                 retry_min_s: float = 0.05, retry_max_s: float = 2.0):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.index = NpzIndex(self.dir)
         self.shard_size = shard_size
         self.max_pending_bytes = max_pending_bytes
+        self.hold_max_bytes = hold_max_bytes
+        self.spill_dir = Path(spill_dir) / "unwritten" if spill_dir else None
+        self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
         self.records = 0
         self.rows = 0
         self.bytes = 0
-        self.errors = 0
+        self.errors = 0            # failed write attempts (also `write_failed`)
+        self.lost = 0              # records given up at close()
         self._pending_bytes = 0
         self._cv = threading.Condition()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._shard: list[wire.Record] = []
         self._shard_no = self._next_shard_no()
+        self._held: OrderedDict[str, wire.Record] = OrderedDict()   # failed, waiting for a retry, in memory
+        self._held_spilled: OrderedDict[str, Path] = OrderedDict()  # failed, waiting for a retry, in spill_dir
+        self._held_bytes = 0
+        self._retry_at = 0.0
+        self._backoff_s = retry_min_s
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rr-npz-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def write_failed(self) -> int:
+        return self.errors
+
+    @property
+    def retry_pending(self) -> int:
+        return len(self._held) + len(self._held_spilled)
+
+    @property
+    def backlogged(self) -> bool:
+        """True while failed records held in memory exceed hold_max_bytes (the consumer pauses its intake)."""
+        return self._held_bytes > self.hold_max_bytes
 
     def _next_shard_no(self) -> int:
         nums = [int(p.stem.split("-")[1]) for p in self.dir.glob("shard-*.npz") if p.stem.split("-")[1].isdigit()]
@@ -145,31 +228,122 @@ class NpzWriter:
 
     def _run(self) -> None:
         while True:
-            rec = self._q.get()
+            timeout = None
+            if self._held or self._held_spilled:
+                timeout = max(0.0, self._retry_at - time.monotonic())
+            try:
+                rec = self._q.get(timeout=timeout)
+            except queue.Empty:
+                self._retry()
+                continue
             if rec is None:
                 if self._shard:
-                    self._write_shard()
+                    self._write(self._take_shard())
+                self._retry()
+                self._give_up()
                 return
             try:
                 if self.shard_size > 0:
                     self._shard.append(rec)
                     if len(self._shard) >= self.shard_size:
-                        self._write_shard()
+                        self._write(self._take_shard())
                 else:
-                    write_record(self.dir, rec)
-                self.records += 1
-                self.rows += len(rec.prompt_routed_experts) + len(rec.routed_experts)
-                self.bytes += rec.nbytes
-            except Exception as e:  # a full disk must not kill the consumer; it is counted and logged
-                self.errors += 1
-                log.error("npz write failed for %r: %s", rec.request_id[:64], e)
+                    self._write([rec])
             finally:
                 with self._cv:
                     self._pending_bytes -= rec.nbytes
                     self._cv.notify_all()
 
-    def _write_shard(self) -> None:
+    def _take_shard(self) -> list[wire.Record]:
         recs, self._shard = self._shard, []
+        return recs
+
+    def _write(self, recs: list[wire.Record]) -> bool:
+        """Write records (one file each, or one shard); on failure hold them for a retry. True if written."""
+        try:
+            if self.shard_size > 0:
+                self._write_shard(recs)
+            else:
+                for i, rec in enumerate(recs):
+                    write_record(self.dir, rec)
+                    self._written(rec)
+                return True
+        except Exception as e:  # a full disk must not kill the consumer; it is counted, logged and retried
+            self.errors += 1
+            done = 0 if self.shard_size > 0 else i
+            for rec in recs[done:]:
+                self._hold(rec)
+            if self.errors == 1 or self.errors % 100 == 0 or len(recs) > 1:
+                log.error("npz write failed for %r (%d records): %s; write_failed=%d write_retry_pending=%d, "
+                          "next retry in %.2fs", recs[done].request_id[:64], len(recs) - done, e, self.errors,
+                          self.retry_pending, self._backoff_s)
+            self._retry_at = time.monotonic() + self._backoff_s
+            self._backoff_s = min(self.retry_max_s, 2 * self._backoff_s)
+            return False
+        for rec in recs:
+            self._written(rec)
+        return True
+
+    def _written(self, rec: wire.Record) -> None:
+        self.records += 1
+        self.rows += len(rec.prompt_routed_experts) + len(rec.routed_experts)
+        self.bytes += rec.nbytes
+
+    def _hold(self, rec: wire.Record) -> None:
+        self._held[rec.request_id] = rec
+        self._held_bytes += rec.nbytes
+        while self._held_bytes > self.hold_max_bytes and self.spill_dir is not None and self._held:
+            rid, victim = next(iter(self._held.items()))
+            try:
+                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                self._held_spilled[rid] = write_record(self.spill_dir, victim)
+            except OSError as e:
+                log.error("npz writer: spill of unwritten %r to %s failed (%s): holding it in memory", rid[:64],
+                          self.spill_dir, e)
+                return
+            del self._held[rid]
+            self._held_bytes -= victim.nbytes
+
+    def _retry(self) -> None:
+        """Write what failed before, oldest first; stop at the first failure (the backoff grows)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)        # a directory that was removed is made again
+        except OSError:
+            pass                                              # (a file in its place: the write below says so)
+        while self._held_spilled:
+            rid, path = next(iter(self._held_spilled.items()))
+            try:
+                rec = read_record(path)
+            except (OSError, ValueError, KeyError) as e:
+                log.error("npz writer: unwritten %r cannot be read back from %s (%s): lost", rid[:64], path, e)
+                del self._held_spilled[rid]
+                self.lost += 1
+                continue
+            del self._held_spilled[rid]
+            if not self._write([rec]):
+                return
+            path.unlink(missing_ok=True)
+        while self._held:
+            batch = list(self._held.values())[:max(1, self.shard_size)]
+            for rec in batch:
+                del self._held[rec.request_id]
+                self._held_bytes -= rec.nbytes
+            if not self._write(batch):
+                return
+            log.info("npz writer: %d held records written on retry, write_retry_pending=%d", len(batch),
+                     self.retry_pending)
+        self._backoff_s = self.retry_min_s
+
+    def _give_up(self) -> None:
+        ids = list(self._held) + list(self._held_spilled)
+        if ids:
+            self.lost += len(self._held)
+            log.error("npz writer closing with %d unwritten records (%d lost from memory, %d kept in %s): %s",
+                      len(ids), len(self._held), len(self._held_spilled), self.spill_dir,
+                      [r[:64] for r in ids[:32]])
+
+    def _write_shard(self, recs: list[wire.Record]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
         name = f"shard-{self._shard_no:06d}.npz"
         self._shard_no += 1
         arrays = {}
@@ -177,11 +351,13 @@ class NpzWriter:
             arrays.update(_arrays(r, f"{i}/"))
         _atomic_savez(self.dir / name, arrays)
         with open(self.dir / "index.jsonl", "a") as f:
-            for i, r in enumerate(recs):
-                f.write(json.dumps({"request_id": r.request_id, "shard": name, "i": i}) + "\n")
+            f.write("".join(json.dumps({"request_id": r.request_id, "shard": name, "i": i}) + "\n"
+                            for i, r in enumerate(recs)))
+        for i, r in enumerate(recs):
+            self.index.shards[r.request_id] = ShardEntry(name, i)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Write what is queued (and a last partial shard), then stop. Idempotent."""
+        """Write what is queued (and a last partial shard), try the held records once more, then stop. Idempotent."""
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join(timeout_s)

@@ -1,27 +1,31 @@
 """Run a consumer: receive routed messages from a broker, accumulate, and hand finished records to the sinks.
 
-Sinks: an npz directory (NpzWriter), a callback, and the trainer endpoint (`serve`): a ROUTER socket that
-answers `fetch` (lossless: records are kept in a RecordStore until fetched) and `subscribe` (live records whose
-request id starts with a prefix; a subscriber that cannot keep up loses records from the live view, which is
-counted and logged, never from the store).
+Sinks: an npz directory (NpzWriter), a callback, and the trainer endpoint (`serve`): a ROUTER socket whose
+messages TrainerService answers (`fetch`, lossless: records are kept in a RecordStore until fetched, then
+retained for a while; `subscribe`: live records whose request id starts with a prefix).
 
 Delivery: every data message from the broker carries a link number (wire.py "Delivery"). `LinkIn` applies only
 the next one, drops everything after a gap and asks the broker for a resync; the consumer acks the highest
-applied link number every `ack_interval_ms` (one ack per interval, whatever the message rate).
+applied link number every `ack_interval_ms` (one ack per interval, whatever the message rate). A data message
+that cannot be read at all is still taken as its link number if it is the next one (wire.peek_envelope): it is
+counted as bad, the held requests it names are marked incomplete ("undecodable"), and the link goes on.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
-from collections import defaultdict, deque
-from typing import Callable
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import zmq
 
 from routing_replay.consumer.accumulator import Accumulator
 from routing_replay.consumer.npz import NpzWriter, Progress
-from routing_replay.consumer.store import EVICTED, RecordStore
+from routing_replay.consumer.store import RecordStore
+from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded
 from routing_replay.protocol.ids import default_peer_id
@@ -29,9 +33,10 @@ from routing_replay.protocol.ids import default_peer_id
 log = logging.getLogger("routing_replay.consumer")
 
 DATA_KINDS = frozenset({"open", "delta", "finish", "abort"})
-MAX_WAITERS = 1 << 20          # request ids trainers may wait for at once (fetch before the record exists)
-MAX_SUBSCRIBERS = 1024
 TRAINER_SNDHWM = 8             # records queued to one trainer connection; beyond it they stay in the store
+BURST_MAX_MSGS = 1000          # broker messages read in one go before acks and timers get their turn
+TICK_INTERVAL_S = 0.1          # grace periods, timeouts, fetch waiters, write backlog
+MAX_DAMAGED_IDS = 1 << 16      # request ids of one undecodable message looked up to be marked
 
 
 class LinkIn:
@@ -73,23 +78,46 @@ class LinkIn:
         self.upto = lseq
         return True
 
-    def ack_body(self, now: float, gap_retry_s: float) -> dict | None:
+    def ack(self, now: float, gap_retry_s: float) -> wire.LinkAck | None:
         """The ack to send now, or None. A gap is reported at once and again every gap_retry_s until resolved."""
         if self.gen < 0:
             return None
         gap = self.gap is not None and now - self.gap_sent_at >= gap_retry_s
         if self.upto == self.acked and not gap:
             return None
-        body = {"link": [self.bepoch, self.gen, self.upto]}
         self.acked = self.upto
         if gap:
-            body["gap"] = self.gap
             self.gap_sent_at = now
-        return body
+        return wire.LinkAck(self.bepoch, self.gen, self.upto, self.gap if gap else None)
+
+
+class Intake(enum.Enum):
+    """Whether the consumer takes messages from the broker."""
+
+    OPEN = "open"
+    PAUSED = "paused"          # records it could not write fill the memory bound: nothing more is taken or acked
+
+
+class Sockets(NamedTuple):
+    """What run() opens and closes: the broker DEALER, the trainers' ROUTER (or None), the CURVE authenticator."""
+
+    dealer: zmq.Socket
+    server: zmq.Socket | None
+    auth: object | None
+
+
+@dataclass
+class Timers:
+    """When each periodic job of the loop is due next (time.monotonic())."""
+
+    ack: float
+    tick: float
+    heartbeat: float
+    stats: float
 
 
 class Consumer(ServiceThread):
-    """Own a consumer's sockets (DEALER to the broker, optional ROUTER for trainers) and its accumulator.
+    """Own a consumer's sockets (DEALER to the broker, optional ROUTER for trainers), its accumulator and sinks.
 
     All sockets are created and used by the thread that calls `run()` (or the one `start()` makes).
     """
@@ -101,7 +129,9 @@ class Consumer(ServiceThread):
                  max_bytes: int = 16 << 30, on_record: Callable[[wire.Record], None] | None = None,
                  progress: bool = False, stats_interval_s: float = 10.0, rcvhwm: int = 100_000,
                  ack_interval_ms: int = 20, curve_secret: str | None = None, broker_key: str | None = None,
-                 curve_allow: str | None = None, remember_finished: int = 100_000):
+                 curve_allow: str | None = None, remember_finished: int = 100_000,
+                 fetched_retention_s: float = 600.0, fetched_retention_bytes: int = 256 << 20,
+                 write_retry_max_s: float = 2.0):
         self.connect = connect
         self.consumer_id = consumer_id or default_peer_id("consumer")
         if not 0 < len(self.consumer_id.encode()) <= 255:
@@ -118,8 +148,14 @@ class Consumer(ServiceThread):
         self.epoch = time.time_ns() // 1000       # this incarnation: the broker forgets what the last one held
         self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
                                max_bytes=max_bytes, remember_finished=remember_finished)
-        self.writer = NpzWriter(npz_dir, shard_size) if npz_dir else None
+        self.writer = NpzWriter(npz_dir, shard_size, hold_max_bytes=store_max_bytes, spill_dir=spill_dir,
+                                retry_max_s=write_retry_max_s) if npz_dir else None
         self.store = RecordStore(store_max_bytes, spill_dir) if serve else None
+        self.trainers = TrainerService(
+            self.consumer_id, self.store, self._send_trainer, is_open=self.acc.requests.__contains__,
+            disk=self.writer.index if self.writer is not None else None,
+            fetched=FetchedRecords(fetched_retention_s, fetched_retention_bytes),
+            bad=self._count_bad) if serve else None
         self.on_record = on_record
         self.progress = Progress() if progress else None
         self.heartbeat_interval_s = heartbeat_interval_ms / 1000
@@ -127,19 +163,20 @@ class Consumer(ServiceThread):
         self.rcvhwm = rcvhwm
         self.ack_interval_s = ack_interval_ms / 1000
         self.link = LinkIn()
+        self.intake = Intake.OPEN
         self.acks_sent = 0
         self.bad: dict[str, int] = defaultdict(int)
         self.records_out = 0
         self.msgs_in = 0
-        self.subscriber_drops = 0
-        self._waiters: dict[str, tuple[bytes, float]] = {}
-        self._outbox: dict[bytes, deque] = {}      # trainer -> request ids whose records wait in the store for it
-        self._retry: dict[bytes, tuple] = {}       # trainer -> (next try, backoff) while its send queue is full
-        self._gone: set = set()                    # trainers found unreachable (their outboxes were dropped)
-        self._subscribers: dict[bytes, str] = {}
+        self.skipped_undecodable = 0              # link messages taken without being read (see module docstring)
+        self._server: zmq.Socket | None = None
         self._service_name = f"consumer-{self.consumer_id}"
         self._init_service(log)
         self._seq = 0
+
+    @property
+    def subscriber_drops(self) -> int:
+        return self.trainers.subscriber_drops if self.trainers is not None else 0
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -153,6 +190,38 @@ class Consumer(ServiceThread):
 
     def run(self) -> None:
         """Serve until stop() (or SIGINT in the CLI). Owns and closes its sockets."""
+        socks = self._open_sockets()
+        try:
+            poll_all, poll_trainers = zmq.Poller(), zmq.Poller()
+            poll_all.register(socks.dealer, zmq.POLLIN)
+            if socks.server is not None:
+                poll_all.register(socks.server, zmq.POLLIN)
+                poll_trainers.register(socks.server, zmq.POLLIN)
+            self._send_ctl(socks.dealer, "hello")
+            self.ready.set()
+            log.info("consumer %s connected to %s serve=%s npz_dir=%s epoch=%d curve=%s", self.consumer_id,
+                     self.connect, self.serve, self.writer.dir if self.writer else None, self.epoch,
+                     "on" if self.curve_secret else "off")
+            now = time.monotonic()
+            timers = Timers(ack=now + self.ack_interval_s, tick=now + TICK_INTERVAL_S,
+                            heartbeat=now + self.heartbeat_interval_s, stats=now + self.stats_interval_s)
+            while not self._stop.is_set():
+                poller = poll_all if self.intake is Intake.OPEN else poll_trainers
+                events = dict(poller.poll(self._wait_ms()))
+                if socks.dealer in events:
+                    self._read_broker(socks.dealer, timers.ack)
+                if socks.server is not None and socks.server in events:
+                    self._read_trainers(socks.server)
+                self._run_timers(socks.dealer, timers, time.monotonic())
+            self._say_goodbye(socks.dealer)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self.ready.set()
+            self._close_sockets(socks)
+            self._log_stats()
+
+    def _open_sockets(self) -> Sockets:
         auth = None
         if self.serve and self.curve_allow is not None:
             auth = security.start_authenticator(self._ctx, self.curve_allow)
@@ -161,15 +230,14 @@ class Consumer(ServiceThread):
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
         dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
-        server = None
+        socks = Sockets(dealer, None, auth)
         try:
             if self.curve_secret is not None:
                 security.curve_client(dealer, self.curve_secret, self.broker_key)
             dealer.connect(self.connect)
-            poller = zmq.Poller()
-            poller.register(dealer, zmq.POLLIN)
             if self.serve:
                 server = self._ctx.socket(zmq.ROUTER)
+                socks = Sockets(dealer, server, auth)
                 server.setsockopt(zmq.LINGER, 0)
                 server.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 server.setsockopt(zmq.SNDHWM, TRAINER_SNDHWM)
@@ -178,82 +246,97 @@ class Consumer(ServiceThread):
                     security.curve_server(server, self.curve_secret)
                 server.bind(self.serve)
                 self.serve = server.getsockopt_string(zmq.LAST_ENDPOINT)
-                poller.register(server, zmq.POLLIN)
-            self._send_ctl(dealer, "hello")
-            self.ready.set()
-            log.info("consumer %s connected to %s serve=%s npz_dir=%s epoch=%d curve=%s", self.consumer_id,
-                     self.connect, self.serve, self.writer.dir if self.writer else None, self.epoch,
-                     "on" if self.curve_secret else "off")
-            cid = self.consumer_id
-            now = time.monotonic()
-            next_hb = now + self.heartbeat_interval_s
-            next_tick = now + 0.1
-            next_stats = now + self.stats_interval_s
-            next_ack = now + self.ack_interval_s
-            while not self._stop.is_set():
-                wait_ms = 100 if self.link.upto == self.link.acked else max(1, int(self.ack_interval_s * 1000))
-                if self._outbox:
-                    wait_ms = min(wait_ms, max(1, int(self._retry_outboxes(server, time.monotonic()) * 1000)))
-                events = dict(poller.poll(wait_ms))
-                now = time.monotonic()
-                if dealer in events:
-                    # a burst bounded in count and in time: acks (the producers' replay buffers wait on them)
-                    # and timers get their turn at least every ack interval, however large the messages
-                    for _ in range(1000):
-                        try:
-                            frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        guarded(self._on_broker_message, (frames, now, server), self.bad, log, cid)
-                        now = time.monotonic()
-                        if now >= next_ack:
-                            break
-                if server is not None and server in events:
-                    while True:
-                        try:
-                            frames = server.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        guarded(self._on_client_message, (server, frames, now), self.bad, log, cid)
-                now = time.monotonic()
-                if now >= next_ack:
-                    body = self.link.ack_body(now, max(0.2, self.heartbeat_interval_s / 2))
-                    if body is not None:
-                        self._send_ctl(dealer, "ack", body)
-                        self.acks_sent += 1
-                    next_ack = now + self.ack_interval_s
-                if now >= next_tick:
-                    for rec in self.acc.poll(now):
-                        self._emit(rec, server)
-                    self._expire_waiters(now)
-                    next_tick = now + 0.1
-                if now >= next_hb:
-                    self._send_ctl(dealer, "heartbeat", {"broker": self.link.bepoch})
-                    next_hb = now + self.heartbeat_interval_s
-                if self.progress is not None and self.writer is not None:
-                    self.progress.maybe(self.writer.records, self.writer.rows, self.writer.bytes, self.acc.in_flight)
-                if now >= next_stats:
-                    self._log_stats()
-                    next_stats = now + self.stats_interval_s
+                self._server = server
+        except BaseException:
+            self._close_sockets(socks)
+            raise
+        return socks
+
+    def _close_sockets(self, socks: Sockets) -> None:
+        socks.dealer.close(0)
+        if socks.server is not None:
+            socks.server.close(0)
+        self._server = None
+        if socks.auth is not None:
+            socks.auth.stop()
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _wait_ms(self) -> int:
+        """How long the next poll may wait: until the next ack is due if one is owed, a trainer retry, or 100 ms."""
+        wait_ms = 100 if self.link.upto == self.link.acked else max(1, int(self.ack_interval_s * 1000))
+        if self.trainers is not None and self.trainers.outbox:
+            wait_ms = min(wait_ms, max(1, int(self.trainers.retry(time.monotonic()) * 1000)))
+        return wait_ms
+
+    def _read_broker(self, dealer: zmq.Socket, ack_due: float) -> None:
+        """A burst bounded in count and in time: acks (the producers' replay buffers wait on them) and timers get
+        their turn at least every ack interval, however large the messages."""
+        now = time.monotonic()
+        for _ in range(BURST_MAX_MSGS):
             try:
-                body = self.link.ack_body(time.monotonic(), 0)
-                if body is not None:
-                    self._send_ctl(dealer, "ack", body)
-                self._send_ctl(dealer, "bye")
-            except zmq.ZMQError:
-                pass
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            self.ready.set()
-            dealer.close(0)
-            if server is not None:
-                server.close(0)
-            if auth is not None:
-                auth.stop()
-            if self._own_ctx:
-                self._ctx.term()
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            guarded(self._on_broker_message, (frames, now), self.bad, log, self.consumer_id)
+            now = time.monotonic()
+            if now >= ack_due:
+                break
+
+    def _read_trainers(self, server: zmq.Socket) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                frames = server.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            guarded(self.trainers.on_message, (frames[0].bytes, frames[1:], now), self.bad, log,
+                    self.consumer_id)
+
+    def _run_timers(self, dealer: zmq.Socket, timers: Timers, now: float) -> None:
+        if now >= timers.ack:
+            ack = self.link.ack(now, max(0.2, self.heartbeat_interval_s / 2))
+            if ack is not None:
+                self._send_ctl(dealer, "ack", wire.link_ack_body(ack))
+                self.acks_sent += 1
+            timers.ack = now + self.ack_interval_s
+        if now >= timers.tick:
+            for rec in self.acc.poll(now):
+                self._emit(rec)
+            if self.trainers is not None:
+                self.trainers.tick(now)
+            self._update_intake()
+            timers.tick = now + TICK_INTERVAL_S
+        if now >= timers.heartbeat:
+            self._send_ctl(dealer, "heartbeat", {"broker": self.link.bepoch})
+            timers.heartbeat = now + self.heartbeat_interval_s
+        if self.progress is not None and self.writer is not None:
+            self.progress.maybe(self.writer.records, self.writer.rows, self.writer.bytes, self.acc.in_flight)
+        if now >= timers.stats:
             self._log_stats()
+            timers.stats = now + self.stats_interval_s
+
+    def _update_intake(self) -> None:
+        """Pause taking broker messages while unwritable records fill the writer's memory bound; resume after."""
+        backlogged = self.writer is not None and self.writer.backlogged
+        if backlogged and self.intake is Intake.OPEN:
+            self.intake = Intake.PAUSED
+            log.error("consumer %s intake paused: %d records could not be written to %s (write_failed=%d); "
+                      "nothing more is taken from the broker or acknowledged until they are", self.consumer_id,
+                      self.writer.retry_pending, self.writer.dir, self.writer.write_failed)
+        elif not backlogged and self.intake is Intake.PAUSED:
+            self.intake = Intake.OPEN
+            log.info("consumer %s intake resumed: write_retry_pending=%d", self.consumer_id,
+                     self.writer.retry_pending)
+
+    def _say_goodbye(self, dealer: zmq.Socket) -> None:
+        try:
+            ack = self.link.ack(time.monotonic(), 0)
+            if ack is not None:
+                self._send_ctl(dealer, "ack", wire.link_ack_body(ack))
+            self._send_ctl(dealer, "bye")
+        except zmq.ZMQError:
+            pass
 
     def _send_ctl(self, sock: zmq.Socket, kind: str, body: dict | None = None) -> None:
         self._seq += 1
@@ -265,20 +348,36 @@ class Consumer(ServiceThread):
         except zmq.Again:          # not connected yet, or the broker is not reading: the next tick sends again
             pass
 
+    def _send_trainer(self, client: bytes, frames: list) -> Sent:
+        try:
+            self._server.send_multipart([client, *frames], zmq.NOBLOCK, copy=False)
+            return Sent.SENT
+        except zmq.Again:
+            return Sent.FULL
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away
+            log.info("consumer %s: client %r unreachable (%s)", self.consumer_id, client[:32], e)
+            return Sent.GONE
+
     def _log_stats(self) -> None:
         s = self.acc.stats
+        st, tr, w = self.store, self.trainers, self.writer
         log.info("consumer %s records=%d complete=%d incomplete=%d aborted=%d timed_out=%d in_flight=%d "
                  "delta_msgs=%d rows=%d MB=%.1f held_MB=%.1f late=%d replayed_opens=%d refused=%d link=%d/%d/%d "
                  "acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
-                 "subscriber_drops=%d waiters=%d outbox=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
+                 "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
+                 "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
+                 "disk_reads=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.bytes / 1e6,
                  self.acc.bytes_held / 1e6, s.late_msgs, s.replayed_opens, s.refused_msgs, self.link.bepoch % 1000,
                  self.link.gen, self.link.upto, self.acks_sent, self.link.dropped, sum(self.bad.values()),
-                 dict(self.bad) if self.bad else "", len(self.store) if self.store is not None else "-",
-                 self.store.bytes / 1e6 if self.store is not None else 0.0,
-                 self.store.spilled if self.store is not None else 0,
-                 self.store.evicted if self.store is not None else 0, self.subscriber_drops, len(self._waiters),
-                 sum(len(q) for q in self._outbox.values()))
+                 dict(self.bad) if self.bad else "", len(st) if st is not None else "-",
+                 st.bytes / 1e6 if st is not None else 0.0, st.spilled if st is not None else 0,
+                 st.evicted if st is not None else 0, self.subscriber_drops,
+                 len(tr.waiters) if tr is not None else 0, tr.queued if tr is not None else 0,
+                 w.records if w is not None else 0, w.write_failed if w is not None else 0,
+                 w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
+                 len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
+                 tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0)
 
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1
@@ -286,30 +385,57 @@ class Consumer(ServiceThread):
         if n == 1 or n % 1000 == 0:
             log.warning("consumer %s dropped a bad message (%s, %d so far): %s", self.consumer_id, reason, n, err)
 
-    def _on_broker_message(self, frames: list, now: float, server) -> None:
+    # ---- broker messages ----------------------------------------------------------------------------------------
+
+    def _on_broker_message(self, frames: list, now: float) -> None:
         self.msgs_in += 1
+        h = None
+        taken = False             # the message's link number was applied
         try:
             if len(frames) > wire.MAX_FRAMES:
                 raise wire.ProtocolError("frame_count", f"{len(frames)} frames")
             h = wire.decode_header(frames[0].buffer)
             if h.kind not in DATA_KINDS:
                 if h.kind == "error":
-                    log.error("consumer %s: broker says: %s", self.consumer_id, str(h.body.get("reason"))[:300])
+                    log.error("consumer %s: broker says: %s", self.consumer_id, wire.parse_error(h))
                 return
             if h.link is None:
                 raise wire.ProtocolError("no_link", f"{h.kind} from the broker without a link number")
             if not self.link.accept(h.link):
                 return
+            taken = True
             recs = self.acc.apply(h, frames[1:], now)
         except wire.ProtocolError as e:
             self._count_bad(e.reason, e)
+            if taken:
+                self._mark_damaged(h.key, e.reason, h.link)
+            elif h is None:
+                self._skip_undecodable(frames[0], e)
             return
         for rec in recs:
-            self._emit(rec, server)
+            self._emit(rec)
+
+    def _skip_undecodable(self, frame, err: wire.ProtocolError) -> None:
+        """A data message whose header cannot be decoded: if its link number (read leniently) is the next one,
+        take it, so that one bad message never leaves a gap that no resync can fill (the broker would resend it)."""
+        env = wire.peek_envelope(frame.buffer if hasattr(frame, "buffer") else frame)
+        if env is None or env.link is None or not self.link.accept(env.link):
+            return
+        self.skipped_undecodable += 1
+        self._mark_damaged(env.key, err.reason, env.link)
+
+    def _mark_damaged(self, key, reason: str, link: tuple) -> None:
+        ids = key if isinstance(key, list) else [key]
+        marked = [rid for rid in ids[:MAX_DAMAGED_IDS] if self.acc.mark_damaged(rid, "undecodable")]
+        n = self.skipped_undecodable + sum(self.bad.values())
+        if marked or n < 10 or n % 1000 == 0:
+            log.warning("consumer %s took link message %s without applying it (%s): %d held records marked "
+                        "incomplete %s", self.consumer_id, list(link), reason, len(marked),
+                        [r[:64] for r in marked[:8]])
 
     # ---- sinks --------------------------------------------------------------------------------------------------
 
-    def _emit(self, rec: wire.Record, server) -> None:
+    def _emit(self, rec: wire.Record) -> None:
         self.records_out += 1
         if not rec.complete:
             log.warning("consumer %s record %r incomplete: reason=%s missing=%s", self.consumer_id,
@@ -318,131 +444,5 @@ class Consumer(ServiceThread):
             self.writer.put(rec)
         if self.on_record is not None:
             self.on_record(rec)
-        if server is None:
-            return
-        frames = None
-        for client, prefix in list(self._subscribers.items()):
-            if rec.request_id.startswith(prefix):
-                frames = frames or wire.encode_record(rec, self.consumer_id, 0)
-                self._send_client(server, client, frames, subscriber=True)
-        w = self._waiters.pop(rec.request_id, None)
-        if w is not None and not self._outbox.get(w[0]):
-            if self._send_client(server, w[0], frames or wire.encode_record(rec, self.consumer_id, 0)):
-                return
-            if w[0] not in self._gone:
-                self._outbox.setdefault(w[0], deque()).append(rec.request_id)     # its queue is full: later
-        elif w is not None:
-            self._outbox[w[0]].append(rec.request_id)
-        self.store.put(rec)
-
-    def _drain_outbox(self, server, client: bytes, now: float) -> None:
-        """Send a trainer the records it asked for, in order, until its send queue is full (then back off)."""
-        q = self._outbox.get(client)
-        while q:
-            rid = q[0]
-            got = self.store.peek(rid)
-            if got is None:                        # fetched meanwhile through another connection
-                q.popleft()
-                continue
-            if got == EVICTED:
-                self._send_client(server, client, [wire.pack_header("error", self.consumer_id, 0, 0, rid,
-                                                                    {"reason": "evicted"})])
-                q.popleft()
-                continue
-            if not self._send_client(server, client, wire.encode_record(got, self.consumer_id, 0)):
-                if client in self._gone:
-                    break
-                backoff = min(0.1, 2 * self._retry.get(client, (0.0, 0.0005))[1])
-                self._retry[client] = (now + backoff, backoff)
-                return
-            self.store.discard(rid)
-            q.popleft()
-        self._outbox.pop(client, None)
-        self._retry.pop(client, None)
-
-    def _retry_outboxes(self, server, now: float) -> float:
-        """Retry trainers whose send queue was full; returns seconds until the next retry is due (or 0.1)."""
-        nxt = 0.1
-        for client in list(self._outbox):
-            at = self._retry.get(client, (0.0, 0.0))[0]
-            if at <= now:
-                self._drain_outbox(server, client, now)
-                at = self._retry.get(client, (now + 0.1, 0.0))[0]
-            nxt = min(nxt, max(0.0, at - now))
-        return nxt
-
-    def _send_client(self, server, client: bytes, frames: list, subscriber: bool = False) -> bool:
-        try:
-            server.send_multipart([client, *frames], zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            if subscriber:
-                self.subscriber_drops += 1
-                if self.subscriber_drops == 1 or self.subscriber_drops % 1000 == 0:
-                    log.warning("consumer %s: subscriber %r is slow, live records dropped=%d (fetch still has them)",
-                                self.consumer_id, client[:32], self.subscriber_drops)
-            return False
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away
-            if subscriber:
-                self._subscribers.pop(client, None)
-            self._outbox.pop(client, None)
-            self._retry.pop(client, None)
-            self._gone.add(client)
-            if len(self._gone) > 10_000:
-                self._gone.clear()
-            log.info("consumer %s: client %r unreachable (%s)", self.consumer_id, client[:32], e)
-            return False
-
-    def _on_client_message(self, server, frames: list, now: float) -> None:
-        client = frames[0].bytes
-        try:
-            if len(frames) != 2:
-                raise wire.ProtocolError("frame_count", f"client message has {len(frames) - 1} frames, expected 1")
-            h = wire.decode_header(frames[1].buffer)
-            if h.kind == "fetch":
-                ids = h.key if isinstance(h.key, list) else [h.key]
-                if len(ids) > wire.MAX_REQUESTS_PER_DELTA:
-                    raise wire.ProtocolError("too_large", f"fetch of {len(ids)} ids")
-                for rid in ids:
-                    wire.check_request_id(rid)
-                timeout_ms = wire.int_field(h.body, "timeout_ms", 0, 1 << 31, 60_000)
-                if len(self._waiters) + len(ids) > MAX_WAITERS:
-                    raise wire.ProtocolError("too_many_waiters", f"{len(self._waiters)} ids already waited for, "
-                                             f"limit {MAX_WAITERS}")
-                self._fetch(server, client, ids, now + timeout_ms / 1000)
-            elif h.kind == "hello" and "subscribe" in h.body:
-                prefix = h.body["subscribe"]
-                if type(prefix) is not str or len(prefix) > wire.MAX_REQUEST_ID_BYTES:
-                    raise wire.ProtocolError("bad_field", "subscribe prefix must be a str")
-                if client not in self._subscribers and len(self._subscribers) >= MAX_SUBSCRIBERS:
-                    raise wire.ProtocolError("too_many_subscribers", f"limit {MAX_SUBSCRIBERS}")
-                self._subscribers[client] = prefix
-                log.info("consumer %s: subscriber %r prefix=%r subscribers=%d", self.consumer_id, client[:32],
-                         prefix, len(self._subscribers))
-            elif h.kind == "bye":
-                self._subscribers.pop(client, None)
-            elif h.kind == "heartbeat":
-                pass
-            else:
-                raise wire.ProtocolError("unexpected_kind", f"trainer endpoint does not take {h.kind!r}")
-        except wire.ProtocolError as e:
-            self._count_bad(e.reason, e)
-            self._send_client(server, client, [wire.pack_header("error", self.consumer_id, 0, 0, "",
-                                                                {"reason": f"{e.reason}: {e}"[:200]})])
-
-    def _fetch(self, server, client: bytes, ids: list, deadline: float) -> None:
-        self._gone.discard(client)
-        q = self._outbox.get(client)
-        queued = set(q) if q else ()
-        for rid in ids:
-            if rid not in self.store:
-                self._waiters[rid] = (client, deadline)
-            elif rid not in queued:
-                self._outbox.setdefault(client, deque()).append(rid)
-        if client in self._outbox and client not in self._retry:
-            self._drain_outbox(server, client, time.monotonic())
-
-    def _expire_waiters(self, now: float) -> None:
-        if self._waiters:
-            for rid in [r for r, (_, d) in self._waiters.items() if d < now]:
-                del self._waiters[rid]
+        if self.trainers is not None:
+            self.trainers.on_record(rec, time.monotonic())

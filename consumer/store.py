@@ -67,6 +67,9 @@ class RecordStore:
         """True if take() would return something (a record, or EVICTED), without reading anything from disk."""
         return rid in self._mem or rid in self._spilled or rid in self._evicted
 
+    def is_evicted(self, rid: str) -> bool:
+        return rid in self._evicted and rid not in self._mem and rid not in self._spilled
+
     def peek(self, rid: str) -> wire.Record | str | None:
         """The record without removing it (read back from the spill dir if it is there); like take() otherwise."""
         rec = self._mem.get(rid)

@@ -1,0 +1,308 @@
+"""Serve trainers: answer `fetch` and `subscribe` from the consumer's finished records (no socket of its own).
+
+The consumer's socket loop owns the ROUTER socket; it hands each trainer message to `TrainerService.on_message`,
+each finished record to `on_record`, and calls `tick` and `retry` on its timers. Replies go out through the
+`send(client, frames) -> Sent` function the loop gives, so this class is tested on bytes alone.
+
+What a fetch of one request id gets (docs/RELIABILITY.md "Fetch"):
+    HELD      finished, not fetched yet (RecordStore): the record, at once
+    RETAINED  fetched before, within the retention bound (time and bytes): the same record again, at once
+    ON_DISK   in the consumer's npz dir (this run's or an earlier run's): read back and sent, at once
+    EVICTED   the store had to evict it: an `error` "evicted", at once
+    PENDING   open here, not finished: the record when it finishes, within the fetch's timeout
+    UNKNOWN   none of the above: waited for like PENDING (the open may still be on its way); with
+              `answer_unknown` in the fetch body, also one `error` "unknown" at once, key = the list of such ids
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import OrderedDict, deque
+from typing import Callable, NamedTuple
+
+from routing_replay.consumer.npz import NpzIndex
+from routing_replay.consumer.store import EVICTED, RecordStore
+from routing_replay.protocol import wire
+
+log = logging.getLogger("routing_replay.consumer")
+
+MAX_WAITERS = 1 << 20          # request ids trainers may wait for at once (fetch before the record exists)
+MAX_SUBSCRIBERS = 1024
+MAX_GONE = 10_000              # unreachable trainers remembered (their outboxes are dropped)
+UNKNOWN = "unknown"            # `error` reason: these ids are neither held, on disk, nor open here
+
+
+class Sent(enum.Enum):
+    """What one send to a trainer did."""
+
+    SENT = "sent"
+    FULL = "full"              # its send queue is full: try later
+    GONE = "gone"              # the trainer is unreachable
+
+
+class Where(enum.Enum):
+    """Where a fetched request id stands on this consumer (see the module docstring)."""
+
+    HELD = "held"
+    RETAINED = "retained"
+    ON_DISK = "on_disk"
+    EVICTED = "evicted"
+    PENDING = "pending"
+    UNKNOWN = "unknown"
+
+
+SERVABLE = frozenset({Where.HELD, Where.RETAINED, Where.ON_DISK, Where.EVICTED})
+
+
+class Waiter(NamedTuple):
+    """A trainer waiting for a record that is not finished yet."""
+
+    client: bytes
+    deadline: float
+
+
+class Backoff(NamedTuple):
+    """When to try a trainer whose send queue was full again, and the delay that got it there."""
+
+    at: float
+    delay_s: float
+
+
+class Retained(NamedTuple):
+    record: wire.Record
+    fetched_at: float
+
+
+class FetchedRecords:
+    """Own records already sent to a trainer, for a time and byte bound, so a trainer that crashed after a fetch
+    can fetch them again. Oldest first out; nothing here is the only copy a trainer has not seen."""
+
+    def __init__(self, retention_s: float = 600.0, max_bytes: int = 256 << 20):
+        self.retention_s = retention_s
+        self.max_bytes = max_bytes
+        self._recs: OrderedDict[str, Retained] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._recs)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._recs
+
+    def get(self, rid: str) -> wire.Record | None:
+        got = self._recs.get(rid)
+        return None if got is None else got.record
+
+    def put(self, rec: wire.Record, now: float) -> None:
+        if self.retention_s <= 0 or rec.nbytes > self.max_bytes:
+            return
+        old = self._recs.pop(rec.request_id, None)
+        if old is not None:
+            self.bytes -= old.record.nbytes
+        self._recs[rec.request_id] = Retained(rec, now)
+        self.bytes += rec.nbytes
+        while self.bytes > self.max_bytes:
+            self._pop_oldest()
+
+    def expire(self, now: float) -> None:
+        while self._recs and next(iter(self._recs.values())).fetched_at < now - self.retention_s:
+            self._pop_oldest()
+
+    def _pop_oldest(self) -> None:
+        _, old = self._recs.popitem(last=False)
+        self.bytes -= old.record.nbytes
+
+
+class TrainerService:
+    """Own what trainers asked for: fetch waiters, per-trainer outboxes of records to send, subscribers, and the
+    retention of fetched records. Records wait in `store` until a trainer has them; then they are retained."""
+
+    def __init__(self, consumer_id: str, store: RecordStore, send: Callable[[bytes, list], Sent], *,
+                 is_open: Callable[[str], bool] = lambda rid: False, disk: NpzIndex | None = None,
+                 fetched: FetchedRecords | None = None, bad: Callable[[str, Exception], None] | None = None):
+        self.consumer_id = consumer_id
+        self.store = store
+        self.send = send
+        self.is_open = is_open
+        self.disk = disk
+        self.fetched = fetched if fetched is not None else FetchedRecords()
+        self.count_bad = bad or (lambda reason, err: None)
+        self.waiters: dict[str, Waiter] = {}
+        self.outbox: dict[bytes, deque] = {}       # trainer -> request ids whose records it asked for, in order
+        self.backoff: dict[bytes, Backoff] = {}    # trainer -> when to try again, while its send queue is full
+        self.gone: set[bytes] = set()              # trainers found unreachable (their outboxes were dropped)
+        self.subscribers: dict[bytes, str] = {}    # trainer -> request id prefix
+        self.subscriber_drops = 0
+        self.unknown_answers = 0
+        self.disk_reads = 0
+
+    # ---- records in ---------------------------------------------------------------------------------------------
+
+    def on_record(self, rec: wire.Record, now: float) -> None:
+        """A finished record: to live subscribers, to a trainer waiting for it, and into the store."""
+        frames = None
+        for client, prefix in list(self.subscribers.items()):
+            if rec.request_id.startswith(prefix):
+                frames = frames or wire.encode_record(rec, self.consumer_id, 0)
+                self._send(client, frames, subscriber=True)
+        w = self.waiters.pop(rec.request_id, None)
+        if w is not None and not self.outbox.get(w.client):
+            if self._send(w.client, frames or wire.encode_record(rec, self.consumer_id, 0)) is Sent.SENT:
+                self.fetched.put(rec, now)
+                return
+            if w.client not in self.gone:
+                self.outbox.setdefault(w.client, deque()).append(rec.request_id)    # its queue is full: later
+        elif w is not None:
+            self.outbox[w.client].append(rec.request_id)
+        self.store.put(rec)
+
+    # ---- trainer messages ---------------------------------------------------------------------------------------
+
+    def on_message(self, client: bytes, frames: list, now: float) -> None:
+        """One message from a trainer (frames without the routing id); a bad one is counted and answered."""
+        try:
+            if len(frames) != 1:
+                raise wire.ProtocolError("frame_count", f"client message has {len(frames)} frames, expected 1")
+            h = wire.decode_header(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+            if h.kind == "fetch":
+                f = wire.parse_fetch(h)
+                if len(self.waiters) + len(f.request_ids) > MAX_WAITERS:
+                    raise wire.ProtocolError("too_many_waiters", f"{len(self.waiters)} ids already waited for, "
+                                             f"limit {MAX_WAITERS}")
+                self.fetch(client, f.request_ids, now + f.timeout_ms / 1000, h.body.get("answer_unknown") is True)
+            elif h.kind == "hello":
+                prefix = wire.parse_subscribe(h)
+                if prefix is not None:
+                    self.subscribe(client, prefix)
+            elif h.kind == "bye":
+                self.subscribers.pop(client, None)
+            elif h.kind != "heartbeat":
+                raise wire.ProtocolError("unexpected_kind", f"trainer endpoint does not take {h.kind!r}")
+        except wire.ProtocolError as e:
+            self.count_bad(e.reason, e)
+            self._send(client, [wire.pack_header("error", self.consumer_id, 0, 0, "",
+                                                 {"reason": f"{e.reason}: {e}"[:200]})])
+
+    def subscribe(self, client: bytes, prefix: str) -> None:
+        if client not in self.subscribers and len(self.subscribers) >= MAX_SUBSCRIBERS:
+            raise wire.ProtocolError("too_many_subscribers", f"limit {MAX_SUBSCRIBERS}")
+        self.subscribers[client] = prefix
+        log.info("consumer %s: subscriber %r prefix=%r subscribers=%d", self.consumer_id, client[:32], prefix,
+                 len(self.subscribers))
+
+    def where(self, rid: str) -> Where:
+        if rid in self.store:
+            return Where.EVICTED if self.store.is_evicted(rid) else Where.HELD
+        if rid in self.fetched:
+            return Where.RETAINED
+        if self.is_open(rid):
+            return Where.PENDING
+        if self.disk is not None and rid in self.disk:
+            return Where.ON_DISK
+        return Where.UNKNOWN
+
+    def fetch(self, client: bytes, ids: list, deadline: float, answer_unknown: bool = False) -> None:
+        """Queue what can be answered now, wait for the rest until `deadline`; say at once which ids are unknown
+        when the trainer asked for that."""
+        self.gone.discard(client)
+        q = self.outbox.get(client)
+        queued = set(q) if q else ()
+        unknown = []
+        for rid in ids:
+            where = self.where(rid)
+            if where in SERVABLE:
+                if rid not in queued:
+                    self.outbox.setdefault(client, deque()).append(rid)
+                continue
+            self.waiters[rid] = Waiter(client, deadline)
+            if where is Where.UNKNOWN:
+                unknown.append(rid)
+        if unknown and answer_unknown:
+            self.unknown_answers += len(unknown)
+            self._send(client, [wire.pack_header("error", self.consumer_id, 0, 0, unknown, {"reason": UNKNOWN})])
+        if client in self.outbox and client not in self.backoff:
+            self._drain(client, time.monotonic())
+
+    # ---- sending ------------------------------------------------------------------------------------------------
+
+    def _lookup(self, rid: str) -> tuple[wire.Record | str | None, bool]:
+        """(record or EVICTED or None, whether it came from the store)."""
+        got = self.store.peek(rid)
+        if got is not None:
+            return got, not isinstance(got, str)
+        got = self.fetched.get(rid)
+        if got is None and self.disk is not None:
+            got = self.disk.read(rid)
+            self.disk_reads += got is not None
+        return got, False
+
+    def _drain(self, client: bytes, now: float) -> None:
+        """Send a trainer the records it asked for, in order, until its send queue is full (then back off)."""
+        q = self.outbox.get(client)
+        while q:
+            rid = q[0]
+            got, from_store = self._lookup(rid)
+            if got is None:                        # retention ran out meanwhile: the trainer asks again
+                q.popleft()
+                continue
+            if isinstance(got, str):              # EVICTED
+                self._send(client, [wire.pack_header("error", self.consumer_id, 0, 0, rid, {"reason": EVICTED})])
+                q.popleft()
+                continue
+            if from_store:            # out of the store before the trainer can see it; back if the send fails
+                self.store.discard(rid)
+            sent = self._send(client, wire.encode_record(got, self.consumer_id, 0))
+            if sent is not Sent.SENT:
+                if from_store:
+                    self.store.put(got)
+                if sent is Sent.GONE:
+                    break
+                delay = min(0.1, 2 * self.backoff.get(client, Backoff(0.0, 0.0005)).delay_s)
+                self.backoff[client] = Backoff(now + delay, delay)
+                return
+            self.fetched.put(got, now)
+            q.popleft()
+        self.outbox.pop(client, None)
+        self.backoff.pop(client, None)
+
+    def retry(self, now: float) -> float:
+        """Retry trainers whose send queue was full; returns seconds until the next retry is due (at most 0.1)."""
+        nxt = 0.1
+        for client in list(self.outbox):
+            at = self.backoff.get(client, Backoff(0.0, 0.0)).at
+            if at <= now:
+                self._drain(client, now)
+                at = self.backoff.get(client, Backoff(now + 0.1, 0.0)).at
+            nxt = min(nxt, max(0.0, at - now))
+        return nxt
+
+    def _send(self, client: bytes, frames: list, subscriber: bool = False) -> Sent:
+        sent = self.send(client, frames)
+        if sent is Sent.FULL and subscriber:
+            self.subscriber_drops += 1
+            if self.subscriber_drops == 1 or self.subscriber_drops % 1000 == 0:
+                log.warning("consumer %s: subscriber %r is slow, live records dropped=%d (fetch still has them)",
+                            self.consumer_id, client[:32], self.subscriber_drops)
+        elif sent is Sent.GONE:
+            self.subscribers.pop(client, None)
+            self.outbox.pop(client, None)
+            self.backoff.pop(client, None)
+            self.gone.add(client)
+            if len(self.gone) > MAX_GONE:
+                self.gone.clear()
+        return sent
+
+    # ---- timers -------------------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Forget waiters whose fetch timed out, and fetched records past their retention."""
+        if self.waiters:
+            for rid in [r for r, w in self.waiters.items() if w.deadline < now]:
+                del self.waiters[rid]
+        self.fetched.expire(now)
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self.outbox.values())
