@@ -208,7 +208,8 @@ def cmd_consume(a) -> int:
                      request_timeout_s=a.request_timeout_s, progress=a.progress and a.npz_dir is not None,
                      stats_interval_s=a.stats_interval, ack_interval_ms=a.ack_interval_ms,
                      curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow,
-                     remember_finished=a.remember_finished)
+                     remember_finished=a.remember_finished, fetched_retention_s=a.fetched_retention_s,
+                     fetched_retention_bytes=a.fetched_retention_mb << 20, write_retry_max_s=a.write_retry_max_s)
     except ValueError as e:
         return _die("consume", str(e))
     _on_signals(c.stop)
@@ -330,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remember-finished", type=int, default=100_000, metavar="N",
                    help="finished request ids remembered, so a resent message for one is recognised as late "
                         "(about 0.3 KB each)")
+    p.add_argument("--fetched-retention-s", type=float, default=600.0, metavar="S",
+                   help="keep records a trainer fetched this long, so a fetch can be repeated (0: not kept; records "
+                        "in --npz-dir are served again from disk regardless)")
+    p.add_argument("--fetched-retention-mb", type=int, default=256, metavar="MIB",
+                   help="memory bound of the fetched records kept (MiB)")
+    p.add_argument("--write-retry-max-s", type=float, default=2.0, metavar="S",
+                   help="longest wait between retries of npz writes that failed (the wait doubles up to this)")
     p.add_argument("--broker-key", metavar="FILE", help="the broker's public cert (NAME.key), with --curve-secret")
     curve_server(p, "trainers on --serve")
     common(p)
@@ -337,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Validation of the consume flags with the shared types (the consume subparser above is the consumer's).
     retype(p, connect=CONNECT, serve=BIND, npz_dir=directory_arg, spill_dir=directory_arg, shard_size=NON_NEGATIVE,
            store_mb=NON_NEGATIVE, finish_grace_ms=NON_NEGATIVE, request_timeout_s=float_above(0),
-           ack_interval_ms=POSITIVE, remember_finished=NON_NEGATIVE)
+           ack_interval_ms=POSITIVE, remember_finished=NON_NEGATIVE, fetched_retention_s=float_above(-1e-9),
+           fetched_retention_mb=NON_NEGATIVE, write_retry_max_s=float_above(0))
 
     p = sub.add_parser("subscribe", help="print live records from consumers' trainer endpoints")
     p.add_argument("--connect", type=CONNECT, nargs="+", default=[DEFAULT_SERVE], help="consumer --serve endpoints")
