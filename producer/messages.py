@@ -113,6 +113,37 @@ def escaped_id(request_id: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters escaped)"
 
 
+class QueueLedger:
+    """Own the count of what waits between the caller and the thread: bytes and messages put (callers, under
+    `lock`) and taken (the thread); the difference is the queue, bounded for droppable steps."""
+
+    def __init__(self, lock: threading.Lock):
+        self.lock = lock
+        self.put_bytes = self.taken_bytes = 0
+        self.put_msgs = self.taken_msgs = 0
+
+    def put(self, nbytes: int, bound: int | None) -> bool:
+        """Count one item in; False (nothing counted) if `bound` is given and the queue would pass it."""
+        with self.lock:
+            if bound is not None and self.put_bytes - self.taken_bytes + nbytes > bound:
+                return False
+            self.put_bytes += nbytes
+            self.put_msgs += 1
+        return True
+
+    def taken(self, nbytes: int) -> None:
+        self.taken_bytes += nbytes
+        self.taken_msgs += 1
+
+    @property
+    def bytes(self) -> int:
+        return self.put_bytes - self.taken_bytes
+
+    @property
+    def msgs(self) -> int:
+        return self.put_msgs - self.taken_msgs
+
+
 class Screen(NamedTuple):
     """Which request parts of one call may travel: `keep` None means all of them."""
 

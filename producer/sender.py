@@ -1,0 +1,513 @@
+"""Run a producer's socket loop in its own thread: take queued items into the replay buffer, send in seq order,
+read acks, rewinds and refusals, heartbeat, and say when the broker is silent; the only user of the socket."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import struct
+import threading
+import time
+from typing import Any, NamedTuple
+
+import zmq
+
+from routing_replay.protocol import security, wire
+from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
+from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, encode_announce,
+                                              encode_step, escaped_id, with_lost)
+from routing_replay.producer.replay import ReplayBuffer
+
+log = logging.getLogger("routing_replay.producer")
+
+STOP = object()                 # the queue's sentinel: close() puts it after the last item
+_U63 = (1 << 63) - 1
+_MAX_LATE_LOST = 1 << 12        # requests whose losses found in the thread wait for their finish
+
+
+class SenderSettings(NamedTuple):
+    endpoint: str
+    producer_id: str
+    epoch: int
+    geometry: Geometry
+    row_bytes: int
+    heartbeat_interval_s: float
+    resend_timeout_s: float
+    silence_warn_after_s: float
+    silence_warn_every_s: float
+    linger_ms: int
+    sndhwm: int
+    curve_secret: Any
+    server_key: Any
+    replay_max_bytes: int
+    spill_max_bytes: int
+    max_queue_bytes: int
+
+
+class Refusal(NamedTuple):
+    """broker -> producer `error` {reason, refused_seq, epoch}: the broker dropped that data message of that
+    producer epoch (it could not decode it) and moved its ack frontier past it."""
+
+    reason: str
+    seq: int
+    epoch: int
+
+
+def parse_refusal(h: wire.Header) -> Refusal | None:
+    """The Refusal an `error` carries, None for a plain error (no refused_seq)."""
+    if h.body.get("refused_seq") is None:
+        return None
+    return Refusal(wire.parse_error(h), wire.int_field(h.body, "refused_seq", 1, _U63),
+                   wire.int_field(h.body, "epoch", 0, _U63))
+
+
+class Sender:
+    """Own the producer's DEALER socket, its monitor and the thread that uses them.
+
+    Shared with the caller's side: the queue (items in), the ledger (what was taken), the request book (refused
+    ids), the replay buffer (read for sizes) and the stats; `closing`/`close_deadline` are set by the caller's
+    close() before it puts STOP; a failure of the thread is kept in `failure` for the caller to re-raise.
+    """
+
+    def __init__(self, cfg: SenderSettings, ctx: zmq.Context, q: queue.SimpleQueue, ledger: QueueLedger,
+                 book: RequestBook, replay: ReplayBuffer, stats):
+        self.cfg = cfg
+        self._ctx = ctx
+        self._q = q
+        self._ledger = ledger
+        self._book = book
+        self._replay = replay
+        self.stats = stats
+        self.closing = False
+        self.close_deadline = math.inf
+        self.failure: BaseException | None = None
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"rr-producer-{cfg.producer_id}", daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start the thread; return once its socket is connecting (or it failed)."""
+        self.thread.start()
+        self._ready.wait(timeout_s)
+
+    # ---- socket set-up and teardown ------------------------------------------------------
+
+    def _run(self) -> None:
+        sock = mon = None
+        try:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, self.cfg.linger_ms)
+            sock.setsockopt(zmq.SNDHWM, self.cfg.sndhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+            sock.setsockopt(zmq.IMMEDIATE, 1)            # no connection: EAGAIN, the replay buffer holds it
+            # a routing id stable across reconnects, so acks find this producer after a network blip
+            sock.setsockopt(zmq.ROUTING_ID, b"P" + hashlib.blake2b(
+                f"{self.cfg.producer_id}\0{self.cfg.epoch}".encode(), digest_size=15).digest())
+            if self.cfg.curve_secret is not None:
+                security.curve_client(sock, self.cfg.curve_secret, self.cfg.server_key)
+            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                          | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            sock.connect(self.cfg.endpoint)
+            self._ready.set()
+            self._loop(sock, mon)
+        except zmq.ContextTerminated:
+            pass
+        except BaseException as e:  # kept and re-raised on the caller's next call
+            self.failure = e
+            log.exception("producer %s thread failed", self.cfg.producer_id)
+        finally:
+            self._ready.set()
+            if mon is not None:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                mon.close(0)
+            if sock is not None:
+                sock.close(linger=self.cfg.linger_ms if self.failure is None else 0)
+            self._replay.close()
+
+    # ---- the socket loop -----------------------------------------------------------------
+
+    def _loop(self, sock: zmq.Socket, mon: zmq.Socket) -> None:
+        """Take steps from the queue into the replay buffer, read replies and connection events, send in seq
+        order, heartbeat, and on close wait for the acks; every wait is a poll with a timeout."""
+        start = time.monotonic()
+        self._link = Link(self.cfg.heartbeat_interval_s)
+        self._watch = SilenceWatch(self.cfg.silence_warn_after_s, self.cfg.silence_warn_every_s, start)
+        self._broker_epoch: int | None = None       # None: no broker has answered yet
+        self._broker_consumers: int | None = None
+        self._last_progress = start
+        self._timeout_s = self.cfg.resend_timeout_s
+        self._full_since: float | None = None
+        self._stopping = False                      # the caller's close() sentinel was taken
+        self._connections = 0
+        self._auth_failures = 0
+        self._sent_all_at = 0.0
+        self._late_lost: dict[str, list] = {}       # losses found in the thread, for finishes not yet encoded
+        stash = None                                # an item taken from the queue, waiting for room
+        next_hb = start + self.cfg.heartbeat_interval_s
+        next_io = 0.0
+        while True:
+            now = time.monotonic()
+            stash = self._take(stash, now)
+            if now >= next_io:                      # replies and connection events: per interval, not per step
+                self._on_monitor(mon, now)
+                self._read(sock, now)
+                self._check_timeout(now)
+                self._check_silence(now)
+                next_io = now + 0.005
+            self._link.move(LinkEvent.TICK, now)
+            blocked = self._pump(sock, now)
+            if now >= next_hb:
+                self._send_ctl(sock, "heartbeat", now)
+                next_hb = now + self.cfg.heartbeat_interval_s
+            if self._replay.pending() or self._link.hello_due:
+                self._sent_all_at = now
+            if (self._stopping or self.closing) and self._closing_done(now):
+                if self._broker_epoch is not None and not len(self._replay):
+                    self._send_ctl(sock, "bye", now)
+                return
+            wait_s = max(0.0, min(next_hb - now, 0.05))
+            held = self._link.data_held(now)
+            if self._replay.pending() and not blocked and not held:
+                continue                            # the send budget ran out: more to send at once
+            if blocked or held:
+                sock.poll(int(min(wait_s, 0.02) * 1000) or 1, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
+            elif stash is None and not self._stopping and self._replay.has_room():
+                try:
+                    stash = self._q.get(timeout=wait_s)
+                except queue.Empty:
+                    pass
+            else:
+                sock.poll(int(wait_s * 1000) or 1, zmq.POLLIN)
+
+    def _take(self, stash: Any, now: float) -> Any:
+        """Move queued items into the replay buffer while it has room; returns the item left waiting, if any."""
+        for _ in range(512):
+            if self._stopping:
+                break
+            if not self._replay.has_room():
+                if self._full_since is None:
+                    r = self._replay
+                    self._full_since = now
+                    self.stats.replay_full += 1
+                    log.warning("producer %s replay buffer full: unacked=%d replay_bytes=%d spilled_bytes=%d "
+                                "bounds=%d+%d episodes=%d; new steps wait in the queue (bound %d bytes) and are "
+                                "dropped beyond it, reported lost", self.cfg.producer_id, len(r), r.mem_bytes,
+                                r.spilled_bytes, self.cfg.replay_max_bytes, self.cfg.spill_max_bytes,
+                                self.stats.replay_full, self.cfg.max_queue_bytes)
+                break
+            if stash is None:
+                try:
+                    stash = self._q.get_nowait()
+                except queue.Empty:
+                    break
+            item, stash = stash, None
+            if item is STOP:
+                self._stopping = True
+            else:
+                self._intake(item)
+        return stash
+
+    # ---- intake (encode into the replay buffer) ------------------------------------------
+
+    def _intake(self, item: Announce | Step) -> None:
+        expect = 0
+        try:
+            if isinstance(item, Step):
+                expect = sum(c for c, k in zip(item.counts, item.keep or [True] * len(item.counts)) if k) \
+                    * self.cfg.row_bytes
+                self._intake_step(item)
+            else:
+                self._intake_announce(item)
+        finally:
+            self._ledger.taken(expect)
+
+    def _intake_step(self, item: Step) -> None:
+        if self._book.any_refused:                  # refused after the caller enqueued this step
+            screen = self._book.screen(item.request_ids)
+            if screen.keep is not None:
+                before = item.keep or [True] * len(item.request_ids)
+                keep = [a and b for a, b in zip(screen.keep, before)]
+                self.stats.dropped_parts += before.count(True) - keep.count(True)
+                item = item._replace(keep=keep)
+        if item.keep is not None and not any(item.keep):
+            release = getattr(item.rows, "release", None)
+            if release is not None:
+                release()
+            return
+        seq = self._replay.next_seq
+        try:
+            enc = encode_step(item, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry)
+        except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
+            kept = [(r, s, c) for i, (r, s, c) in enumerate(zip(item.request_ids, item.starts, item.counts))
+                    if item.keep is None or item.keep[i]]
+            for rid, s, c in kept:
+                self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1)
+            self._encode_failed("delta", len(kept), e)
+            return
+        self._keep(enc)
+
+    def _intake_announce(self, item: Announce) -> None:
+        rid = item.request_id
+        if item.kind != "open" and self._book.is_refused(rid):  # refused after the caller enqueued this
+            self._book.ended(rid)
+            self._late_lost.pop(rid, None)
+            self.stats.dropped_parts += 1
+            return
+        if item.kind == "finish":
+            late = self._late_lost.pop(rid, None)
+            if late:
+                item = with_lost(item, late)
+        elif item.kind == "abort":
+            self._late_lost.pop(rid, None)
+        try:
+            enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
+        except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
+            if item.kind == "open":
+                self._book.refuse(rid)
+            self._encode_failed(item.kind, 1, e)
+            return
+        self._keep(enc)
+
+    def _keep(self, enc) -> None:
+        e = self._replay.add(enc.parts, enc.frames, enc.payload)
+        if e.spill is not None:
+            self.stats.spilled_msgs += 1
+            self.stats.spilled_bytes += e.nbytes
+
+    def _encode_failed(self, kind: str, requests: int, e: Exception) -> None:
+        self.stats.encode_errors += 1
+        log.warning("producer %s dropped a %s message of %d request(s) it could not encode (%d so far): %s: %s",
+                    self.cfg.producer_id, kind, requests, self.stats.encode_errors, type(e).__name__, str(e)[:200])
+
+    def _note_lost(self, rid: Any, rng: list, seq: int) -> str:
+        """Report positions `rng` of request `rid` lost in its finish: the finish held after `seq` if it was not
+        sent yet (re-encoded), else the finish still to come. Returns what was done, for the log line."""
+        if type(rid) is not str:
+            return "not a request id"
+        for f in self._replay.after(seq):
+            if f.parts.kind in ("finish", "abort") and f.parts.request_ids[0] == rid:
+                if f.parts.kind == "abort":
+                    return "aborted"
+                if f.sent_at != 0.0:
+                    return "finish already sent"
+                frames = list(self._replay.frames(f))
+                h = wire.decode_header(frames[0])
+                body = dict(h.body)
+                body["lost"] = list(body.get("lost", ())) + [rng]
+                frames[0] = wire.pack_header("finish", self.cfg.producer_id, self.cfg.epoch, f.seq, rid, body)
+                self._replay.replace_frames(f, frames)
+                return "finish re-encoded"
+        if rid not in self._late_lost and len(self._late_lost) >= _MAX_LATE_LOST:
+            self._late_lost.pop(next(iter(self._late_lost)))
+        self._late_lost.setdefault(rid, []).append(rng)
+        return "reported in its finish"
+
+    # ---- connection ----------------------------------------------------------------------
+
+    def _send_ctl(self, sock: zmq.Socket, kind: str, now: float) -> bool:
+        if kind != "bye":
+            self._watch.asked(now)
+        body = {"unacked_from": self._replay.first_unacked} if kind != "bye" else {}
+        try:
+            pid = self.cfg.producer_id
+            sock.send_multipart([wire.pack_header(kind, pid, self.cfg.epoch, 0, pid, body)], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _on_monitor(self, mon: zmq.Socket, now: float) -> None:
+        """Connection events: after a reconnect, say hello and send nothing else until the broker answered (its
+        epoch says whether it is the same broker or a new one that needs everything unacknowledged again)."""
+        while mon.poll(0):
+            # a monitor message: frame 0 = event (uint16) + value (uint32), native order; frame 1 = endpoint
+            # (parsed here: zmq.utils.monitor imports asyncio, slow on the first connection)
+            ev = struct.unpack("=H", mon.recv_multipart()[0][:2])[0]
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connections += 1
+                if self._connections > 1:
+                    self._link.move(LinkEvent.RECONNECTED, now)
+                    log.info("producer %s reconnected to %s: unacked=%d", self.cfg.producer_id, self.cfg.endpoint,
+                             len(self._replay))
+            elif ev == zmq.EVENT_DISCONNECTED:
+                # hold data from now on: the next connection may be a new broker, which must hear hello first
+                # (set here, long before a reconnect, so no data slips out ahead of the hello)
+                self._link.move(LinkEvent.DISCONNECTED, now)
+                log.info("producer %s disconnected from %s: unacked=%d", self.cfg.producer_id, self.cfg.endpoint,
+                         len(self._replay))
+            else:
+                self._auth_failures += 1
+                if self._auth_failures == 1 or self._auth_failures % 100 == 0:
+                    log.error("producer %s: handshake with %s failed (%s, %d times): wrong broker key, or this "
+                              "producer's key is not allowed", self.cfg.producer_id, self.cfg.endpoint,
+                              "auth" if ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "protocol", self._auth_failures)
+
+    def _check_silence(self, now: float) -> None:
+        s = self._watch.due(now)
+        if s is None:
+            return
+        r = self._replay
+        log.warning("producer %s: no answer from broker %s for %.1fs (report %d; connections=%d "
+                    "handshake_failures=%d): unacked=%d msgs unacked_bytes=%d (memory %d + spill %d) bound=%d+%d "
+                    "bytes; steps wait in the replay buffer", self.cfg.producer_id, self.cfg.endpoint, s.silent_s,
+                    s.reports, self._connections, self._auth_failures, len(r), r.mem_bytes + r.spilled_bytes,
+                    r.mem_bytes, r.spilled_bytes, self.cfg.replay_max_bytes, self.cfg.spill_max_bytes)
+
+    def _heard(self, now: float) -> None:
+        self._link.move(LinkEvent.HEARD, now)
+        a = self._watch.heard(now)
+        if a is None:
+            return
+        if a.first:
+            log.info("producer %s: broker answered at %s in %d ms", self.cfg.producer_id, self.cfg.endpoint,
+                     round(a.after_s * 1000))
+        else:
+            log.info("producer %s: broker at %s answered again after %.1fs of silence: unacked=%d",
+                     self.cfg.producer_id, self.cfg.endpoint, a.after_s, len(self._replay))
+
+    # ---- sending, acks, rewinds ----------------------------------------------------------
+
+    def _pump(self, sock: zmq.Socket, now: float) -> bool:
+        """Send what waits, in seq order. True if the socket would block (no connection, or send queue full)."""
+        link = self._link
+        if link.hello_due:
+            if not self._send_ctl(sock, "hello", now):
+                return True
+            link.move(LinkEvent.HELLO_SENT, now)
+        if link.data_held(now):
+            return False
+        r = self._replay
+        st = self.stats
+        for _ in range(1000):
+            e = r.next_to_send()
+            if e is None:
+                break
+            try:
+                sock.send_multipart(r.frames(e), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            if r.mark_sent(e, now):
+                st.sent_msgs += 1
+                st.sent_bytes += e.payload
+            else:
+                st.resent_msgs += 1
+        return False
+
+    def _acked(self, upto: int, now: float) -> None:
+        n = self._replay.ack(upto).msgs
+        if n:
+            self.stats.acked_msgs += n
+            self._last_progress = now
+            self._timeout_s = self.cfg.resend_timeout_s
+            if self._full_since is not None and self._replay.has_room():
+                log.info("producer %s replay buffer has room again after %.1fs: unacked=%d", self.cfg.producer_id,
+                         now - self._full_since, len(self._replay))
+                self._full_since = None
+
+    def _rewind(self, why: str, now: float) -> None:
+        r = self._replay
+        r.rewind()
+        self._link.move(LinkEvent.REWIND, now)
+        self.stats.rewinds += 1
+        self._last_progress = now
+        log.info("producer %s rewind why=%s unacked=%d from_seq=%s replay_MB=%.1f spilled_MB=%.1f",
+                 self.cfg.producer_id, why, len(r), r.first_unacked if len(r) else "-", r.mem_bytes / 1e6, r.spilled_bytes / 1e6)
+
+    def _on_rewind_request(self, ack: wire.ProducerAck, now: float) -> None:
+        if ack.hello:
+            self._link.move(LinkEvent.REWIND, now)
+        nxt = self._replay.next_to_send()
+        if ack.expect is not None and nxt is not None and nxt.seq <= ack.expect and not ack.hello:
+            return                  # what goes out next already starts at or before what the broker expects
+        self._rewind("broker_asked", now)
+
+    def _on_refusal(self, r: Refusal) -> None:
+        """The broker accepted-and-dropped seq r.seq: flag what it carried (lost positions, a refused request)."""
+        self.stats.refused_by_broker += 1
+        e = self._replay.get(r.seq)
+        if e is None:
+            log.warning("producer %s: broker refused seq=%d (no longer held here): %s", self.cfg.producer_id, r.seq,
+                        r.reason)
+            return
+        p = e.parts
+        if p.kind == "delta":
+            done = [self._note_lost(rid, [s, s + c], e.seq) for rid, s, c in zip(p.request_ids, p.starts, p.counts)]
+            log.warning("producer %s: broker refused seq=%d kind=delta requests=%d rows=%d (%s): %s",
+                        self.cfg.producer_id, r.seq, len(p.request_ids), sum(p.counts),
+                        ", ".join(sorted(set(done))) or "nothing to report", r.reason)
+        elif p.kind == "open":
+            self._book.refuse(p.request_ids[0])
+            log.warning("producer %s: broker refused seq=%d kind=open request=%s; its later parts are dropped: %s",
+                        self.cfg.producer_id, r.seq, escaped_id(p.request_ids[0]), r.reason)
+        else:
+            log.warning("producer %s: broker refused seq=%d kind=%s request=%s: %s", self.cfg.producer_id, r.seq,
+                        p.kind, escaped_id(p.request_ids[0]), r.reason)
+
+    def _read(self, sock: zmq.Socket, now: float) -> None:
+        for _ in range(1000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._heard(now)
+            try:
+                h = wire.decode_header(frames[0])
+                if h.epoch != self._broker_epoch:
+                    if self._broker_epoch is not None:
+                        log.info("producer %s: new broker epoch=%d (was %d)", self.cfg.producer_id, h.epoch,
+                                 self._broker_epoch)
+                        self._broker_epoch = h.epoch
+                        self._rewind("new_broker", now)
+                    self._broker_epoch = h.epoch
+                    self.stats.broker_epochs += 1
+                if h.kind == "heartbeat":
+                    self._broker_consumers = wire.parse_broker_hello(h) if "consumers" in h.body else None
+                elif h.kind == "ack":
+                    if h.body.get("epoch") != self.cfg.epoch:
+                        continue
+                    ack = wire.parse_producer_ack(h)
+                    self._acked(ack.upto, now)
+                    if ack.rewind:
+                        self._on_rewind_request(ack, now)
+                elif h.kind == "error":
+                    self.stats.errors_from_broker += 1
+                    refusal = parse_refusal(h)
+                    if refusal is None:
+                        log.error("producer %s: broker refused a message: %s", self.cfg.producer_id,
+                                  wire.parse_error(h))
+                    elif refusal.epoch == self.cfg.epoch:
+                        self._on_refusal(refusal)
+                    else:
+                        log.warning("producer %s: broker refused seq=%d of another epoch %d (this one %d): %s",
+                                    self.cfg.producer_id, refusal.seq, refusal.epoch, self.cfg.epoch, refusal.reason)
+            except wire.ProtocolError as e:
+                self.stats.bad_replies += 1
+                if self.stats.bad_replies == 1 or self.stats.bad_replies % 1000 == 0:
+                    log.warning("producer %s: bad reply from broker (%d so far): %s", self.cfg.producer_id,
+                                self.stats.bad_replies, e)
+
+    def _check_timeout(self, now: float) -> None:
+        r = self._replay
+        first = r.get(r.first_unacked)
+        if first is None or self._broker_epoch is None or self._broker_consumers == 0 or first.sent_at == 0.0:
+            return
+        if now - max(first.sent_at, self._last_progress) > self._timeout_s:
+            self._timeout_s = min(self._timeout_s * 2, 8 * self.cfg.resend_timeout_s)
+            self._rewind("ack_timeout", now)
+
+    def _closing_done(self, now: float) -> bool:
+        r = self._replay
+        if now >= self.close_deadline:
+            if len(r) or self._ledger.msgs:
+                log.warning("producer %s closing with unacked=%d (never sent %d) queued=%d after the timeout",
+                            self.cfg.producer_id, len(r), r.never_sent, self._ledger.msgs)
+            return True
+        if not self._stopping or r.pending() or self._link.hello_due:
+            return False
+        if not len(r) or self._broker_consumers == 0:
+            return True
+        # a peer that has not answered half a second after everything was sent does not speak acks
+        return self._broker_epoch is None and now - self._sent_all_at >= 0.5
