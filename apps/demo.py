@@ -9,7 +9,7 @@
    blocks on CPU), prompts longer than the chunked-prefill budget, sampled outputs. Rounds with capture off
    (every request opted out) and on alternate; the prefix cache is reset before each round.
 4. Waits for the records of the capture-on rounds, recomputes every routing decision with HF transformers
-   (routing_replay.apps.oracle) and prints a summary. Exit status 1 if the oracle disagrees or a record is missing
+   (routing_replay.apps.oracle) and prints a summary. Exit status 1 if the oracle disagrees (beyond near ties, see oracle.py) or a record is missing
    or incomplete.
 """
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                   f"({out_s:.0f} output tok/s)", flush=True)
 
     from routing_replay.consumer import load_records
-    from routing_replay.apps.oracle import verify
+    from routing_replay.apps.oracle import NEAR_TIE_ULPS, verify
     from routing_replay.apps.vllm_harness import wait_records
 
     ids = [o.request_id for o in captured]
@@ -153,6 +153,8 @@ def main(argv=None) -> int:
         ("throughput, capture on", f"{on_tok:,.0f} tok/s ({100 * (on_tok / off_tok - 1):+.1f}%)"),
         ("oracle (HF transformers)", f"{'PASS' if verdict.ok else 'FAIL'}: {verdict.rows:,} (token, layer) rows, "
                                      f"{100 * verdict.agreement:.3f}% identical top-k sets, "
+                                     f"{verdict.near_ties} near ties (within {NEAR_TIE_ULPS[verdict.dtype]} ulps of "
+                                     f"the k-th router logit), {verdict.disagree} disagree, "
                                      f"{verdict.sentinel_errors} -1 misplacements"),
         ("npz", f"{out} ({len(recs)} files)"),
         ("wall time", f"{time.monotonic() - t_start:.0f} s"),

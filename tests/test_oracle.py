@@ -1,0 +1,105 @@
+"""The oracle's near-tie rule on constructed router logits (no model): exact agreement, a swap across the k-th
+logit within the tolerance (a near tie, not a failure), and a real disagreement (a failure); then the same rule
+inside Oracle.check on a tiny generated model whose record is edited."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from routing_replay.apps.oracle import NEAR_TIE_ULPS, is_near_tie, logit_ulp, near_tie_gap_ulps
+from routing_replay.protocol import wire
+
+# 8 experts, top-2: the oracle picks experts 3 (2.5) and 5 (1.25); expert 6 is 1.9e-6 below the k-th logit
+LOGITS = np.array([0.1, -0.4, 0.9, 2.5, -1.0, 1.25, 1.25 - 1.9e-6, 0.3], dtype=np.float32)
+
+
+def test_ulps():
+    assert logit_ulp(1.5, "float32") == 2.0 ** -23 and logit_ulp(1.5, "bfloat16") == 2.0 ** -7
+    assert logit_ulp(0.01, "float32", floor=1.0) == 2.0 ** -23          # magnitudes below 1 count as 1
+    assert logit_ulp(-6.0, "bfloat16") == 2.0 ** -5
+    assert NEAR_TIE_ULPS == {"float32": 64, "bfloat16": 4, "float16": 4}
+
+
+def test_exact_agreement_has_gap_zero():
+    assert near_tie_gap_ulps(LOGITS, [3, 5], 2) == 0.0
+    assert near_tie_gap_ulps(LOGITS, [5, 3], 2) == 0.0
+    assert is_near_tie(LOGITS, [3, 5], 2)
+
+
+def test_near_tie_swap_is_within_tolerance():
+    lg = LOGITS.astype(np.float64)
+    gap = (lg[5] - lg[6]) / 2.0 ** -23                               # 16 float32 ulps at magnitude 1..2
+    assert near_tie_gap_ulps(LOGITS, [3, 6], 2) == pytest.approx(gap) and 15 < gap < 17
+    assert is_near_tie(LOGITS, [3, 6], 2, "float32")
+    assert not is_near_tie(LOGITS, [3, 6], 2, "float32", tol_ulps=8)  # the tolerance is what decides
+
+
+def test_real_disagreement_is_not_a_near_tie():
+    gap = near_tie_gap_ulps(LOGITS, [3, 2], 2)                       # expert 2: 0.35 below the k-th logit
+    assert gap == pytest.approx((1.25 - 0.9) / 2.0 ** -23, rel=1e-6)
+    assert not is_near_tie(LOGITS, [3, 2], 2, "float32")
+    assert not is_near_tie(LOGITS, [3, 2], 2, "bfloat16")             # 0.35 = 44.8 bf16 ulps
+    assert is_near_tie(np.array([1.0, 1.0078125, 0.5]), [0], 1, "bfloat16")   # 1 bf16 ulp apart
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    pytest.importorskip("transformers")
+    from routing_replay.apps.oracle import Oracle
+    from routing_replay.apps.vllm_harness import tiny_model
+
+    return Oracle(str(tiny_model("qwen3_moe")))
+
+
+def _record(o, tokens, P):
+    ref = o.routing(tokens)
+    G = len(tokens) - P
+    rows_p, rows_g = ref[:P].copy(), ref[P:].copy()
+    rows_g[-1] = -1                                                  # the last output token is never fed
+    return wire.Record("r", rows_p, rows_g, 0, np.array(o.layer_ids, np.int32), True,
+                       prompt_token_ids=np.array(tokens[:P], np.int32),
+                       output_token_ids=np.array(tokens[P:P + G], np.int32))
+
+
+def test_check_counts_near_ties_apart_and_fails_only_on_the_rest(oracle):
+    tokens = np.random.default_rng(3).integers(0, 256, 24).tolist()
+    rec = _record(oracle, tokens, 16)
+    v = oracle.check(rec)
+    assert v.ok and v.agree == v.rows == 23 * 4 and v.near_ties == [] and v.mismatches == []
+    oracle.routing(tokens)
+    logits = oracle.router_logits()                                  # (T, L, E) of the same sequence
+    K = oracle.top_k
+    # find the (position, layer) whose (k+1)-th expert is closest to the k-th, and the one farthest
+    order = np.argsort(-logits, axis=2, kind="stable")
+    srt = np.take_along_axis(logits, order, axis=2)
+    gaps = (srt[:, :, K - 1] - srt[:, :, K])[:23]
+    (tp, tl), (fp, fl) = np.unravel_index(np.argmin(gaps), gaps.shape), np.unravel_index(np.argmax(gaps), gaps.shape)
+
+    def swap(rec, pos, layer):                                       # replace the k-th expert by the (k+1)-th
+        rows = rec.prompt_routed_experts if pos < 16 else rec.routed_experts
+        r = rows[pos if pos < 16 else pos - 16, layer]
+        r[r == order[pos, layer, K - 1]] = order[pos, layer, K]
+
+    swap(rec, fp, fl)                                                # far from a tie: a real disagreement
+    v = oracle.check(rec)
+    assert not v.ok and v.agree == v.rows - 1 and v.near_ties == [] and v.mismatches[0][:2] == (fp, fl)
+    # the closest swap, with the tolerance set just above its gap: a near tie, counted apart, not a failure
+    gap_ulps = float(gaps[tp, tl]) / float(logit_ulp(srt[tp, tl, K - 1], "float32", floor=1.0))
+    rec = _record(oracle, tokens, 16)
+    swap(rec, tp, tl)
+    saved = oracle.near_tie_ulps
+    try:
+        oracle.near_tie_ulps = gap_ulps * 1.01
+        v = oracle.check(rec)
+        assert v.ok and v.agree == v.rows - 1 and v.mismatches == []
+        assert [t[:2] for t in v.near_ties] == [(tp, tl)] and v.near_ties[0][4] == pytest.approx(gap_ulps, rel=1e-3)
+        oracle.near_tie_ulps = gap_ulps * 0.99                       # just below it: a failure
+        v = oracle.check(rec)
+        assert not v.ok and v.near_ties == [] and v.mismatches[0][:2] == (tp, tl)
+    finally:
+        oracle.near_tie_ulps = saved
+    from routing_replay.apps.oracle import Verdict
+    verdict = Verdict([oracle.check(_record(oracle, tokens, 16)), v])
+    assert not verdict.ok and verdict.near_ties == 0 and verdict.disagree == 1
+    assert "0 near ties (within 64 ulps), 1 disagree" in verdict.summary()
