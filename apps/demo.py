@@ -9,8 +9,8 @@
    blocks on CPU), prompts longer than the chunked-prefill budget, sampled outputs. Rounds with capture off
    (every request opted out) and on alternate; the prefix cache is reset before each round.
 4. Waits for the records of the capture-on rounds, recomputes every routing decision with HF transformers
-   (routing_replay.apps.oracle) and prints a summary. Exit status 1 if the oracle disagrees (beyond near ties, see oracle.py) or a record is missing
-   or incomplete.
+   (routing_replay.apps.oracle) and prints a summary. Exit status 1 if the oracle disagrees (near ties, within
+   the oracle's stated tolerance, are reported apart and do not fail) or a record is missing or incomplete.
 """
 
 from __future__ import annotations
