@@ -38,7 +38,7 @@ class ProducerStats:
     replay_full: int = 0        # episodes where the replay buffer (memory and spill) was full
     broker_epochs: int = 0      # broker incarnations seen
     bad_replies: int = 0
-    dropped_parts: int = 0      # request parts (open/delta part/finish/abort) of an id that cannot travel or was refused
+    dropped_parts: int = 0      # request parts (delta part, finish, abort) of an id that cannot travel or was refused
     encode_errors: int = 0      # messages the thread could not encode (dropped; a delta's positions reported lost)
     refused_by_broker: int = 0  # data messages the broker accepted-and-dropped as undecodable (error refused_seq)
 

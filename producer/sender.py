@@ -91,7 +91,7 @@ class Sender:
         self.thread.start()
         self._ready.wait(timeout_s)
 
-    # ---- socket set-up and teardown ------------------------------------------------------
+    # ---- socket set-up and teardown ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
         sock = mon = None
@@ -128,7 +128,7 @@ class Sender:
                 sock.close(linger=self.cfg.linger_ms if self.failure is None else 0)
             self._replay.close()
 
-    # ---- the socket loop -----------------------------------------------------------------
+    # ---- the socket loop ---------------------------------------------------------------------------------------------
 
     def _loop(self, sock: zmq.Socket, mon: zmq.Socket) -> None:
         """Take steps from the queue into the replay buffer, read replies and connection events, send in seq
@@ -211,7 +211,7 @@ class Sender:
                 self._intake(item)
         return stash
 
-    # ---- intake (encode into the replay buffer) ------------------------------------------
+    # ---- intake (encode into the replay buffer) ----------------------------------------------------------------------
 
     def _intake(self, item: Announce | Step) -> None:
         expect = 0
@@ -306,7 +306,7 @@ class Sender:
         self._late_lost.setdefault(rid, []).append(rng)
         return "reported in its finish"
 
-    # ---- connection ----------------------------------------------------------------------
+    # ---- connection --------------------------------------------------------------------------------------------------
 
     def _send_ctl(self, sock: zmq.Socket, kind: str, now: float) -> bool:
         if kind != "bye":
@@ -368,7 +368,7 @@ class Sender:
             log.info("producer %s: broker at %s answered again after %.1fs of silence: unacked=%d",
                      self.cfg.producer_id, self.cfg.endpoint, a.after_s, len(self._replay))
 
-    # ---- sending, acks, rewinds ----------------------------------------------------------
+    # ---- sending, acks, rewinds --------------------------------------------------------------------------------------
 
     def _pump(self, sock: zmq.Socket, now: float) -> bool:
         """Send what waits, in seq order. True if the socket would block (no connection, or send queue full)."""
@@ -414,7 +414,8 @@ class Sender:
         self.stats.rewinds += 1
         self._last_progress = now
         log.info("producer %s rewind why=%s unacked=%d from_seq=%s replay_MB=%.1f spilled_MB=%.1f",
-                 self.cfg.producer_id, why, len(r), r.first_unacked if len(r) else "-", r.mem_bytes / 1e6, r.spilled_bytes / 1e6)
+                 self.cfg.producer_id, why, len(r), r.first_unacked if len(r) else "-", r.mem_bytes / 1e6,
+                 r.spilled_bytes / 1e6)
 
     def _on_rewind_request(self, ack: wire.ProducerAck, now: float) -> None:
         if ack.hello:
