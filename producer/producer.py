@@ -73,7 +73,7 @@ class Producer:
     `dropped=True` (capture's host ring was full) is counted and reported lost the same way, never waited on.
 
     Security: with `curve_secret` (this producer's NAME.key_secret) and `server_key` (the broker's NAME.key) the
-    connection is CURVE-encrypted and the broker is authenticated (routing_replay/security.py).
+    connection is CURVE-encrypted and the broker is authenticated (protocol/security.py).
 
     Bad input never stops the thread: `open` of an id that cannot travel raises wire.ProtocolError
     ("bad_request_id") to the caller; parts (deltas, finish, abort) of such an id, or of a request whose open
