@@ -171,7 +171,7 @@ class TrainerService:
                 if len(self.waiters) + len(f.request_ids) > MAX_WAITERS:
                     raise wire.ProtocolError("too_many_waiters", f"{len(self.waiters)} ids already waited for, "
                                              f"limit {MAX_WAITERS}")
-                self.fetch(client, f.request_ids, now + f.timeout_ms / 1000, h.body.get("answer_unknown") is True)
+                self.fetch(client, f.request_ids, now + f.timeout_ms / 1000, f.answer_unknown)
             elif h.kind == "hello":
                 prefix = wire.parse_subscribe(h)
                 if prefix is not None:

@@ -536,6 +536,7 @@ class Fetch(NamedTuple):
 
     request_ids: list
     timeout_ms: int
+    answer_unknown: bool = False   # also answer `error{reason: "unknown"}` at once for ids the consumer never saw
 
 
 def parse_fetch(h: Header) -> Fetch:
@@ -544,7 +545,7 @@ def parse_fetch(h: Header) -> Fetch:
         raise _bad("bad_field", f"fetch key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
     for rid in ids:
         check_request_id(rid)
-    return Fetch(ids, int_field(h.body, "timeout_ms", 0, 1 << 31, 60_000))
+    return Fetch(ids, int_field(h.body, "timeout_ms", 0, 1 << 31, 60_000), h.body.get("answer_unknown") is True)
 
 
 def parse_subscribe(h: Header) -> str | None:
