@@ -46,7 +46,7 @@ HAS_CUDA = current_platform.is_cuda()
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not (HAS_CUDA or ON_CPU), reason="needs a CUDA device")]
 
-from routing_replay.apps.oracle import Oracle  # noqa: E402
+from routing_replay.apps.oracle import NEAR_TIE_ULPS, Oracle, logit_ulp  # noqa: E402
 from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
 from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_model, wait_records,  # noqa: E402
                                                 worker_of)
@@ -280,7 +280,8 @@ def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir
 def near_tie_report(model_dir: str, outs, recs) -> dict:
     """Agreement of bf16 records with the bf16 oracle, and how close to a tie the oracle's router was at each
     disagreeing (token, layer) row: gap = k-th minus (k+1)-th largest router logit (the logits are bf16 in both
-    implementations), in ulps of bf16 at the k-th logit's magnitude."""
+    implementations), in ulps of bf16 at max(|k-th logit|, 1): the unit of the oracle's near-tie rule
+    (apps/oracle.py NEAR_TIE_ULPS, logit_ulp), so "near tie" means the same thing here and in the demo."""
     oracle = Oracle(model_dir, dtype="bfloat16")
     logits: dict = {}
 
@@ -313,7 +314,7 @@ def near_tie_report(model_dir: str, outs, recs) -> dict:
                 order = np.argsort(-lg, axis=1, kind="stable")
                 srt = np.take_along_axis(lg, order, axis=1)
                 gap = srt[:, K - 1] - srt[:, K]
-                ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(srt[:, K - 1]), 1e-30))) - 7)
+                ulp = logit_ulp(srt[:, K - 1], "bfloat16", floor=1.0)     # the oracle's near-tie unit
                 same = (np.sort(mine[:, j], axis=1) == np.sort(ref[:, j], axis=1)).all(axis=1)
                 gaps_all.append((gap / ulp)[have])
                 rows += int(have.sum())
@@ -339,6 +340,7 @@ def near_tie_report(model_dir: str, outs, recs) -> dict:
         "disagree_gap_ulps_max": float(g_bad.max()) if len(bad) else None,
         "disagree_exact_tie": frac(g_bad, 0.0), "disagree_gap_le_1ulp": frac(g_bad, 1.0),
         "disagree_gap_le_4ulp": frac(g_bad, 4.0),
+        "disagree_near_tie": frac(g_bad, NEAR_TIE_ULPS["bfloat16"]),
         "disagree_swap_is_kth_vs_k1th": float(np.mean([b["oracle_rank_of_vllm_experts"][-1] == K + 1 and
                                                        b["oracle_rank_of_vllm_experts"][:-1] == list(range(1, K))
                                                        for b in bad])) if bad else None,
@@ -346,7 +348,7 @@ def near_tie_report(model_dir: str, outs, recs) -> dict:
         # state for the next layers, and (through attention) the later tokens'
         "disagree_after_flip_same_token": float(np.mean([b["after_flip_same_token"] for b in bad])) if bad else None,
         "disagree_far_from_tie_without_earlier_flip": sum(
-            1 for b in bad if b["gap_ulps"] > 4 and not (b["after_flip_same_token"] or b["after_flip_earlier_token"])),
+            1 for b in bad if b["gap_ulps"] > NEAR_TIE_ULPS["bfloat16"] and not (b["after_flip_same_token"] or b["after_flip_earlier_token"])),
         "all_rows_gap_ulps_median": float(np.median(g_all)) if len(g_all) else None,
         "all_rows_exact_tie": frac(g_all, 0.0), "all_rows_gap_le_1ulp": frac(g_all, 1.0),
         "all_rows_gap_le_4ulp": frac(g_all, 4.0),
