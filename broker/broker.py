@@ -460,8 +460,7 @@ class Broker(ServiceThread):
         if n <= 100 or n % 1000 == 0:
             log.warning("broker dropped bad data producer=%s epoch=%d seq=%d kind=%s reason=%s dropped_bad=%d: %s",
                         ps.pid[:64], ps.epoch, seq, kind, e.reason, n, str(e)[:200])
-        self._reply(ps.ident, "error", "", {"reason": f"{e.reason}: {e}"[:300], "refused_seq": seq,
-                                             "epoch": ps.epoch})
+        self._reply(ps.ident, "error", "", wire.refusal_body(wire.Refusal(f"{e.reason}: {e}", seq, ps.epoch)))
 
     def _refuse_unknown(self, ident: bytes, pid: str, epoch: int) -> None:
         self.stats.refused_unknown += 1

@@ -23,7 +23,6 @@ from routing_replay.producer.replay import ReplayBuffer
 log = logging.getLogger("routing_replay.producer")
 
 STOP = object()                 # the queue's sentinel: close() puts it after the last item
-_U63 = (1 << 63) - 1
 _MAX_LATE_LOST = 1 << 12        # requests whose losses found in the thread wait for their finish
 
 
@@ -44,23 +43,6 @@ class SenderSettings(NamedTuple):
     replay_max_bytes: int
     spill_max_bytes: int
     max_queue_bytes: int
-
-
-class Refusal(NamedTuple):
-    """broker -> producer `error` {reason, refused_seq, epoch}: the broker dropped that data message of that
-    producer epoch (it could not decode it) and moved its ack frontier past it."""
-
-    reason: str
-    seq: int
-    epoch: int
-
-
-def parse_refusal(h: wire.Header) -> Refusal | None:
-    """The Refusal an `error` carries, None for a plain error (no refused_seq)."""
-    if h.body.get("refused_seq") is None:
-        return None
-    return Refusal(wire.parse_error(h), wire.int_field(h.body, "refused_seq", 1, _U63),
-                   wire.int_field(h.body, "epoch", 0, _U63))
 
 
 class Sender:
@@ -425,7 +407,7 @@ class Sender:
             return                  # what goes out next already starts at or before what the broker expects
         self._rewind("broker_asked", now)
 
-    def _on_refusal(self, r: Refusal) -> None:
+    def _on_refusal(self, r: wire.Refusal) -> None:
         """The broker accepted-and-dropped seq r.seq: flag what it carried (lost positions, a refused request)."""
         self.stats.refused_by_broker += 1
         e = self._replay.get(r.seq)
@@ -475,7 +457,7 @@ class Sender:
                         self._on_rewind_request(ack, now)
                 elif h.kind == "error":
                     self.stats.errors_from_broker += 1
-                    refusal = parse_refusal(h)
+                    refusal = wire.parse_refusal(h)
                     if refusal is None:
                         log.error("producer %s: broker refused a message: %s", self.cfg.producer_id,
                                   wire.parse_error(h))

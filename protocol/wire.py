@@ -531,6 +531,26 @@ def parse_error(h: Header) -> str:
     return str(h.body.get("reason", ""))[:300]
 
 
+class Refusal(NamedTuple):
+    """broker -> producer `error` {reason, refused_seq, epoch}: the broker accepted and dropped that data message
+    of that producer epoch (it can never be valid) and moves its ack frontier past it."""
+
+    reason: str
+    seq: int
+    epoch: int
+
+
+def refusal_body(r: Refusal) -> dict:
+    return {"reason": r.reason[:300], "refused_seq": r.seq, "epoch": r.epoch}
+
+
+def parse_refusal(h: Header) -> Refusal | None:
+    """The Refusal an `error` carries; None for a plain error (no refused_seq)."""
+    if h.body.get("refused_seq") is None:
+        return None
+    return Refusal(parse_error(h), int_field(h.body, "refused_seq", 1, _U63), int_field(h.body, "epoch", 0, _U63))
+
+
 class Fetch(NamedTuple):
     """trainer -> consumer `fetch`: the records of these request ids, waiting up to timeout_ms for unfinished ones."""
 
