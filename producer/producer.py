@@ -158,6 +158,12 @@ class Producer:
     def _failure(self) -> BaseException | None:
         return self._sender.failure
 
+    @property
+    def healthy(self) -> bool:
+        """False once the producer cannot take anything more: its thread failed, or it was closed. A per-request
+        problem (a bad id, a refused message) never makes it unhealthy."""
+        return self._sender.failure is None and not self._closed
+
     # ---- caller side -----------------------------------------------------------------------------------------
 
     def _check(self) -> None:

@@ -291,8 +291,8 @@ class WorkerCapture:
         """Log and count a per-request failure; re-raise it if the producer itself failed (engine-wide)."""
         p = self.producer
         # The producer's own failure (its thread died, e.g. LostHookError from a copied row) or a closed producer
-        # fails every request alike: that stops the engine as before. (Producer has no public health property.)
-        if p is not None and (getattr(p, "_failure", None) is not None or getattr(p, "_closed", False)):
+        # fails every request alike: that stops the engine as before.
+        if p is not None and not p.healthy:
             raise error
         self.stats.skipped += 1
         log.warning("routing-replay: %s of request %s failed, its routing is not captured: %s: %s (skipped=%d)",
