@@ -1,8 +1,10 @@
 """docker-compose.yml, proven without Docker: its services' commands run here as local processes.
 
 Fast checks (no vLLM): the file passes `docker compose config -q` / `docker-compose config -q` when one of them is
-installed; every image is built here or pinned to a tag; every `routing-replay` and trainer command parses with
-the real argument parsers.
+installed; every image is built here or pinned to a tag; every Dockerfile builds the wheel from every package
+folder setup.py finds (and its .dockerignore lets them in), installs only that wheel and checks the console script
+and the imports from / (no source tree in the image to shadow the install); every `routing-replay` and trainer
+command parses with the real argument parsers.
 
 The deployment test reads docker-compose.yml and starts, with the same arguments and environment:
   keys        `sh docker/make-keys.sh` into a temp dir (only with CURVE, see below)
