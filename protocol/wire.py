@@ -15,7 +15,8 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames
                           abort); 0 on the broker's own aborts, on records and on broker/producer control
                           messages; a counter of its own on consumer and trainer-client control messages
                 key       a request id (str of at most MAX_REQUEST_ID_BYTES UTF-8 bytes); a list of request ids
-                          for delta and fetch; the sender's id on control messages; "" or a request id on error
+                          for delta and fetch; the sender's id on control messages; "", a request id or a list of
+                          them on error
                 body      map of kind-specific fields (below); readers ignore fields they do not know
                 link      8th element, broker -> consumer data messages only: [broker_epoch, gen, lseq]
     frame 1.. payload frames, raw little-endian bytes, sent zero-copy above COPY_THRESHOLD
@@ -51,8 +52,12 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                                         yet; expect and hello come only with rewind: true
                 consumer -> broker      {link: [broker_epoch, gen, upto][, gap]} (LinkAck, link_ack_body,
                                         parse_link_ack)
-    error       broker -> producer or consumer, consumer -> trainer: {reason}
-    fetch       trainer -> consumer     key: list of request ids; {timeout_ms = 60000} (Fetch, parse_fetch)
+    error       broker -> producer or consumer, consumer -> trainer: {reason[, refused_seq, epoch]}; refused_seq
+                                        and epoch (together, broker -> producer only): the data message of that
+                                        producer epoch the broker accepted and dropped (Refusal, refusal_body,
+                                        parse_refusal); key: "", a request id, or a list of ids (fetch answers)
+    fetch       trainer -> consumer     key: list of request ids; {timeout_ms = 60000[, answer_unknown = false]}
+                                        (Fetch, parse_fetch)
     record      consumer -> trainer     key: request id (encode_record, decode_record)
                 {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
                  ...], reason, finish_reason, n_prompt_tokens, n_output_tokens}   (token counts -1: not sent)
