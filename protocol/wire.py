@@ -41,7 +41,7 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
 Control kinds, one frame (the header) each; key: the sender's id unless said:
     hello       producer -> broker      {unacked_from = 1}
                 consumer -> broker      {broker = 0}
-                trainer -> consumer     {subscribe: prefix}
+                trainer -> consumer     {[subscribe: prefix]}   without subscribe: no subscription
     heartbeat   producer -> broker      {unacked_from = 1}
                 broker -> producer      {consumers = 0}   the reply to each producer hello/heartbeat; key: the
                                                           producer id
