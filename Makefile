@@ -34,6 +34,9 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	# coverage-guided fuzzing (tests/fuzz/); optional: its test is skipped where no wheel exists
 	-$(BIN)/pip install -q atheris
+	# Megatron-Core's RouterReplay for tests/test_replay_megatron.py (numpy, packaging, torch: all there already;
+	# --no-deps so its resolver never swaps the torch build)
+	$(BIN)/pip install -q --no-deps megatron-core==0.16.1
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
