@@ -1,16 +1,23 @@
 """The main job: vLLM with routing capture on a generated tiny MoE model, records to npz, checked by the oracle.
 
-    routing-replay demo [--out ./out] [--requests 64] [--arch qwen3_moe] [--inprocess]
+    routing-replay demo [--out ./out] [--requests 64] [--group-size 8] [--arch qwen3_moe] [--inprocess]
 
-1. Generates a random-weight MoE checkpoint (routing_replay.apps.models; cached under the temp dir).
+1. Generates a random-weight MoE checkpoint (routing_replay.apps.models, peaked=True: peaked next-token
+   distributions and distinct experts, so that a flipped expert shows in the log-probabilities; cached under
+   the temp dir).
 2. Starts vLLM (`LLM(...)`, vLLM's own process layout unless --inprocess) with ROUTING_REPLAY_BROKER=embedded
    and ROUTING_REPLAY_NPZ_DIR=OUT: broker and consumer run inside the engine, one npz file per request.
-3. Runs a workload of requests that share a few long prefixes (so vLLM's prefix cache hits, in 128-token
-   blocks on CPU), prompts longer than the chunked-prefill budget, sampled outputs. Rounds with capture off
-   (every request opted out) and on alternate; the prefix cache is reset before each round.
+3. Runs a GRPO-like workload: groups of --group-size samples of one prompt, prompts starting with one of a few
+   long shared system prompts (so vLLM's prefix cache hits, in 128-token blocks on CPU), sampled outputs with
+   the sampled token's log-probability (logprobs=0). Rounds with capture off (every request opted out) and on
+   alternate; the prefix cache is reset before each round.
 4. Waits for the records of the capture-on rounds, recomputes every routing decision with HF transformers
    (routing_replay.apps.oracle) and prints a summary. Exit status 1 if the oracle disagrees (near ties, within
    the oracle's stated tolerance, are reported apart and do not fail) or a record is missing or incomplete.
+5. The trainer step (routing_replay.apps.r3): the same checkpoint in HF transformers in bfloat16 (the engine
+   runs float32) computes the generated tokens' log-probabilities with its own routing and with the records
+   replayed, and compares routing and log-probabilities with the engine's. Exit status 1 if replayed routing
+   differs from the records on any recorded row.
 """
 
 from __future__ import annotations
@@ -24,10 +31,15 @@ import time
 from pathlib import Path
 
 
-def _workload(n: int, prefixes: int, prefix_len: int, seed: int) -> list[list[int]]:
+def _workload(n: int, prefixes: int, prefix_len: int, group_size: int, seed: int) -> list[list[int]]:
+    """GRPO-like prompts: groups of `group_size` identical prompts (one question, n samples), each prompt a
+    shared system prompt (one of `prefixes`, round robin over groups) followed by the group's question."""
     rnd = random.Random(seed)
     heads = [[rnd.randrange(256) for _ in range(prefix_len)] for _ in range(prefixes)]
-    return [heads[i % prefixes] + [rnd.randrange(256) for _ in range(rnd.randrange(16, 200))] for i in range(n)]
+    groups = -(-n // group_size)
+    prompts = [heads[g % prefixes] + [rnd.randrange(256) for _ in range(rnd.randrange(16, 200))]
+               for g in range(groups)]
+    return [list(prompts[i // group_size]) for i in range(n)]
 
 
 def _clear(out: Path) -> int:
@@ -44,14 +56,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="./out", help="directory for the npz records (old *.npz there are removed)")
     ap.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3_moe_mixed", "mixtral"])
     ap.add_argument("--requests", type=int, default=64, help="requests per round")
-    ap.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
+    ap.add_argument("--prefixes", type=int, default=4, help="distinct shared system prompts")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
     ap.add_argument("--prefix-len", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="capture off/on pairs")
     ap.add_argument("--inprocess", action="store_true", help="run vLLM's engine in this process")
     a = ap.parse_args(argv)
-    if a.rounds < 1 or a.requests < 1 or a.prefixes < 1 or a.max_tokens < 1:
-        ap.error("--rounds, --requests, --prefixes and --max-tokens must be at least 1")
+    if min(a.rounds, a.requests, a.prefixes, a.max_tokens, a.group_size) < 1:
+        ap.error("--rounds, --requests, --prefixes, --group-size and --max-tokens must be at least 1")
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -61,11 +74,14 @@ def main(argv=None) -> int:
     os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
     os.environ.pop("ROUTING_REPLAY_SERVE", None)
 
-    from routing_replay.apps.vllm_harness import tiny_model
+    import tempfile
+
+    from routing_replay.apps.models import make_tiny_model
 
     t_start = time.monotonic()
-    model = tiny_model(a.arch)
-    print(f"model: {model} ({a.arch}, float32){f'; removed {removed} old files from {out}' if removed else ''}",
+    model = make_tiny_model(Path(tempfile.gettempdir()) / "routing-replay-models" / f"{a.arch}-float32-peaked",
+                            a.arch, peaked=True)
+    print(f"model: {model} ({a.arch}, float32, peaked){f'; removed {removed} old files from {out}' if removed else ''}",
           flush=True)
 
     import vllm
@@ -83,10 +99,10 @@ def main(argv=None) -> int:
     else:
         llm = LLM(**engine_kw)
     block = llm.llm_engine.vllm_config.cache_config.block_size
-    prompts = [{"prompt_token_ids": p} for p in _workload(a.requests, a.prefixes, a.prefix_len, seed=0)]
+    prompts = [{"prompt_token_ids": p} for p in _workload(a.requests, a.prefixes, a.prefix_len, a.group_size, seed=0)]
 
     def round_(capture: bool):
-        sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.8, ignore_eos=True,
+        sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.8, ignore_eos=True, logprobs=0,
                             extra_args={"return_routed_experts": capture})
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
@@ -130,21 +146,27 @@ def main(argv=None) -> int:
                          if r.output_token_ids is None
                          or r.output_token_ids.tolist() != list(by_id[r.request_id].outputs[0].token_ids)
                          or r.num_cached_tokens != by_id[r.request_id].num_cached_tokens]
+    from routing_replay.apps.r3 import engine_logprobs, load_trainer, measure
+
+    trainable = [r for r in records if r.complete and r.request_id not in mismatched_tokens]
+    r3 = measure(load_trainer(model, "bfloat16"), trainable,
+                 {i: engine_logprobs(o) for i, o in by_id.items()}) if trainable else None
     complete = sum(r.complete for r in records)
     prompt_rows = sum(r.prompt_routed_experts.shape[0] for r in records)
     cached_rows = sum(r.num_cached_tokens for r in records)
     output_rows = sum(r.routed_experts.shape[0] for r in records)
     off_tok = statistics.median(t for t, _ in off)
     on_tok = statistics.median(t for t, _ in on)
-    ok = verdict.ok and not missing_err and complete == len(ids) and not mismatched_tokens
+    r3_ok = r3 is not None and r3.replay_exact
+    ok = verdict.ok and not missing_err and complete == len(ids) and not mismatched_tokens and r3_ok
 
     shape = f"{records[0].prompt_routed_experts.shape[1]} MoE layers, top-{records[0].prompt_routed_experts.shape[2]}" \
         if records else "no records"
     rows = [
         ("vLLM", f"{vllm.__version__}, {'in-process' if a.inprocess else 'multi-process'} engine, "
                  f"{a.arch} float32 ({shape})"),
-        ("requests captured", f"{len(ids)} ({a.rounds} rounds x {a.requests}; {a.prefixes} shared prefixes of "
-                              f"{a.prefix_len} tokens)"),
+        ("requests captured", f"{len(ids)} ({a.rounds} rounds x {a.requests}; groups of {a.group_size} samples "
+                              f"per prompt; {a.prefixes} shared system prompts of {a.prefix_len} tokens)"),
         ("records", f"{len(records)} written, {complete} complete"),
         ("tokens", f"{prompt_rows:,} prompt + {output_rows:,} output"),
         ("prefix-cached rows", f"{cached_rows:,} of {prompt_rows:,} prompt rows are -1 "
@@ -156,6 +178,7 @@ def main(argv=None) -> int:
                                      f"{verdict.near_ties} near ties (within {NEAR_TIE_ULPS[verdict.dtype]} ulps of "
                                      f"the k-th router logit), {verdict.disagree} disagree, "
                                      f"{verdict.sentinel_errors} -1 misplacements"),
+        *(r3.rows() if r3 is not None else []),
         ("npz", f"{out} ({len(recs)} files)"),
         ("wall time", f"{time.monotonic() - t_start:.0f} s"),
     ]
@@ -169,6 +192,9 @@ def main(argv=None) -> int:
         print(f"\nFAIL: records whose tokens or cached count differ from vLLM's outputs: {mismatched_tokens[:5]}")
     if not verdict.ok:
         print("\n" + verdict.summary())
+    if not r3_ok:
+        print("\nFAIL: replayed routing differs from the records on "
+              f"{r3.replay.rows - r3.replay.same if r3 else 'all'} recorded rows")
     print(f"\n{'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 

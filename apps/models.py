@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 ARCHS = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
+PEAKED_LM_HEAD_STD = 0.4        # make_tiny_model(peaked=True): see its docstring
+PEAKED_EXPERT_STD = 0.1
 
 
 def _tokenizer(out: Path) -> int:
@@ -67,11 +69,19 @@ def moe_layer_ids(cfg) -> list[int]:
 
 def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed: int = 0, num_layers: int = 4,
                     num_experts: int = 8, top_k: int = 2, hidden_size: int = 128, router_std: float = 1.0,
-                    dtype: str = "float32") -> Path:
+                    dtype: str = "float32", peaked: bool = False) -> Path:
     """Write a random-weight checkpoint to out_dir (idempotent for the same arguments) and return the path.
 
     Router weights get a larger std than the rest so that top-k choices are rarely near-tied: the oracle
     comparison against vLLM is then exact in float32.
+
+    peaked=True (the R3 measurement's model, routing_replay.apps.r3): with every weight at std 0.05 the
+    next-token logits are nearly uniform (std about 0.6 over 512 tokens), so a flipped expert hardly moves a
+    token's log-probability. Here the lm_head gets std PEAKED_LM_HEAD_STD (logits std about 4.5: peaked
+    next-token distributions) and the expert weights std PEAKED_EXPERT_STD (each expert's output dominates the
+    residual stream, so experts are distinct and a different expert set gives a different distribution).
+    The same seed draws the same numbers; only those two scales differ. peaked=False leaves the model exactly
+    as before (same weights, same marker file).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -79,6 +89,8 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed
     out = Path(out_dir)
     stamp = dict(arch=arch, seed=seed, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
                  hidden_size=hidden_size, router_std=router_std, dtype=dtype)
+    if peaked:
+        stamp["peaked"] = True
     marker = out / "routing_replay_model.json"
     if marker.exists() and json.loads(marker.read_text()) == stamp:
         return out
@@ -94,6 +106,10 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed
                 continue
             if name.endswith("gate.weight") and p.shape[0] == num_experts:
                 p.normal_(0.0, router_std)
+            elif peaked and name == "lm_head.weight":
+                p.normal_(0.0, PEAKED_LM_HEAD_STD)
+            elif peaked and ".experts." in name:
+                p.normal_(0.0, PEAKED_EXPERT_STD)
             else:
                 p.normal_(0.0, 0.05)
     model = model.to(getattr(torch, dtype))
@@ -112,9 +128,10 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--peaked", action="store_true", help="peaked next-token logits and distinct experts (R3)")
     a = ap.parse_args(argv)
     p = make_tiny_model(a.out_dir, a.arch, seed=a.seed, num_layers=a.num_layers, num_experts=a.num_experts,
-                        top_k=a.top_k, hidden_size=a.hidden_size, dtype=a.dtype)
+                        top_k=a.top_k, hidden_size=a.hidden_size, dtype=a.dtype, peaked=a.peaked)
     print(p)
     return 0
 
