@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from routing_replay.replay import packed, padded
-from routing_replay.replay.megatron import megatron_replay_data
+from routing_replay.replay.megatron import MicroBatchReplay, check_megatron_config, megatron_replay_data
 from tests.test_replay_tensors import K, L, record
 
 
@@ -58,5 +58,108 @@ def test_megatron_router_replay_takes_the_list():
         for m, r in enumerate(routers):
             probs, idx = r.get_replay_topk(scores, K)
             assert torch.equal(idx, data[m]) and torch.equal(probs, scores.gather(1, data[m]))
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+
+
+def test_filled_rows_are_distinct_and_repeated_ids_refused():
+    t = padded([record("a", 3, 2), record("b", 2, 2)])
+    data = megatron_replay_data(t)
+    E = int(max(d.max() for d in data)) + 1
+    for d in data:                                        # the dispatcher's routing map: exactly K per token
+        routing_map = torch.zeros(d.shape[0], E, dtype=torch.int32).scatter(1, d, 1).bool()
+        assert routing_map.sum(1).tolist() == [K] * d.shape[0]
+    bad = record("d", 3, 2)
+    bad.prompt_routed_experts[1, 2] = 7                   # token 1, MoE layer 2: [7, 7]
+    with pytest.raises(ValueError, match=r"1 \(token, layer\) rows repeat an expert id, first Megatron token 1 "
+                                         r"layer 2: \[7, 7\]"):
+        megatron_replay_data(packed([bad]))
+
+
+def test_check_megatron_config_refuses_each_silent_skip():
+    tc = pytest.importorskip("megatron.core.transformer.transformer_config")
+    base = dict(num_layers=2, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2)
+    check_megatron_config(tc.TransformerConfig(**base, moe_enable_routing_replay=True))
+    with pytest.raises(ValueError, match=r"^routing replay cannot run on this TransformerConfig: "
+                                         r"moe_enable_routing_replay=False: the routers own no RouterReplay$"):
+        check_megatron_config(tc.TransformerConfig(**base))
+    cfg = tc.TransformerConfig(**base, moe_enable_routing_replay=True)
+    cfg.moe_router_fusion, cfg.moe_router_load_balancing_type, cfg.moe_expert_capacity_factor = True, "sinkhorn", 1.5
+    with pytest.raises(ValueError, match=r"moe_router_fusion=True: the fused top-k never calls RouterReplay \(replay "
+                                         r"silently skipped\); moe_router_load_balancing_type='sinkhorn': sinkhorn "
+                                         r"routing never calls RouterReplay; moe_expert_capacity_factor=1.5: token "
+                                         r"dropping discards replayed routes$"):
+        check_megatron_config(cfg)
+
+
+def _one_f_one_b(replay, routers, scores, recomputed, naive=None):
+    """Megatron's 1F1B order for 3 micro-batches (F0 F1 B0 F2 B1 B2); each router call is get_replay_topk, a
+    backward recomputes the routers in `recomputed`. Returns {(phase, mb, router): ids}."""
+    seen = {}
+
+    def fwd(i):
+        if naive is not None:                             # set_replay_data + REPLAY_FORWARD, never switched
+            naive(i)
+            for m, r in enumerate(routers):
+                seen["F", i, m] = r.get_replay_topk(scores, K)[1]
+            return
+        with replay.forward():
+            for m, r in enumerate(routers):
+                seen["F", i, m] = r.get_replay_topk(scores, K)[1]
+
+    def bwd(i):
+        for m in recomputed:
+            seen["B", i, m] = routers[m].get_replay_topk(scores, K)[1]
+
+    for step in (lambda: fwd(0), lambda: fwd(1), lambda: bwd(0), lambda: fwd(2), lambda: bwd(1), lambda: bwd(2)):
+        step()
+    return seen
+
+
+def test_micro_batch_replay_keeps_forward_and_recompute_aligned_under_1f1b():
+    rr = pytest.importorskip("megatron.core.transformer.moe.router_replay")
+    RouterReplay, Action = rr.RouterReplay, rr.RouterReplayAction
+    RouterReplay.clear_global_router_replay_instances()
+    try:
+        routers = [RouterReplay() for _ in range(L)]
+        mbs = [megatron_replay_data(packed([record(f"m{i}", 2 + i, 2)])) for i in range(3)]
+        scores = torch.rand(6, 1000, generator=torch.Generator().manual_seed(0))
+        mbs = [[d[:4] for d in mb] for mb in mbs]        # 4 tokens each, so one score tensor serves all
+        assert not torch.equal(mbs[0][0], mbs[1][0])
+
+        replay = MicroBatchReplay(routers, Action, mbs)
+        seen = _one_f_one_b(replay, routers, scores[:4], recomputed=[0, 2])   # router 1 not recomputed
+        for (phase, i, m), ids in seen.items():
+            assert torch.equal(ids, mbs[i][m]), (phase, i, m)
+        assert len(seen) == 9 + 6
+        assert replay.finish() == [0, 3, 0]
+        assert all(r.replay_backward_list == [] and r.router_replay_action is None for r in routers)
+
+        def naive(i):
+            RouterReplay.set_replay_data(mbs[i])
+            RouterReplay.set_global_router_replay_action(Action.REPLAY_FORWARD)
+        seen = _one_f_one_b(None, routers, scores[:4], recomputed=[0], naive=naive)
+        assert torch.equal(seen["B", 0, 0], mbs[1][0])   # the trap: micro-batch 0 recomputed with 1's ids
+        RouterReplay.clear_global_indices()
+
+        for r in routers:                                 # a forward-only pass left its entries
+            r.set_target_indices(mbs[0][0])
+        with pytest.raises(ValueError, match=r"routers hold \[1, 1, 1\] replay_backward_list entries from an "
+                                             r"earlier pass"):
+            MicroBatchReplay(routers, Action, mbs)
+        RouterReplay.clear_global_indices()
+
+        replay = MicroBatchReplay(routers, Action, mbs)
+        with pytest.raises(ValueError, match=r"forward of micro-batch 1, expected 0 of 3"):
+            with replay.forward(1):
+                pass
+        for i in range(3):
+            with replay.forward():
+                pass
+        routers[0].replay_backward_list.pop(0)            # recomputed for one micro-batch only
+        with pytest.raises(ValueError, match=r"routers \[0\] have \[2\] of 3 backward entries left"):
+            replay.finish()
+        with pytest.raises(ValueError, match=r"micro-batch 0 has 2 layers of replay data, 3 routers"):
+            MicroBatchReplay(routers, Action, [mbs[0][:2]])
     finally:
         RouterReplay.clear_global_router_replay_instances()
