@@ -14,10 +14,11 @@
 4. Waits for the records of the capture-on rounds, recomputes every routing decision with HF transformers
    (routing_replay.apps.oracle) and prints a summary. Exit status 1 if the oracle disagrees (near ties, within
    the oracle's stated tolerance, are reported apart and do not fail) or a record is missing or incomplete.
-5. The trainer step (routing_replay.apps.r3): the same checkpoint in HF transformers in bfloat16 (the engine
-   runs float32) computes the generated tokens' log-probabilities with its own routing and with the records
-   replayed, and compares routing and log-probabilities with the engine's. Exit status 1 if replayed routing
-   differs from the records on any recorded row.
+5. The trainer step (routing_replay.apps.r3), on the last capture-on round (one rollout batch): the same
+   checkpoint in HF transformers in bfloat16 (the engine runs float32) computes the generated tokens'
+   log-probabilities with its own routing and with the records replayed, and compares routing and
+   log-probabilities with the engine's. Exit status 1 if replayed routing differs from the records on any
+   recorded row.
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ def main(argv=None) -> int:
                          or r.num_cached_tokens != by_id[r.request_id].num_cached_tokens]
     from routing_replay.apps.r3 import engine_logprobs, load_trainer, measure
 
-    trainable = [r for r in records if r.complete and r.request_id not in mismatched_tokens]
+    last_round = {o.request_id for o in captured[-a.requests:]}     # one rollout batch for one trainer step
+    trainable = [r for r in records if r.complete and r.request_id not in mismatched_tokens
+                 and r.request_id in last_round]
     r3 = measure(load_trainer(model, "bfloat16"), trainable,
                  {i: engine_logprobs(o) for i, o in by_id.items()}) if trainable else None
     complete = sum(r.complete for r in records)
