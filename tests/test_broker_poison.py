@@ -104,7 +104,7 @@ def test_a_message_that_can_never_be_valid_is_acked_past_and_named(pipeline, poi
     assert set(body) == {"reason", "refused_seq", "epoch"}
     assert (body["refused_seq"], body["epoch"]) == (4, EPOCH)
     assert body["reason"].startswith(f"{reason}: ") and len(body["reason"]) <= 300
-    assert wire.parse_error(errors[0]) == body["reason"]
+    assert wire.parse_refusal(errors[0]) == wire.Refusal(body["reason"], 4, EPOCH)
     assert all(not a.body.get("rewind") for a in acks), [a.body for a in acks]
     assert acks[-1].body == {"epoch": EPOCH, "upto": last}
     wait_until(lambda: "A" in got and "B" in got, 10, "records A and B")
