@@ -122,8 +122,8 @@ def consumer_proc(back, q, latency):
     state = {"records": 0, "last": None, "held_peak": 0}
 
     class C(Consumer):
-        def _on_broker_message(self, frames, now, server):
-            super()._on_broker_message(frames, now, server)
+        def _on_broker_message(self, frames, now):
+            super()._on_broker_message(frames, now)
             if latency:
                 h = msgpack.unpackb(frames[0].buffer)
                 if h[1] == "delta":
