@@ -34,7 +34,7 @@ from typing import NamedTuple
 import zmq
 
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
-from routing_replay.broker.ownership import OpenMsg, Ownership, rendezvous as _hrw  # noqa: F401 (tests use _hrw)
+from routing_replay.broker.ownership import OpenMsg, Ownership
 from routing_replay.broker.split import split_delta
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded

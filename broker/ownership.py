@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from typing import Any, Hashable, NamedTuple
 
-import msgpack
+from routing_replay.protocol import wire
 
 
 def rendezvous(rid: bytes, consumers: list[bytes]) -> bytes:
@@ -34,9 +34,8 @@ class OpenMsg(NamedTuple):
 
     def reassigned_head(self) -> bytes:
         """The header with `reassigned: true` added to its body (the new owner flags what it missed)."""
-        h = msgpack.unpackb(self.head, raw=False)
-        h[6] = dict(h[6], reassigned=True)
-        return msgpack.packb(h[:7], use_bin_type=True)
+        h = wire.decode_header(self.head)
+        return wire.pack_header(h.kind, h.producer, h.epoch, h.seq, h.key, dict(h.body, reassigned=True))
 
 
 class Owner(NamedTuple):

@@ -5,7 +5,7 @@ import pytest
 import zmq
 
 from routing_replay.broker import Broker
-from routing_replay.broker.broker import _hrw
+from routing_replay.broker.ownership import rendezvous as _hrw
 from routing_replay.protocol import wire
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from routing_replay.broker.broker import _hrw
+from routing_replay.broker.ownership import rendezvous as _hrw
 from routing_replay.consumer import TrainerClient, load_records
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from routing_replay.broker import Broker
-from routing_replay.broker.broker import _hrw
+from routing_replay.broker.ownership import rendezvous as _hrw
 from routing_replay.consumer import Consumer, TrainerClient, load_records
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire
