@@ -316,37 +316,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("consume", help="accumulate records from a broker; write npz and/or serve trainers",
                        description="Connects to a broker's backend. With --npz-dir, writes one <request id>.npz per "
                        "finished request (or shards). With --serve, trainers fetch and subscribe there.")
-    p.add_argument("--connect", default=DEFAULT_BACKEND, help=f"broker backend endpoint ({DEFAULT_BACKEND})")
-    p.add_argument("--npz-dir", help="write records here")
-    p.add_argument("--shard-size", type=int, default=0, help="N records per shard file with index.jsonl (0: one file "
+    p.add_argument("--connect", type=CONNECT, default=DEFAULT_BACKEND, help=f"broker backend endpoint ({DEFAULT_BACKEND})")
+    p.add_argument("--npz-dir", type=directory_arg, help="write records here")
+    p.add_argument("--shard-size", type=NON_NEGATIVE, default=0, help="N records per shard file with index.jsonl (0: one file "
                    "per request)")
-    p.add_argument("--serve", help=f"bind the trainer endpoint here (e.g. {DEFAULT_SERVE})")
+    p.add_argument("--serve", type=BIND, help=f"bind the trainer endpoint here (e.g. {DEFAULT_SERVE})")
     p.add_argument("--consumer-id", help="stable id (default: consumer:<host>:<pid>:<random>)")
-    p.add_argument("--store-mb", type=int, default=2048, help="records kept for fetch, in memory (MiB)")
-    p.add_argument("--spill-dir", help="beyond --store-mb, spill records here instead of evicting them")
-    p.add_argument("--finish-grace-ms", type=int, default=500, help="wait this long for late rows after a finish")
-    p.add_argument("--request-timeout-s", type=float, default=600.0, help="emit silent requests as incomplete")
+    p.add_argument("--store-mb", type=NON_NEGATIVE, default=2048, help="records kept for fetch, in memory (MiB)")
+    p.add_argument("--spill-dir", type=directory_arg, help="beyond --store-mb, spill records here instead of evicting them")
+    p.add_argument("--finish-grace-ms", type=NON_NEGATIVE, default=500, help="wait this long for late rows after a finish")
+    p.add_argument("--request-timeout-s", type=float_above(0), default=600.0, help="emit silent requests as incomplete")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--ack-interval-ms", type=int, default=20, help="ack applied messages to the broker this often")
-    p.add_argument("--remember-finished", type=int, default=100_000, metavar="N",
+    p.add_argument("--ack-interval-ms", type=POSITIVE, default=20, help="ack applied messages to the broker this often")
+    p.add_argument("--remember-finished", type=NON_NEGATIVE, default=100_000, metavar="N",
                    help="finished request ids remembered, so a resent message for one is recognised as late "
-                        "(about 0.3 KB each)")
-    p.add_argument("--fetched-retention-s", type=float, default=600.0, metavar="S",
+                        "(memory per id: docs/RELIABILITY.md)")
+    p.add_argument("--fetched-retention-s", type=float_above(-1e-9), default=600.0, metavar="S",
                    help="keep records a trainer fetched this long, so a fetch can be repeated (0: not kept; records "
                         "in --npz-dir are served again from disk regardless)")
-    p.add_argument("--fetched-retention-mb", type=int, default=256, metavar="MIB",
+    p.add_argument("--fetched-retention-mb", type=NON_NEGATIVE, default=256, metavar="MIB",
                    help="memory bound of the fetched records kept (MiB)")
-    p.add_argument("--write-retry-max-s", type=float, default=2.0, metavar="S",
+    p.add_argument("--write-retry-max-s", type=float_above(0), default=2.0, metavar="S",
                    help="longest wait between retries of npz writes that failed (the wait doubles up to this)")
     p.add_argument("--broker-key", metavar="FILE", help="the broker's public cert (NAME.key), with --curve-secret")
     curve_server(p, "trainers on --serve")
     common(p)
     p.set_defaults(fn=cmd_consume)
-    # Validation of the consume flags with the shared types (the consume subparser above is the consumer's).
-    retype(p, connect=CONNECT, serve=BIND, npz_dir=directory_arg, spill_dir=directory_arg, shard_size=NON_NEGATIVE,
-           store_mb=NON_NEGATIVE, finish_grace_ms=NON_NEGATIVE, request_timeout_s=float_above(0),
-           ack_interval_ms=POSITIVE, remember_finished=NON_NEGATIVE, fetched_retention_s=float_above(-1e-9),
-           fetched_retention_mb=NON_NEGATIVE, write_retry_max_s=float_above(0))
 
     p = sub.add_parser("subscribe", help="print live records from consumers' trainer endpoints")
     p.add_argument("--connect", type=CONNECT, nargs="+", default=[DEFAULT_SERVE], help="consumer --serve endpoints")
