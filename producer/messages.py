@@ -95,7 +95,7 @@ def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry)
     finally:
         if release is not None:
             release()
-    parts = Parts("delta", tuple(ids), tuple(int(s) for s in starts), tuple(int(c) for c in counts))
+    parts = Parts("delta", ids, starts, counts)        # references: read only when the broker refuses the message
     return Encoded(parts, [head, payload], len(payload))
 
 

@@ -104,9 +104,9 @@ class Parts(NamedTuple):
     """What one data message carries, kept beside its frames so a refusal of it can be answered for."""
 
     kind: str                 # open, delta, finish, abort
-    request_ids: tuple        # one per request part (one for open/finish/abort)
-    starts: tuple = ()        # delta: first position of each request's rows
-    counts: tuple = ()        # delta: rows of each request
+    request_ids: Sequence     # one per request part (one for open/finish/abort)
+    starts: Sequence = ()     # delta: first position of each request's rows
+    counts: Sequence = ()     # delta: rows of each request
 
 
 class Entry:

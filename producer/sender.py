@@ -417,9 +417,10 @@ class Sender:
             return
         p = e.parts
         if p.kind == "delta":
-            done = [self._note_lost(rid, [s, s + c], e.seq) for rid, s, c in zip(p.request_ids, p.starts, p.counts)]
+            done = [self._note_lost(rid, [int(s), int(s) + int(c)], e.seq)
+                    for rid, s, c in zip(p.request_ids, p.starts, p.counts)]
             log.warning("producer %s: broker refused seq=%d kind=delta requests=%d rows=%d (%s): %s",
-                        self.cfg.producer_id, r.seq, len(p.request_ids), sum(p.counts),
+                        self.cfg.producer_id, r.seq, len(p.request_ids), int(sum(p.counts)),
                         ", ".join(sorted(set(done))) or "nothing to report", r.reason)
         elif p.kind == "open":
             self._book.refuse(p.request_ids[0])

@@ -2,16 +2,55 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 BIN = [sys.executable, "-m", "routing_replay.apps.cli"]
+
+
+class UnixHTTP(http.client.HTTPConnection):
+    """HTTP over a unix socket (the OpenAI server started with --uds): no tcp port to pick or collide on."""
+
+    def __init__(self, path: str, timeout: float = 60):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def http_json(uds: str, method: str, path: str, body=None, headers=None):
+    """One request with a JSON body to the server at unix socket `uds`: (status, response bytes)."""
+    c = UnixHTTP(uds)
+    try:
+        c.request(method, path, body=json.dumps(body) if body is not None else None,
+                  headers={"Content-Type": "application/json", **(headers or {})})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def stop_popen(p: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, wait up to `timeout` s, then SIGKILL."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
 
 
 _LIVE: list = []          # every Proc started, so tests/conftest.py can reap what a failing test left behind

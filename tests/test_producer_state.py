@@ -175,7 +175,7 @@ def test_encode_step_cuts_refused_parts_after_the_deferred_result():
     assert (h.kind, h.producer, h.epoch, h.seq, h.key) == ("delta", "p", 7, 4, ["a", "c"])
     assert d.starts.tolist() == [0, 9] and d.counts.tolist() == [2, 1]
     assert bytes(enc.frames[1]) == np.concatenate([data[0:2], data[5:6]]).tobytes() and enc.payload == 24
-    assert enc.parts == Parts("delta", ("a", "c"), (0, 9), (2, 1)) and Deferred.released == 1
+    assert enc.parts == Parts("delta", ["a", "c"], [0, 9], [2, 1]) and Deferred.released == 1
 
 
 def test_encode_step_releases_the_slot_when_the_result_fails():

@@ -14,12 +14,9 @@ Every record is checked against the HF transformers oracle (float32, exact top-k
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,7 +34,7 @@ from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_mode
 from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
 from routing_replay.protocol.ids import record_key_for  # noqa: E402
 from routing_replay.protocol.wire import request_id_problem  # noqa: E402
-from tests.procs import start_broker, start_consumer, stop_all  # noqa: E402
+from tests.procs import http_json, start_broker, start_consumer, stop_all, stop_popen  # noqa: E402
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS")
 BAD_IDS = ["\udcff-x", "a" * 1100, "€" * 400]
@@ -138,38 +135,6 @@ def test_offline_bad_ids_in_one_batch_with_normal_ones(offline):
 
 # ---- the OpenAI server, embedded pipeline ----------------------------------------------------------------------
 
-class _UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 60):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
-
-
-def _http(uds: str, method: str, path: str, body=None, headers=None):
-    c = _UnixHTTP(uds)
-    try:
-        c.request(method, path, body=json.dumps(body) if body is not None else None,
-                  headers={"Content-Type": "application/json", **(headers or {})})
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
-
-def _stop(p: subprocess.Popen, timeout: float = 60) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
@@ -188,7 +153,7 @@ def server(tmp_path_factory):
             if srv.poll() is not None:
                 raise RuntimeError(f"the OpenAI server exited with {srv.returncode}; see {logf}")
             try:
-                if _http(uds, "GET", "/health")[0] == 200:
+                if http_json(uds, "GET", "/health")[0] == 200:
                     break
             except OSError:
                 pass
@@ -197,14 +162,14 @@ def server(tmp_path_factory):
             time.sleep(0.5)
         yield uds, npz, model, srv, logf
     finally:
-        _stop(srv)
+        stop_popen(srv, 60)
         log.close()
 
 
 def _complete(uds, prompt, headers=None, **kw):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 9, "temperature": 0, "return_token_ids": True,
             "ignore_eos": True, **kw}
-    status, data = _http(uds, "POST", "/v1/completions", body, headers)
+    status, data = http_json(uds, "POST", "/v1/completions", body, headers)
     assert status == 200, data[:500]
     return json.loads(data)
 
@@ -215,12 +180,12 @@ def test_server_long_header_id_and_long_utf8_body_id(server):
     p1, p2, p3 = list(range(10, 40)), list(range(50, 95)), list(range(100, 125))
     one = _complete(uds, p1, headers={"X-Request-Id": header_id})
     assert one["id"] == f"cmpl-{header_id}"
-    assert _http(uds, "GET", "/health")[0] == 200
+    assert http_json(uds, "GET", "/health")[0] == 200
     two = _complete(uds, p2, request_id=body_id)
     assert two["id"] == f"cmpl-{body_id}"
-    assert _http(uds, "GET", "/health")[0] == 200
+    assert http_json(uds, "GET", "/health")[0] == 200
     three = _complete(uds, p3)
-    assert _http(uds, "GET", "/health")[0] == 200 and srv.poll() is None
+    assert http_json(uds, "GET", "/health")[0] == 200 and srv.poll() is None
     # completions name their engine request f"{response id}-{prompt index}" (keys.py)
     want = {record_key(f"{r['id']}-0"): (p, r["choices"][0]["token_ids"])
             for r, p in ((one, p1), (two, p2), (three, p3))}

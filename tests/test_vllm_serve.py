@@ -8,10 +8,8 @@ checked against the HF oracle."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,40 +23,9 @@ pytest.importorskip("vllm")
 
 from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.apps.vllm_harness import tiny_model, wait_records  # noqa: E402
+from tests.procs import http_json, stop_popen  # noqa: E402
 
 STARTUP_S = 300
-
-
-class _UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 60):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
-
-
-def _http(uds: str, method: str, path: str, body=None):
-    c = _UnixHTTP(uds)
-    try:
-        c.request(method, path, body=json.dumps(body) if body is not None else None,
-                  headers={"Content-Type": "application/json"})
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
-
-def _stop(p: subprocess.Popen, timeout: float = 30) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +68,7 @@ def server(tmp_path_factory):
             if srv.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {srv.returncode}; see {d / 'log.txt'}")
             try:
-                if _http(uds, "GET", "/health")[0] == 200:
+                if http_json(uds, "GET", "/health")[0] == 200:
                     break
             except OSError:
                 pass
@@ -111,7 +78,7 @@ def server(tmp_path_factory):
         yield uds, npz, model
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_popen(p)
         log.close()
 
 
@@ -124,7 +91,7 @@ def _free_port() -> int:
 def _complete(uds, prompt, **kw):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True,
             "ignore_eos": True, **kw}
-    status, data = _http(uds, "POST", "/v1/completions", body)
+    status, data = http_json(uds, "POST", "/v1/completions", body)
     assert status == 200, data[:500]
     return json.loads(data)
 
