@@ -4,8 +4,9 @@ For each record, the token sequence prompt + output is run through the transform
 model (one full forward, no KV cache); a forward hook on every MoE router collects its top-k expert ids. The
 record agrees when, for every (token, MoE layer) row it carries, the SET of its top-k ids equals the oracle's
 (order within a row is an implementation detail), and when -1 appears exactly where no routing was computed:
-the prefix-cached prompt positions [0, num_cached_tokens) and the last output token (never fed to the model),
-plus, for an incomplete record, its declared `missing` ranges.
+the prefix-cached prompt positions [0, num_cached_tokens) (unless the record's num_prefix_filled says they were
+filled from the engine's prefix store: then they are compared like any row) and the last output token (never
+fed to the model), plus, for an incomplete record, its declared `missing` ranges.
 
 Near ties. Two implementations of the same model round differently (fused kernels vs eager transformers; a float32
 router logit of the CPU engine was seen 1.9e-6 away from the oracle's), so where two experts' router logits are
@@ -215,7 +216,8 @@ class Oracle:
             return v
         rows = np.concatenate([rec.prompt_routed_experts, rec.routed_experts], axis=0)
         expect_none = np.zeros(P + G, dtype=bool)
-        expect_none[:rec.num_cached_tokens] = True
+        if not getattr(rec, "num_prefix_filled", 0):      # fill mode: prefix-cached rows carry routing too
+            expect_none[:rec.num_cached_tokens] = True
         if G:
             expect_none[P + G - 1] = True
         allowed_none = expect_none.copy()

@@ -147,6 +147,11 @@ class AsyncCopier:
     def in_flight_rows(self) -> int:
         return self._ring.used_rows
 
+    @property
+    def free_rows(self) -> int:
+        """Ring rows free now (finished copies that were released are reclaimed first)."""
+        return self._ring.free_rows
+
     def _runs(self, segments) -> tuple[np.ndarray | list, int]:
         """Validate segments and merge adjacent ones: returns ([start, end) runs in output order, total rows)."""
         T = self.cache.max_tokens
@@ -189,25 +194,65 @@ class AsyncCopier:
         copies nothing) when the segments hold no rows, a PendingRows with dropped=True when the ring is full.
         """
         runs, n = self._runs(segments)
+        got = self._take(n)
+        if not isinstance(got, tuple):
+            return got
+        lo, handle = got
+        dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
+        self._snapshot(runs, dst, lo, n)
+        return self._send(lo, n, handle)
+
+    def submit_gather(self, source: torch.Tensor, index, *, may_drop: bool = True) -> PendingRows | None:
+        """Start copying rows `index` ((n,) integers, in output order) of `source`, an (S, L, K) int16 tensor on
+        the cache's device (the prefix store), exactly like submit() copies a step's rows: one index_select into
+        the staging ring on the current stream, then the asynchronous copy to the host ring. Returns None for no
+        rows, a PendingRows with dropped=True when the ring is full (may_drop=False: None then too, nothing
+        counted, so the caller can try again later)."""
+        L, K = self.cache.num_layers, self.cache.top_k
+        if source.dim() != 3 or tuple(source.shape[1:]) != (L, K) or source.dtype != torch.int16 \
+                or source.device != self.cache.device:
+            raise ValueError(f"gather source {tuple(source.shape)} {source.dtype} on {source.device}; expected "
+                             f"(S, {L}, {K}) int16 on {self.cache.device}")
+        idx_np = np.asarray(index, dtype=np.int64).reshape(-1)
+        n = len(idx_np)
+        if n and (int(idx_np.min()) < 0 or int(idx_np.max()) >= source.shape[0]):
+            raise ValueError(f"gather index outside [0, {source.shape[0]}): {int(idx_np.min())}..{int(idx_np.max())}")
+        got = self._take(n, may_drop)
+        if not isinstance(got, tuple):
+            return got
+        lo, handle = got
+        self._idx_np[lo:lo + n] = idx_np
+        index_t = self._idx_dev[lo:lo + n]
+        if self._cuda:
+            index_t.copy_(self._idx_host[lo:lo + n], non_blocking=True)
+        dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
+        torch.index_select(source, 0, index_t, out=dst)
+        return self._send(lo, n, handle)
+
+    def _take(self, n: int, may_drop: bool = True):
+        """Ring rows for n rows: (lo, handle), or what submit returns instead (None, or a dropped PendingRows)."""
         if n == 0:
             self.stats.skipped_steps += 1
             return None
         if n > self.max_rows:
             raise ValueError(f"step has {n} rows, the copier was sized for max_rows={self.max_rows}")
-        shape = (n, self.cache.num_layers, self.cache.top_k)
         got = self._ring.alloc(n)
+        if got is None and not may_drop:
+            return None
         if got is None:
             self.stats.dropped_steps += 1
             self.stats.dropped_rows += n
-            return PendingRows(self, shape, 0, None, None, dropped=True)
-        lo, handle = got
+            return PendingRows(self, (n, self.cache.num_layers, self.cache.top_k), 0, None, None, dropped=True)
         self.stats.submitted_steps += 1
         self.stats.submitted_rows += n
+        return got
+
+    def _send(self, lo: int, n: int, handle) -> PendingRows:
+        """The rows [lo, lo + n) are in the staging ring (CUDA) or already in the host ring (CPU): start the D2H."""
+        shape = (n, self.cache.num_layers, self.cache.top_k)
         if not self._cuda:
-            self._snapshot(runs, self._host[lo:lo + n], lo, n)
             return PendingRows(self, shape, lo, handle, None)
         stage = self._stage[lo:lo + n]
-        self._snapshot(runs, stage, lo, n)
         main = torch.cuda.current_stream(self.cache.device)
         side = self._stream
         self._snapped.record(main)            # one reused event: a wait binds to the record before it

@@ -55,6 +55,14 @@ class RowRing:
         return self._used
 
     @property
+    def free_rows(self) -> int:
+        """Rows not taken after reclaiming what can be (an allocation of fewer may still not fit when it would
+        wrap: the rows before the end are skipped then)."""
+        with self._lock:
+            self._reclaim()
+            return self.capacity - self._used
+
+    @property
     def live_ranges(self) -> int:
         return len(self._live)
 

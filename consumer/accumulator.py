@@ -158,6 +158,21 @@ def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
     return out
 
 
+def _in_ranges(n: int, ranges: list[list[int]]) -> np.ndarray:
+    """(n,) bool: positions [0, n) that fall in any [lo, hi) of `ranges`."""
+    m = np.zeros(n, dtype=bool)
+    for a, b in ranges:
+        if a < n and b > a:
+            m[max(a, 0):min(b, n)] = True
+    return m
+
+
+def _runs(mask: np.ndarray) -> list[list[int]]:
+    """The [lo, hi) runs of True in a bool vector."""
+    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    return [[int(a), int(b)] for a, b in zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1))]
+
+
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
     ranges = sorted(r for r in ranges if r[1] > r[0])
     out: list[list[int]] = []
@@ -172,8 +187,8 @@ def _merge(ranges: list[list[int]]) -> list[list[int]]:
 class _Request:
     """Own everything known about one in-flight request until its record is emitted."""
 
-    __slots__ = ("rid", "opened", "prompt_len", "num_cached", "num_layers", "top_k", "layer_ids", "ranges",
-                 "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "cursor_shapes",
+    __slots__ = ("rid", "opened", "prompt_len", "num_cached", "prefix_filled", "num_layers", "top_k", "layer_ids",
+                 "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "cursor_shapes",
                  "seen_n", "key", "damaged")
 
     def __init__(self, rid: str, now: float):
@@ -181,6 +196,7 @@ class _Request:
         self.opened = False
         self.prompt_len = None
         self.num_cached = 0
+        self.prefix_filled = False  # the producer sends rows [0, num_cached) too (its prefix store)
         self.num_layers = None
         self.top_k = None
         self.layer_ids = None
@@ -302,7 +318,7 @@ class Accumulator:
         if not st.opened:
             self.stats.opened += 1
         st.opened = True
-        st.prompt_len, st.num_cached = o.prompt_len, o.num_cached
+        st.prompt_len, st.num_cached, st.prefix_filled = o.prompt_len, o.num_cached, o.prefix_filled
         st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
         st.last_seen = now
         if st.key is None or not self._older(st.key, key):
@@ -534,6 +550,10 @@ class Accumulator:
         end = st.finish
         G, finish_reason, lost, aborted = end.num_output, end.reason, end.lost, end.aborted
         P, C = st.prompt_len, min(st.num_cached, st.prompt_len)
+        # rows below `floor` carry no routing by design (prefix-cache hits, sentinel mode); with prefix_filled the
+        # producer sent them too, and every row below need_hi must be there
+        F = C if st.prefix_filled else 0
+        floor = 0 if st.prefix_filled else C
         L = st.num_layers or 0
         K = st.top_k or 0
         total = P + G
@@ -552,22 +572,34 @@ class Accumulator:
             if disjoint and rows.n < total:
                 arr[rows.n:, lo:hi] = -1            # never written (holes below n are -1 in the blocks already)
             covered[lo:hi] = True
-            missing += rows.missing(C, need_hi)
+            missing += rows.missing(floor, need_hi)
         if disjoint and L and not covered.all():
             arr[:, ~covered] = -1
-        arr[:C] = -1
+        arr[:floor] = -1
         if G > 0:
             arr[total - 1] = -1
         if L and not covered.all():
-            missing.append([C, need_hi])
+            missing.append([floor, need_hi])
+        not_found: list[list[int]] = []
+        if F and L:
+            # prefix rows the producer sent as -1: their source was gone from its store (evicted, invalidated)
+            sent = np.zeros(F, dtype=bool)
+            for rows in st.ranges.values():
+                sent[:min(rows.n, F)] = True
+            bad = sent & (arr[:F] < 0).reshape(F, -1).any(axis=1)
+            bad &= ~_in_ranges(F, missing)
+            if bad.any():
+                not_found = _runs(bad)
+                missing += not_found
+                arr[:F][bad] = -1
         for a, b in lost:                           # the producer dropped rows here: whatever the positions hold
-            if b > C and a < need_hi:               # now may be older rows that those would have overwritten
-                missing.append([max(a, C), min(b, need_hi)])
-                arr[max(a, C):min(b, need_hi)] = -1
+            if b > floor and a < need_hi:           # now may be older rows that those would have overwritten
+                missing.append([max(a, floor), min(b, need_hi)])
+                arr[max(a, floor):min(b, need_hi)] = -1
         missing = _merge(missing)
         notes = list(st.notes)
-        if L == 0 and need_hi > C:
-            missing = [[C, need_hi]]
+        if L == 0 and need_hi > floor:
+            missing = [[floor, need_hi]]
         reason = ""
         complete = not missing and not aborted and "no_open" not in notes and not st.damaged
         if not complete:
@@ -579,13 +611,15 @@ class Accumulator:
                 reason = notes[0]
             elif L and not covered.all():
                 reason = "layers_missing"
+            elif not_found:
+                reason = "prefix_not_found"
             else:
                 reason = "rows_not_delivered"
             if aborted:
                 finish_reason = "abort" if finish_reason in ("", "timeout") and not notes else finish_reason
         layer_ids = np.asarray(st.layer_ids if st.layer_ids is not None else range(L), dtype=np.int32)
         return wire.Record(st.rid, arr[:P], arr[P:], C, layer_ids, complete, [tuple(m) for m in missing],
-                           reason, finish_reason, st.prompt_tokens, end.output_tokens)
+                           reason, finish_reason, st.prompt_tokens, end.output_tokens, F)
 
     @property
     def in_flight(self) -> int:

@@ -2,7 +2,7 @@
 
 One-file layout: DIR/<safe id>.npz with keys prompt_routed_experts, routed_experts, num_cached_tokens,
 moe_layer_ids, complete, missing, reason, finish_reason, request_id, and prompt_token_ids / output_token_ids
-when known. Shard layout (--shard-size N): DIR/shard-000000.npz holds N records under keys "<i>/<name>" and
+when known, num_prefix_filled when not 0 (files without it read as 0). Shard layout (--shard-size N): DIR/shard-000000.npz holds N records under keys "<i>/<name>" and
 DIR/index.jsonl has one line per record {"request_id", "shard", "i"}. Every file is written to a temporary
 name in DIR and renamed, so a reader never sees a partial file.
 """
@@ -58,6 +58,8 @@ def _arrays(rec: wire.Record, prefix: str = "") -> dict:
         "reason": np.array(rec.reason),
         "finish_reason": np.array(rec.finish_reason),
     }
+    if rec.num_prefix_filled:
+        d["num_prefix_filled"] = np.int64(rec.num_prefix_filled)
     if rec.prompt_token_ids is not None:
         d["prompt_token_ids"] = np.asarray(rec.prompt_token_ids, dtype=np.int32)
     if rec.output_token_ids is not None:
@@ -76,7 +78,7 @@ def _record(z, prefix: str = "") -> wire.Record:
         moe_layer_ids=get("moe_layer_ids"), complete=bool(get("complete")),
         missing=[tuple(int(x) for x in m) for m in get("missing", np.zeros((0, 2), np.int64))],
         reason=str(get("reason", "")), finish_reason=str(get("finish_reason", "")),
-        prompt_token_ids=pt, output_token_ids=ot)
+        prompt_token_ids=pt, output_token_ids=ot, num_prefix_filled=int(get("num_prefix_filled", 0)))
 
 
 def _atomic_savez(path: Path, arrays: dict) -> int:

@@ -187,8 +187,10 @@ class Producer:
                         escaped_id(request_id), self._book.problem(request_id) or "refused", total)
 
     def open(self, request_id: str, *, prompt_len: int, num_cached_tokens: int = 0,
-             prompt_token_ids: Sequence[int] | np.ndarray | None = None) -> None:
+             prompt_token_ids: Sequence[int] | np.ndarray | None = None, prefix_filled: bool = False) -> None:
         """Announce a request: its prompt length and how many leading prompt tokens were prefix-cache hits.
+        prefix_filled: rows [0, num_cached_tokens) will be published too (from the engine's prefix store), so
+        the consumer expects them instead of writing -1 there.
 
         Raises wire.ProtocolError("bad_request_id") for an id that cannot travel; that id's later parts are
         dropped and counted, as are those of a request whose open raised anything else.
@@ -202,6 +204,8 @@ class Producer:
                 raise ValueError(f"num_cached_tokens={num_cached_tokens} outside [0, prompt_len={prompt_len}]")
             body = {"prompt_len": int(prompt_len), "num_cached": int(num_cached_tokens),
                     "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
+            if prefix_filled:
+                body["prefix_filled"] = True
             frames = []
             if prompt_token_ids is not None:
                 toks = np.ascontiguousarray(prompt_token_ids, dtype=wire.TOKEN_DTYPE)

@@ -24,7 +24,9 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames
 Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default when absent):
     open      key: request id
               {prompt_len, num_cached, num_layers, top_k[, layer_ids = range(num_layers)][, n_prompt_tokens = 0]
-               [, reassigned]}                    reassigned: added by the broker only (see docs/PROTOCOL.md)
+               [, prefix_filled = false][, reassigned]}
+                                                  prefix_filled: the producer sends rows [0, num_cached) too (from
+                                                  its prefix store); reassigned: added by the broker only
               frame 1 (when n_prompt_tokens is sent): the prompt token ids, n_prompt_tokens int32 LE
     delta     key: list of request ids
               {start: bin, count: bin, num_layers, top_k[, layer_lo = 0, layer_hi = num_layers]}
@@ -60,7 +62,8 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                                         (Fetch, parse_fetch)
     record      consumer -> trainer     key: request id (encode_record, decode_record)
                 {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
-                 ...], reason, finish_reason, n_prompt_tokens, n_output_tokens}   (token counts -1: not sent)
+                 ...], reason, finish_reason, n_prompt_tokens, n_output_tokens[, num_prefix_filled = 0]}
+                 (token counts -1: not sent)
                 frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
                 (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
                 int32 LE
@@ -385,6 +388,7 @@ class Open:
     top_k: int
     layer_ids: list
     n_prompt_tokens: int
+    prefix_filled: bool = False
 
 
 def parse_open(h: Header) -> Open:
@@ -399,7 +403,10 @@ def parse_open(h: Header) -> Open:
     if len(ids) != L:
         raise _bad("bad_field", f"layer_ids has {len(ids)} entries for num_layers={L}")
     nt = int_field(b, "n_prompt_tokens", 0, MAX_POSITION, 0)
-    return Open(rid, P, C, L, K, ids, nt)
+    filled = b.get("prefix_filled", False)
+    if type(filled) is not bool:
+        raise _bad("bad_field", f"prefix_filled must be a bool, got {type(filled).__name__}")
+    return Open(rid, P, C, L, K, ids, nt, filled)
 
 
 @dataclass(slots=True)
@@ -592,7 +599,8 @@ class Record:
     """One finished request's routing: prompt part and generation part, one row per token."""
 
     request_id: str
-    prompt_routed_experts: np.ndarray          # (P, L, K) int16, -1 where prefix-cached or never computed
+    prompt_routed_experts: np.ndarray          # (P, L, K) int16, -1 where never computed (and, unless
+                                               # num_prefix_filled, where prefix-cached)
     routed_experts: np.ndarray                 # (G, L, K) int16, row j computed when output token j was fed
     num_cached_tokens: int
     moe_layer_ids: np.ndarray                  # (L,) int32: the model's layer index of each MoE layer
@@ -602,6 +610,10 @@ class Record:
     finish_reason: str = ""
     prompt_token_ids: np.ndarray | None = None
     output_token_ids: np.ndarray | None = None
+    # rows [0, num_prefix_filled) were filled from the engine's prefix store (ROUTING_REPLAY_PREFIX_ROWS=fill):
+    # the routing that computed the cached KV. 0: prefix-cached rows are -1 (the default, `sentinel`). A filled
+    # row whose source was gone is -1 and listed in `missing` (reason "prefix_not_found").
+    num_prefix_filled: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -614,6 +626,7 @@ class Record:
     def equals(self, other: "Record") -> bool:
         return (self.request_id == other.request_id and self.complete == other.complete
                 and self.num_cached_tokens == other.num_cached_tokens
+                and self.num_prefix_filled == other.num_prefix_filled
                 and [tuple(m) for m in self.missing] == [tuple(m) for m in other.missing]
                 and self.reason == other.reason and self.finish_reason == other.finish_reason
                 and np.array_equal(self.moe_layer_ids, other.moe_layer_ids)
@@ -643,6 +656,8 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
         "n_prompt_tokens": -1 if rec.prompt_token_ids is None else len(rec.prompt_token_ids),
         "n_output_tokens": -1 if rec.output_token_ids is None else len(rec.output_token_ids),
     }
+    if rec.num_prefix_filled:
+        body["num_prefix_filled"] = int(rec.num_prefix_filled)
     frames = [pack_header("record", producer, 0, seq, rec.request_id, body),
               np.ascontiguousarray(rec.prompt_routed_experts, ROW_DTYPE),
               np.ascontiguousarray(rec.routed_experts, ROW_DTYPE)]
@@ -684,4 +699,5 @@ def decode_record(h: Header, frames: Sequence) -> Record:
     missing = [tuple(m) for m in b.get("missing", [])]
     return Record(rid, prompt, gen, int_field(b, "num_cached", 0, MAX_POSITION),
                   np.asarray(b.get("layer_ids", list(range(L))), dtype=np.int32), bool(b.get("complete")),
-                  missing, str(b.get("reason", "")), str(b.get("finish_reason", "")), pt, ot)
+                  missing, str(b.get("reason", "")), str(b.get("finish_reason", "")), pt, ot,
+                  int_field(b, "num_prefix_filled", 0, P, 0))

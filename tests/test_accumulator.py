@@ -31,9 +31,11 @@ class Feed:
         for r in self.acc.apply(h, list(frames), self.now):
             self.out[r.request_id] = r
 
-    def open(self, rid, P, C=0, layer_ids=None, tokens=None):
+    def open(self, rid, P, C=0, layer_ids=None, tokens=None, filled=False):
         body = {"prompt_len": P, "num_cached": C, "num_layers": L, "top_k": K,
                 "layer_ids": layer_ids or list(range(L))}
+        if filled:
+            body["prefix_filled"] = True
         frames = []
         if tokens is not None:
             body["n_prompt_tokens"] = len(tokens)
@@ -320,3 +322,72 @@ def test_zero_row_entry_for_a_new_request_is_harmless():
     f.delta([("a", 0, rows(5, 0, 4))])
     f.finish("a", 2)
     check(f.out["a"], 5, 3, 2, 0)
+
+
+# ---- prefix rows filled from the engine's prefix store (ROUTING_REPLAY_PREFIX_ROWS=fill) ---------------------------
+
+
+def test_prefix_filled_rows_are_kept_and_counted():
+    f = Feed()
+    f.open("a", 10, C=4, filled=True)
+    f.delta([("a", 0, rows(1, 0, 4)), ("a", 4, rows(1, 4, 10))])       # prefix part, then the computed part
+    f.delta([("a", 10, rows(1, 10, 12))])
+    f.finish("a", 3)
+    rec = f.out["a"]
+    full = rows(1, 0, 13)
+    full[12] = -1
+    assert rec.complete and rec.missing == [] and rec.reason == ""
+    assert (rec.num_cached_tokens, rec.num_prefix_filled) == (4, 4)
+    np.testing.assert_array_equal(rec.prompt_routed_experts, full[:10])
+    np.testing.assert_array_equal(rec.routed_experts, full[10:])
+    # through the trainer wire and npz, the count survives
+    frames = [f if isinstance(f, bytes) else f.tobytes() for f in wire.encode_record(rec, "c", 1)]
+    assert wire.decode_record(wire.decode_header(frames[0]), frames[1:]).equals(rec)
+
+
+def test_prefix_filled_rows_missing_make_the_record_incomplete():
+    f = Feed(finish_grace_s=0.0)
+    f.open("a", 10, C=4, filled=True)
+    f.delta([("a", 4, rows(1, 4, 10)), ("a", 10, rows(1, 10, 12))])      # the prefix part never came
+    f.finish("a", 3)
+    rec = f.out["a"]
+    assert not rec.complete and rec.missing == [(0, 4)] and rec.reason == "rows_not_delivered"
+    assert (rec.prompt_routed_experts[:4] == -1).all()
+
+
+def test_prefix_rows_not_found_in_the_store_are_flagged():
+    f = Feed(finish_grace_s=0.0)
+    f.open("a", 10, C=6, filled=True)
+    pre = rows(1, 0, 6)
+    pre[2:5] = -1                          # the producer's store had nothing for positions 2..4
+    pre[1, 0] = -1                         # one layer of position 1 too
+    f.delta([("a", 0, pre), ("a", 6, rows(1, 6, 12))])
+    f.finish("a", 3)
+    rec = f.out["a"]
+    assert not rec.complete and rec.reason == "prefix_not_found"
+    assert rec.missing == [(1, 5)]
+    assert (rec.prompt_routed_experts[1:5] == -1).all()
+    np.testing.assert_array_equal(rec.prompt_routed_experts[[0, 5]], rows(1, 0, 6)[[0, 5]])
+    np.testing.assert_array_equal(rec.prompt_routed_experts[6:], rows(1, 6, 10))
+
+
+def test_sentinel_mode_ignores_rows_sent_below_num_cached():
+    f = Feed()
+    f.open("a", 10, C=4)
+    f.delta([("a", 0, rows(1, 0, 12))])
+    f.finish("a", 3)
+    check(f.out["a"], 1, 10, 3, 4)
+    assert f.out["a"].num_prefix_filled == 0
+
+
+def test_prefix_filled_with_pipeline_stages():
+    f = Feed()
+    f.open("a", 8, C=4, filled=True)
+    f.delta([("a", 0, rows(1, 0, 11, layers=(0, 1)))], layers=(0, 1))
+    f.delta([("a", 0, rows(1, 0, 4, layers=(1, 3))), ("a", 4, rows(1, 4, 11, layers=(1, 3)))], layers=(1, 3))
+    f.finish("a", 4)
+    rec = f.out["a"]
+    full = rows(1, 0, 12)
+    full[11] = -1
+    assert rec.complete and rec.num_prefix_filled == 4
+    np.testing.assert_array_equal(np.concatenate([rec.prompt_routed_experts, rec.routed_experts]), full)

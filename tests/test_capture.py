@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing_replay.capture import AsyncCopier, RoutingCache, RowRing
+from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, RowRing, hit_slots
 
 
 def _ids(n: int, K: int, E: int, seed: int, dtype=torch.int64) -> torch.Tensor:
@@ -276,3 +276,43 @@ def test_copier_rejects_bad_segments_in_long_lists():
     cp = AsyncCopier(cache)
     with pytest.raises(ValueError, match="offset=60, rows=5"):
         cp.submit([(i, 1) for i in range(20)] + [(60, 5)])
+
+
+# ---- PrefixStore ---------------------------------------------------------------------------------------------
+
+
+def test_prefix_store_keeps_rows_by_slot_and_the_copier_gathers_them():
+    cache = RoutingCache(16, 3, 2)
+    store = PrefixStore(64, 3, 2)
+    assert store.nbytes == 64 * 3 * 2 * 2 and bool((store.rows == -1).all())
+    cp = AsyncCopier(cache, num_slots=2, max_rows=16)
+    # step 1: 10 tokens written to slots 20..29 (block 5 and block 6 of size 4, then 2 of block 7)
+    want1 = _step(cache, 10, seed=1)
+    store.write(torch.arange(20, 30), cache.buffer[:, :10].transpose(0, 1))
+    # step 2: 6 tokens overwrite slots 24..27 (block 6 evicted and refilled) and take 40, 41
+    want2 = _step(cache, 6, seed=2)
+    store.write(torch.tensor([24, 25, 26, 27, 40, 41]), cache.buffer[:, :6].transpose(0, 1))
+    assert store.writes == 2
+    p = cp.submit_gather(store.rows, [20, 21, 24, 27, 41, 29, 0])
+    got = p.result()
+    np.testing.assert_array_equal(got[:6], np.stack([want1[0], want1[1], want2[0], want2[3], want2[5], want1[9]]))
+    assert (got[6] == -1).all()                                    # never written
+    p.release()
+    store.forget(torch.tensor([20]))
+    p = cp.submit_gather(store.rows, [20, 21])
+    assert (p.result()[0] == -1).all() and np.array_equal(p.result()[1], want1[1])
+    p.release()
+    store.invalidate()
+    assert bool((store.rows == -1).all()) and store.invalidations == 1
+    assert cp.submit_gather(store.rows, []) is None
+    with pytest.raises(ValueError, match=r"gather index outside \[0, 64\): 3..64"):
+        cp.submit_gather(store.rows, [3, 64])
+    with pytest.raises(ValueError, match=r"gather source \(64, 2, 2\)"):
+        cp.submit_gather(torch.zeros((64, 2, 2), dtype=torch.int16), [1])
+    assert cp.in_flight_rows == 0
+
+
+def test_hit_slots_follow_the_block_table():
+    row = np.array([7, 3, 9, 0, 0], dtype=np.int32)
+    np.testing.assert_array_equal(hit_slots(row, 4, 10), [28, 29, 30, 31, 12, 13, 14, 15, 36, 37])
+    assert hit_slots(row, 4, 0).shape == (0,)

@@ -7,6 +7,9 @@
     ROUTING_REPLAY_REQUESTS   `all` (default): every request, unless it sets
                               `extra_args={"return_routed_experts": False}`. `opt-in`: only requests that set
                               `extra_args={"return_routed_experts": True}` (OpenAI server: `vllm_xargs`).
+    ROUTING_REPLAY_PREFIX_ROWS `sentinel` (default): a record's prompt rows below num_cached_tokens (prefix-cache
+                              hits) are -1. `fill`: they carry the routing that computed the cached KV, from a
+                              per-KV-slot store in the worker (docs/VLLM.md, "Prefix rows").
     ROUTING_REPLAY_CURVE_SECRET  external broker only: this engine's CURVE secret key file (NAME.key_secret, from
                               `routing-replay keys`); needs ROUTING_REPLAY_BROKER_KEY. The broker must allow-list
                               the matching public key (`--curve-allow`).
@@ -28,6 +31,8 @@ ENV_SERVE = "ROUTING_REPLAY_SERVE"
 ENV_REQUESTS = "ROUTING_REPLAY_REQUESTS"
 ENV_CURVE_SECRET = "ROUTING_REPLAY_CURVE_SECRET"
 ENV_BROKER_KEY = "ROUTING_REPLAY_BROKER_KEY"
+ENV_PREFIX_ROWS = "ROUTING_REPLAY_PREFIX_ROWS"
+PREFIX_MODES = ("sentinel", "fill")
 EMBEDDED = "embedded"
 EXTRA_ARG = "return_routed_experts"
 REQUEST_MODES = ("all", "opt-in")
@@ -43,6 +48,7 @@ class Settings:
     requests: str = "all"
     curve_secret: str | None = None  # this engine's secret key file, with broker_key: CURVE to the broker
     broker_key: str | None = None
+    prefix_rows: str = "sentinel"    # "fill": prefix-cached prompt rows carry real routing (PrefixStore)
 
     @property
     def enabled(self) -> bool:
@@ -74,7 +80,9 @@ def _truthy(value: Any, what: str) -> bool:
 
 
 def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
-              broker_key: str = "") -> Settings:
+              broker_key: str = "", prefix_rows: str = "sentinel") -> Settings:
+    if prefix_rows not in PREFIX_MODES:
+        raise ValueError(f"{ENV_PREFIX_ROWS}={prefix_rows!r}: choose one of {', '.join(PREFIX_MODES)}")
     if requests not in REQUEST_MODES:
         raise ValueError(f"{ENV_REQUESTS}={requests!r}: choose one of {', '.join(REQUEST_MODES)}")
     if broker and broker != EMBEDDED and "://" not in broker:
@@ -89,7 +97,8 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
     if curve_secret and broker == EMBEDDED:
         raise ValueError(f"{ENV_CURVE_SECRET}/{ENV_BROKER_KEY} apply to an external broker; the embedded pipeline "
                          f"talks to its broker over ipc inside this machine")
-    return Settings(broker, npz_dir or None, serve or None, requests, curve_secret or None, broker_key or None)
+    return Settings(broker, npz_dir or None, serve or None, requests, curve_secret or None, broker_key or None,
+                    prefix_rows)
 
 
 _cache: tuple[tuple, Settings] | None = None
@@ -101,7 +110,7 @@ def current() -> Settings:
     env = os.environ
     raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
            env.get(ENV_REQUESTS, "all").strip().lower() or "all", env.get(ENV_CURVE_SECRET, "").strip(),
-           env.get(ENV_BROKER_KEY, "").strip())
+           env.get(ENV_BROKER_KEY, "").strip(), env.get(ENV_PREFIX_ROWS, "sentinel").strip().lower() or "sentinel")
     cached = _cache
     if cached is not None and cached[0] == raw:
         return cached[1]

@@ -25,6 +25,14 @@ Per step (`Worker.execute_model`, engine thread):
                       the copies, checks for -1 rows, sends, and releases them.
 Steps with no captured request do nothing beyond two dict/set checks: no copy, no message.
 
+Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every step with tokens, captured or not,
+also writes its routing into a PrefixStore by KV slot (the runner's slot_mapping, one index_copy_ after the
+forward; on CPU the hooks then record every step); a request opened with prefix hits gets rows
+[0, num_cached_tokens) gathered from the store (its block-table row -> slots) into the same host ring and
+delta as computed rows, after the step's own store write (a hit may point at blocks another request computed
+in this very step). A weight reload or wake-up invalidates the store; a step whose hooks did not all run
+writes -1 to its slots. Rows read as -1 reach the consumer as such and make the record `prefix_not_found`.
+
 Positions are absolute, so chunked prefill, preemption + recompute (a re-sent position overwrites) and
 speculative decoding (rows of rejected drafts are overwritten by the next step or lie beyond the final
 length) need no special case here.
@@ -34,12 +42,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from routing_replay.capture import AsyncCopier, RoutingCache
+from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers
@@ -68,6 +77,9 @@ class WorkerStats:
     spec_steps: int = 0             # steps that verified speculative draft tokens
     host_ns: int = 0                # engine-thread CPU time in pre_step + post_step (only while `timing`)
     rebinds: int = 0
+    prefix_requests: int = 0        # requests opened with prefix hits whose rows came from the prefix store
+    prefix_rows: int = 0            # rows gathered from the prefix store
+    store_forgotten: int = 0        # slots set to -1 because a step's routing was not fully recorded
     derived_keys: int = 0           # requests captured under record_key_for(id): their id cannot travel as it is
     skipped: int = 0                # requests not captured (or closed as aborted) after an error of their own
 
@@ -76,10 +88,11 @@ class _BatchedRows:
     """Own the PendingRows of consecutive steps on their way through the producer as one delta: the producer's
     thread concatenates them (C speed), refuses rows no router wrote (-1), sends, and releases every part."""
 
-    __slots__ = ("_parts", "shape", "dtype", "dropped")
+    __slots__ = ("_parts", "_strict", "shape", "dtype", "dropped")
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, strict: list):
         self._parts = parts
+        self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
         n = sum(p.shape[0] for p in parts)
         self.shape = (n, *parts[0].shape[1:])
         self.dtype = parts[0].dtype
@@ -87,18 +100,32 @@ class _BatchedRows:
 
     def result(self) -> np.ndarray:
         arrays = [p.result() for p in self._parts]
-        rows = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        if rows.size and int(rows.min()) < 0:
-            bad = np.argwhere((rows < 0).any(axis=2))
-            raise LostHookError(f"routing-replay: {len(bad)} (row, layer) cells were never written by a router "
-                                f"(first: row {bad[0][0]} of {len(rows)}, local MoE layer {bad[0][1]}); a capture "
-                                "hook was lost (e.g. a layer rebuilt after binding). Refusing to publish stale "
-                                "routing.")
-        return rows
+        for a, strict in zip(arrays, self._strict):
+            if strict and a.size and int(a.min()) < 0:
+                self._lost_hook(a)
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    @staticmethod
+    def _lost_hook(rows: np.ndarray):
+        bad = np.argwhere((rows < 0).any(axis=2))
+        raise LostHookError(f"routing-replay: {len(bad)} (row, layer) cells were never written by a router "
+                            f"(first: row {bad[0][0]} of {len(rows)}, local MoE layer {bad[0][1]}); a capture "
+                            "hook was lost (e.g. a layer rebuilt after binding). Refusing to publish stale "
+                            "routing.")
 
     def release(self) -> None:
         for p in self._parts:
             p.release()
+
+
+class _Fill:
+    """One request's prefix rows on their way out of the store: the KV slots of positions [0, hits), in order,
+    and how many were gathered so far."""
+
+    __slots__ = ("rid", "key", "slots", "done")
+
+    def __init__(self, rid: str, key: str, slots: np.ndarray):
+        self.rid, self.key, self.slots, self.done = rid, key, slots, 0
 
 
 class _StepBatch:
@@ -108,17 +135,20 @@ class _StepBatch:
     flushes the batch first) and divides the per-message cost of producer, broker and consumer by the number
     of steps batched."""
 
-    __slots__ = ("parts", "keys", "starts", "counts", "rows")
+    __slots__ = ("parts", "strict", "keys", "starts", "counts", "rows")
 
     def __init__(self):
         self.parts: list = []
+        self.strict: list = []
         self.keys: list = []
         self.starts: list = []
         self.counts: list = []
         self.rows = 0
 
-    def add(self, pending, keys: list, starts: list, counts: list) -> None:
+    def add(self, pending, keys: list, starts: list, counts: list, strict: bool = True) -> None:
+        """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is."""
         self.parts.append(pending)
+        self.strict.append(strict)
         self.keys += keys
         self.starts += starts
         self.counts += counts
@@ -126,8 +156,8 @@ class _StepBatch:
 
     def take(self):
         """The batched steps as publish_rows arguments; the batch is empty afterwards."""
-        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts))
-        self.parts, self.keys, self.starts, self.counts, self.rows = [], [], [], [], 0
+        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts, self.strict))
+        self.parts, self.strict, self.keys, self.starts, self.counts, self.rows = [], [], [], [], [], 0
         return out
 
 
@@ -138,6 +168,14 @@ def show_id(request_id: str, limit: int = 64) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(request_id)} chars)"
+
+
+def _check_fill_supported(vc) -> None:
+    """Refuse ROUTING_REPLAY_PREFIX_ROWS=fill where cached KV may come from outside this worker's forwards."""
+    if getattr(vc, "kv_transfer_config", None) is not None:
+        raise NotImplementedError(
+            "routing-replay: ROUTING_REPLAY_PREFIX_ROWS=fill with a KV connector (kv_transfer_config): KV loaded "
+            "from outside this engine has no routing rows here. Use ROUTING_REPLAY_PREFIX_ROWS=sentinel.")
 
 
 def _v1_runner_cls():
@@ -169,6 +207,11 @@ class WorkerCapture:
         self.announces = pp.rank_in_group == 0
         self.tracked: dict[str, str] = {}       # engine request id -> record key
         self.active = False
+        self.storing = False                    # this step's routing goes into the prefix store (fill)
+        self.fill = settings.prefix_rows == "fill"
+        self.store: PrefixStore | None = None   # made at the first step (the KV cache's size is known then)
+        self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
+        self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
         self.binding = None
         self.sink = None
         self._warned_no_notes = False
@@ -193,8 +236,12 @@ class WorkerCapture:
         max_tokens = max(int(sc.max_num_batched_tokens),
                          int(getattr(vc.compilation_config, "max_cudagraph_capture_size", 0) or 0))
         self.device = runner.device
+        if self.fill:
+            _check_fill_supported(vc)
         self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device)
-        self.copier = AsyncCopier(self.cache, num_slots=2)
+        # fill mode: prefix rows share the host ring with computed rows (a GRPO group's shared prompt arrives
+        # n times in one step), so it gets room for more steps in flight
+        self.copier = AsyncCopier(self.cache, num_slots=4 if self.fill else 2)
         self.batch = _StepBatch()
         self.max_batch_steps = MAX_BATCH_STEPS
         self.max_batch_rows = max(1, max_tokens // 2)        # leaves the copier's ring room for the next steps
@@ -210,8 +257,9 @@ class WorkerCapture:
                          layer_range=layer_range)
         self.producer = self.sink.producer
         log.info("routing-replay: bound %d MoE layers %s (of %s), top_k=%d, cache %d tokens (%.1f MiB on %s), "
-                 "requests=%s", len(layers), local_ids, global_ids, top_k, max_tokens,
-                 self.cache.nbytes / 2**20, self.device, settings.requests)
+                 "host ring %.1f MiB, requests=%s, prefix_rows=%s", len(layers), local_ids, global_ids, top_k,
+                 max_tokens, (self.cache.nbytes + self.copier.device_bytes) / 2**20, self.device,
+                 self.copier.host_bytes / 2**20, settings.requests, settings.prefix_rows)
 
     # ---- binding -----------------------------------------------------------------------------------------------
 
@@ -228,7 +276,111 @@ class WorkerCapture:
         self.binding.layers = layers
         self.binding.bind()
         self.stats.rebinds += 1
-        log.info("routing-replay: re-bound %d MoE layers after %s", len(layers), reason)
+        if self.store is not None:              # cached KV came from the old weights: its routing is not valid
+            self.store.invalidate()
+        log.info("routing-replay: re-bound %d MoE layers after %s%s", len(layers), reason,
+                 "; prefix store invalidated" if self.store is not None else "")
+
+    # ---- prefix store (fill mode) ------------------------------------------------------------------------------
+
+    def _make_store(self) -> None:
+        """Allocate the PrefixStore for every KV slot of this worker's cache (first step: its size is known only
+        after vLLM sized the KV cache). On a cache layout it cannot serve, log an ERROR and fall back to -1
+        prefix rows (records then say num_prefix_filled = 0): never a silently wrong row."""
+        runner = self.runner
+        try:
+            kcc = runner.kv_cache_config
+            groups = kcc.kv_cache_groups
+            if len(groups) != 1:
+                raise NotImplementedError(f"{len(groups)} KV cache groups (hybrid attention); the prefix store "
+                                          "keys rows by the slots of one group")
+            block_size = int(groups[0].kv_cache_spec.block_size)
+            bt = runner.input_batch.block_table[0]
+            for name in ("dcp_world_size", "pcp_world_size"):
+                if int(getattr(bt, name, 1)) > 1:
+                    raise NotImplementedError(f"context parallelism ({name}={getattr(bt, name)}) interleaves "
+                                              "slots across ranks")
+            num_slots = int(kcc.num_blocks) * block_size
+            store = PrefixStore(num_slots, self.cache.num_layers, self.cache.top_k, device=self.device)
+            kv_bytes = sum(int(t.size) for t in getattr(kcc, "kv_cache_tensors", []) or [])
+        except Exception as e:          # noqa: BLE001 -- degrade to the sentinel, loudly
+            self.fill = False
+            log.error("routing-replay: ROUTING_REPLAY_PREFIX_ROWS=fill cannot run here (%s: %s); prefix-cached "
+                      "prompt rows stay -1 (num_prefix_filled=0)", type(e).__name__, e)
+            return
+        self.store, self._slots, self._block_table = store, bt.slot_mapping, bt
+        log.info("routing-replay: prefix store %d slots (%d blocks x %d), %.1f MiB on %s (%.2f%% of the KV cache's "
+                 "%.1f MiB; %d B per slot); capture total: device %.1f MiB, host %.1f MiB", num_slots,
+                 int(kcc.num_blocks), block_size, store.nbytes / 2**20, self.device,
+                 100.0 * store.nbytes / kv_bytes if kv_bytes else float("nan"), kv_bytes / 2**20,
+                 store.nbytes // num_slots, (self.cache.nbytes + self.copier.device_bytes + store.nbytes) / 2**20
+                 if self.device.type != "cpu" else 0.0,
+                 (self.copier.host_bytes + (store.nbytes if self.device.type == "cpu" else 0)) / 2**20)
+
+    def _store_step(self, n: int, complete: bool) -> None:
+        """After the forward: this step's n rows into the store at their KV slots (-1 if not all recorded)."""
+        slots = self._slots.gpu[:n]
+        if complete:
+            self.store.write(slots, self.cache.buffer[:, :n].transpose(0, 1))
+        else:
+            self.store.forget(slots)
+            self.stats.store_forgotten += n
+            log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV slots hold "
+                        "no prefix rows (store_forgotten=%d)", self.binding.calls, len(self.binding.layers), n,
+                        self.stats.store_forgotten)
+
+    def _queue_fills(self) -> None:
+        """After the store write of their first step: the KV slots of rows [0, hits) of each request opened this
+        step with prefix hits, queued for the gather (the request holds those blocks until it finishes or is
+        preempted, so the slots keep their rows until then)."""
+        fills, self._fills = self._fills, []
+        ib = self.runner.input_batch
+        table, bs = self._block_table.block_table.np, int(self._block_table.block_size)
+        for rid, key, hits in fills:
+            row = ib.req_id_to_index.get(rid)
+            if row is None:                 # not in the batch after its first step (cannot happen in V1)
+                log.warning("routing-replay: request %s left the batch before its prefix rows were read",
+                            show_id(rid))
+                continue
+            self._fill_queue.append(_Fill(rid, key, hit_slots(table[row], bs, hits)))
+            self.stats.prefix_requests += 1
+            self.stats.prefix_rows += hits
+
+    def _pump_fills(self, force: set | None = None) -> None:
+        """Gather queued prefix rows into the host ring, oldest first, chunk by chunk, while the ring keeps room
+        for two worst-case steps (the steps' own rows are never pushed out by prefix rows). `force`: engine ids
+        whose blocks are freed in this step (finished, preempted): their rows go now, dropped (published as lost,
+        the record says so) if the ring is full."""
+        q = self._fill_queue
+        chunk = max(1, self.copier.max_rows // 2)
+        reserve = 2 * self.copier.max_rows
+        if force:
+            for f in [f for f in q if f.rid in force]:
+                q.remove(f)
+                while f.done < len(f.slots):
+                    self._gather(f, min(len(f.slots), f.done + chunk), may_drop=True)
+        while q:
+            f = q[0]
+            b = min(len(f.slots), f.done + chunk)
+            if self.copier.free_rows < (b - f.done) + reserve or not self._gather(f, b, may_drop=False):
+                return
+            if f.done == len(f.slots):
+                q.popleft()
+
+    def _gather(self, f: "_Fill", b: int, may_drop: bool) -> bool:
+        a = f.done
+        pending = self.copier.submit_gather(self.store.rows, f.slots[a:b], may_drop=may_drop)
+        if pending is None:
+            return False
+        f.done = b
+        if pending.dropped:                     # host ring full: published as lost, the record says so
+            self._flush()
+            self.producer.publish_rows([f.key], [a], [b - a], pending)
+            return True
+        self.batch.add(pending, [f.key], [a], [b - a], strict=False)
+        if self.batch.rows >= self.max_batch_rows:
+            self._flush()
+        return True
 
     # ---- per step ----------------------------------------------------------------------------------------------
 
@@ -240,6 +392,10 @@ class WorkerCapture:
         if so.scheduled_spec_decode_tokens:
             self.stats.spec_steps += 1
         tracked = self.tracked
+        if self._fill_queue and (so.finished_req_ids or so.preempted_req_ids):
+            freed = {f.rid for f in self._fill_queue} & (set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+            if freed:                               # their blocks may be reused by this step's forward
+                self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             self._flush()                           # a request's rows go out before its finish
             notes = getattr(so, scheduler_hooks.ATTR, None)
@@ -247,14 +403,18 @@ class WorkerCapture:
                 key = tracked.pop(rid, None)
                 if key is not None:
                     self._close_request(rid, key, notes)
+        n = so.total_num_scheduled_tokens
+        if self.fill and self.store is None and n:
+            self._make_store()
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
                 self._open_request(new)
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
+        storing = self.storing = self.store is not None and n > 0
         b = self.binding
-        b.active = active or not b.gate
-        if active:
+        b.active = active or storing or not b.gate
+        if active or storing:
             if b.gate:                          # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
             else:                               # replayed from graphs: rows no router writes stay -1
@@ -275,8 +435,10 @@ class WorkerCapture:
                 prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
                 prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
                 self.producer.open(key, prompt_len=prompt_len, num_cached_tokens=int(new.num_computed_tokens),
-                                   prompt_token_ids=prompt)
+                                   prompt_token_ids=prompt, prefix_filled=self.store is not None)
                 self.stats.opened += 1
+            if self.store is not None and new.num_computed_tokens:
+                self._fills.append((new.req_id, key, int(new.num_computed_tokens)))
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
             self._skip(new.req_id, "open", e)
             return
@@ -333,18 +495,31 @@ class WorkerCapture:
             self.stats.finished += 1
 
     def post_step(self, so) -> None:
-        if not self.active:
+        active, storing = self.active, self.storing
+        if not active and not storing:
             return
         t0 = time.thread_time_ns() if self.timing else 0
-        self.active = False
+        self.active = self.storing = False
         b = self.binding
+        complete = True
         if b.gate:
-            if b.calls != len(b.layers):
+            complete = b.calls == len(b.layers)
+            if not complete and active:
                 raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded the routing of "
                                     f"all {b.min_rows} tokens of this step; hooks bound: {b.bound()}. Refusing to "
                                     "publish stale routing.")
         else:
             self.cache.flush()                  # no-op unless the last layer's hook did not run
+        if storing:
+            self._store_step(so.total_num_scheduled_tokens, complete)
+            if self._fills:
+                self._queue_fills()
+            if self._fill_queue:
+                self._pump_fills()
+        if not active:
+            if t0:
+                self.stats.host_ns += time.thread_time_ns() - t0
+            return
         runner = self.runner
         ib = runner.input_batch
         n = ib.num_reqs
@@ -395,8 +570,10 @@ class WorkerCapture:
         if self.sink is not None:
             st = self.stats
             log.info("routing-replay: worker capture closing: steps=%d active_steps=%d rows=%d opened=%d finished=%d "
-                     "aborted=%d derived_keys=%d skipped=%d rebinds=%d", st.steps, st.active_steps, st.rows,
-                     st.opened, st.finished, st.aborted, st.derived_keys, st.skipped, st.rebinds)
+                     "aborted=%d derived_keys=%d skipped=%d rebinds=%d prefix_requests=%d prefix_rows=%d "
+                     "store_forgotten=%d", st.steps, st.active_steps, st.rows, st.opened, st.finished, st.aborted,
+                     st.derived_keys, st.skipped, st.rebinds, st.prefix_requests, st.prefix_rows,
+                     st.store_forgotten)
             try:
                 self._flush()
             finally:
