@@ -1,12 +1,15 @@
 """The main job: vLLM with routing capture on a generated tiny MoE model, records to npz, checked by the oracle.
 
     routing-replay demo [--out ./out] [--requests 64] [--group-size 8] [--arch qwen3_moe] [--inprocess]
+                        [--prefix-rows fill|sentinel]
 
 1. Generates a random-weight MoE checkpoint (routing_replay.apps.models, peaked=True: peaked next-token
    distributions and distinct experts, so that a flipped expert shows in the log-probabilities; cached under
    the temp dir).
 2. Starts vLLM (`LLM(...)`, vLLM's own process layout unless --inprocess) with ROUTING_REPLAY_BROKER=embedded
-   and ROUTING_REPLAY_NPZ_DIR=OUT: broker and consumer run inside the engine, one npz file per request.
+   and ROUTING_REPLAY_NPZ_DIR=OUT: broker and consumer run inside the engine, one npz file per request;
+   ROUTING_REPLAY_PREFIX_ROWS=fill (--prefix-rows): prefix-cached prompt rows carry the routing that computed
+   the cached KV (with `sentinel` they are -1).
 3. Runs a GRPO-like workload: groups of --group-size samples of one prompt, prompts starting with one of a few
    long shared system prompts (so vLLM's prefix cache hits, in 128-token blocks on CPU), sampled outputs with
    the sampled token's log-probability (logprobs=0). Rounds with capture off (every request opted out) and on
@@ -63,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="capture off/on pairs")
     ap.add_argument("--inprocess", action="store_true", help="run vLLM's engine in this process")
+    ap.add_argument("--prefix-rows", default="fill", choices=["fill", "sentinel"],
+                    help="prefix-cached prompt rows: real routing from the prefix store (fill) or -1 (sentinel)")
     a = ap.parse_args(argv)
     if min(a.rounds, a.requests, a.prefixes, a.max_tokens, a.group_size) < 1:
         ap.error("--rounds, --requests, --prefixes, --group-size and --max-tokens must be at least 1")
@@ -73,6 +78,7 @@ def main(argv=None) -> int:
     os.environ["ROUTING_REPLAY_BROKER"] = "embedded"
     os.environ["ROUTING_REPLAY_NPZ_DIR"] = str(out)
     os.environ["ROUTING_REPLAY_REQUESTS"] = "all"
+    os.environ["ROUTING_REPLAY_PREFIX_ROWS"] = a.prefix_rows
     os.environ.pop("ROUTING_REPLAY_SERVE", None)
 
     import tempfile
@@ -157,6 +163,9 @@ def main(argv=None) -> int:
     complete = sum(r.complete for r in records)
     prompt_rows = sum(r.prompt_routed_experts.shape[0] for r in records)
     cached_rows = sum(r.num_cached_tokens for r in records)
+    filled_rows = sum(r.num_prefix_filled for r in records)
+    filled_missing = sum(min(hi, r.num_prefix_filled) - lo for r in records for lo, hi in r.missing
+                         if lo < r.num_prefix_filled)
     output_rows = sum(r.routed_experts.shape[0] for r in records)
     off_tok = statistics.median(t for t, _ in off)
     on_tok = statistics.median(t for t, _ in on)
@@ -172,8 +181,10 @@ def main(argv=None) -> int:
                               f"per prompt; {a.prefixes} shared system prompts of {a.prefix_len} tokens)"),
         ("records", f"{len(records)} written, {complete} complete"),
         ("tokens", f"{prompt_rows:,} prompt + {output_rows:,} output"),
-        ("prefix-cached rows", f"{cached_rows:,} of {prompt_rows:,} prompt rows are -1 "
-                               f"(block size {block})"),
+        ("prefix-cached rows", f"{cached_rows:,} of {prompt_rows:,} prompt rows (block size {block}): "
+                               + (f"{filled_rows - filled_missing:,} filled from the prefix store, "
+                                  f"{filled_missing:,} not found" if a.prefix_rows == "fill" else
+                                  f"{cached_rows:,} are -1 (--prefix-rows sentinel)")),
         ("throughput, capture off", f"{off_tok:,.0f} tok/s (median of {len(off)})"),
         ("throughput, capture on", f"{on_tok:,.0f} tok/s ({100 * (on_tok / off_tok - 1):+.1f}%)"),
         ("oracle (HF transformers)", f"{'PASS' if verdict.ok else 'FAIL'}: {verdict.rows:,} (token, layer) rows, "

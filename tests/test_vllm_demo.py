@@ -22,4 +22,9 @@ def test_demo_passes_and_writes_records(tmp_path):
     from routing_replay.consumer import load_records
     recs = load_records(out)
     assert len(recs) == 24 and all(r.complete for r in recs.values())
-    assert sum(r.num_cached_tokens for r in recs.values()) > 0          # the shared prefixes hit the cache
+    cached = sum(r.num_cached_tokens for r in recs.values())
+    assert cached > 0                                                    # the shared prefixes hit the cache
+    # --prefix-rows fill is the demo's default: every hit row carries routing, and the summary says so
+    assert all(r.num_prefix_filled == r.num_cached_tokens for r in recs.values())
+    assert all((r.prompt_routed_experts >= 0).all() for r in recs.values())
+    assert f"{cached:,} filled from the prefix store, 0 not found" in p.stdout
