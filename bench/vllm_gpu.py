@@ -14,6 +14,9 @@ async scheduling, chunked prefill, prefix caching), same weights:
         process, so its engine core (forked from here) holds no routing-replay code at all;
   on    the plugin publishing to an external broker and consumer (`routing-replay broker` / `consume --npz-dir`,
         processes on this machine), every request captured;
+  fill  the same plugin engine with ROUTING_REPLAY_PREFIX_ROWS=fill (switched per round through collective_rpc):
+        every step also writes its routing into the prefix store by KV slot, prefix-cache hits are gathered
+        from it (use --shared-prefix to have hits);
   optout  the same plugin engine with every request opted out (`return_routed_experts=False`): hooks bound and
         writing the device cache inside the graphs, nothing copied or sent.
 Rounds rotate the order (off, on, optout / on, optout, off / ...), after one warm-up round per mode. Each round runs
@@ -52,7 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("off", "on", "optout")
+MODES = ("off", "on", "fill", "optout")
 
 
 def _free_port() -> int:
@@ -113,6 +116,16 @@ def _rpc_set_timing(worker, on: bool) -> bool:
     return True
 
 
+def _rpc_prefix_rows(worker, mode: str) -> bool:
+    from routing_replay.engines.vllm_plugin import capture_of
+
+    cap = capture_of(worker)
+    if cap is None:
+        return False
+    cap.set_prefix_rows(mode)
+    return True
+
+
 def _rpc_stats(worker) -> dict:
     """Counters of this engine-core process and, if it captures, of its WorkerCapture."""
     from routing_replay.engines.vllm_plugin import capture_of
@@ -125,6 +138,9 @@ def _rpc_stats(worker) -> dict:
     st, cop, prod = cap.stats, cap.copier.stats, cap.producer.stats
     cfg = worker.vllm_config
     d.update(capture=True, steps=st.steps, active_steps=st.active_steps, rows=st.rows, host_ns=st.host_ns,
+             prefix_rows=st.prefix_rows, prefix_requests=st.prefix_requests,
+             store_device_bytes=cap.store.nbytes if cap.store is not None else 0,
+             store_slots=cap.store.num_slots if cap.store is not None else 0,
              hook_ns=cap.binding.hook_ns, opened=st.opened, finished=st.finished,
              copier_dropped_steps=cop.dropped_steps, producer_dropped_msgs=prod.dropped_msgs,
              sent_msgs=prod.sent_msgs, sent_bytes=prod.sent_bytes,
@@ -151,6 +167,8 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
     import torch
 
     from routing_replay.engines.vllm_plugin import capture_of
+
+    from routing_replay.capture import PrefixStore
 
     cap = capture_of(worker)
     if cap is None or cap.device.type != "cuda":
@@ -203,8 +221,16 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
         def snapshot():
             stage.copy_(copier._src[0:n])
 
+        # the prefix store's per-step write (fill mode), into a store of the engine's size if it has one
+        store = cap.store if cap.store is not None else PrefixStore(1 << 16, L, K, device=dev)
+        slots = torch.randperm(store.num_slots, device=dev)[:n]
+        step_rows = cache.buffer[:, :n].transpose(0, 1)
+
+        def store_write():
+            store.rows.index_copy_(0, slots, step_rows)
+
         row = {"fill_minus_one_us": timed(fill), "fused_cache_write_us": timed(record),
-               "snapshot_us": timed(snapshot)}
+               "snapshot_us": timed(snapshot), "store_write_us": timed(store_write)}
         row["compute_stream_us"] = row["fill_minus_one_us"] + row["fused_cache_write_us"] + row["snapshot_us"]
         # the D2H into the pinned ring, as submit() issues it (side stream; overlaps compute)
         host = copier._host[:n]
@@ -318,7 +344,10 @@ def _check_records(npz: Path, outs, prompt_len: int, output_len: int, layers: in
         if not r.complete or p.shape != (prompt_len, layers, top_k) or g.shape != (output_len, layers, top_k):
             bad.append((o.request_id, f"complete={r.complete} {r.reason} {p.shape} {g.shape}"))
             continue
-        rows = np.concatenate([p[r.num_cached_tokens:], g[:-1]])
+        if r.num_prefix_filled not in (0, r.num_cached_tokens):
+            bad.append((o.request_id, f"num_prefix_filled {r.num_prefix_filled} of {r.num_cached_tokens}"))
+            continue
+        rows = np.concatenate([p[r.num_cached_tokens - r.num_prefix_filled:], g[:-1]])
         if (rows < 0).any() or (g[-1] != -1).any():
             bad.append((o.request_id, "-1 misplaced"))
             continue
@@ -353,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each mode after the warm-up round")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.42, help="per engine (two run at once)")
     ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="per engine")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="leading prompt tokens shared by all requests (prefix-cache hits; the fill mode's gathers)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: tiny model, 16 requests, 1 round")
     a = ap.parse_args(argv)
     if a.small:
@@ -396,7 +427,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     t = time.monotonic()
     engines["on"] = LLM(**kw)
     start_on = time.monotonic() - t
-    engines["optout"] = engines["on"]
+    engines["optout"] = engines["fill"] = engines["on"]
     print(f"engines started: off {start_off:.0f} s, on {start_on:.0f} s", flush=True)
     for name in ("off", "on"):
         n = engines[name].collective_rpc(_rpc_reinit_weights, args=(1234,))
@@ -404,14 +435,17 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     assert engines["on"].collective_rpc(_rpc_set_timing, args=(True,)) == [True], "plugin not active"
     info = engines["on"].collective_rpc(_rpc_stats)[0]
     pid = {"off": engines["off"].collective_rpc(_rpc_stats)[0]["pid"], "on": info["pid"]}
-    pid["optout"] = pid["on"]
+    pid["optout"] = pid["fill"] = pid["on"]
     print("plugin engine:", json.dumps(info), flush=True)
 
     rnd = random.Random(0)
-    prompts = [{"prompt_token_ids": [rnd.randrange(256) for _ in range(a.prompt_len)]} for _ in range(a.requests)]
+    head = [rnd.randrange(256) for _ in range(min(a.shared_prefix, a.prompt_len))]
+    prompts = [{"prompt_token_ids": head + [rnd.randrange(256) for _ in range(a.prompt_len - len(head))]}
+               for _ in range(a.requests)]
     base = dict(max_tokens=a.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
     sps = {"off": SamplingParams(**base),
            "on": SamplingParams(**base, extra_args={"return_routed_experts": True}),
+           "fill": SamplingParams(**base, extra_args={"return_routed_experts": True}),
            "optout": SamplingParams(**base, extra_args={"return_routed_experts": False})}
     outputs: dict = {}
     rounds: list = []
@@ -419,6 +453,8 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
 
     def one_round(mode: str, idx: int) -> dict:
         llm = engines[mode]
+        if mode != "off":
+            llm.collective_rpc(_rpc_prefix_rows, args=("fill" if mode == "fill" else "sentinel",))
         llm.reset_prefix_cache()
         gc.collect()                                      # no collection of the last round's outputs in this one
         s0 = llm.collective_rpc(_rpc_stats)[0]
@@ -439,7 +475,9 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
                      hook_us_per_step=(s1["hook_ns"] - s0["hook_ns"]) / steps / 1e3,
                      engine_cpu_us_per_step=(c1 - c0) / steps * 1e6,
                      sent_msgs=s1["sent_msgs"] - s0["sent_msgs"], sent_bytes=s1["sent_bytes"] - s0["sent_bytes"])
-        if mode == "on":
+        if s1["capture"]:
+            r.update(prefix_rows=s1["prefix_rows"] - s0["prefix_rows"], store_device_bytes=s1["store_device_bytes"])
+        if mode in ("on", "fill"):
             r["records_wait_s"] = helpers.wait_records(a.requests, timeout_s=120)
             r["helpers_cpu_s"] = helpers.cpu_s() - h0
             chk = _check_records(helpers.npz, outs, a.prompt_len, a.output_len, info["moe_layers"], info["top_k"])
@@ -486,9 +524,15 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     pairs = [(r_on["output_tok_s"], r_off["output_tok_s"]) for r_on in rounds for r_off in rounds
              if r_on["mode"] == "on" and r_off["mode"] == "off" and r_on["round"] == r_off["round"]]
     res["loss_on_vs_off_pct_per_round"] = [100 * (1 - x / y) for x, y in pairs]
+    res["loss_fill_vs_off_pct"] = 100 * (1 - res["fill_output_tok_s"] / res["off_output_tok_s"])
+    res["loss_fill_vs_on_pct"] = 100 * (1 - res["fill_output_tok_s"] / res["on_output_tok_s"])
     on_rounds = [r for r in rounds if r["mode"] == "on"]
+    fill_rounds = [r for r in rounds if r["mode"] == "fill"]
     res["steps_per_round"] = statistics.median(r["steps"] for r in on_rounds)
     res["host_us_per_step_on"] = statistics.median(r["host_us_per_step"] for r in on_rounds)
+    res["host_us_per_step_fill"] = statistics.median(r["host_us_per_step"] for r in fill_rounds)
+    res["prefix_rows_per_fill_round"] = statistics.median(r["prefix_rows"] for r in fill_rounds)
+    res["store_device_bytes"] = max(r["store_device_bytes"] for r in fill_rounds)
     res["hook_us_per_step_on"] = statistics.median(r["hook_us_per_step"] for r in on_rounds)
     res["host_us_per_step_optout"] = med("optout", "host_us_per_step")
     res["engine_cpu_us_per_step"] = {m: 1e6 * res[f"{m}_engine_cpu_s"] / res["steps_per_round"] for m in MODES}
@@ -525,6 +569,9 @@ def _print_summary(r: dict) -> None:
     print(f"  lost, on vs off: {r['loss_on_vs_off_pct']:.2f} %  (per round: "
           f"{', '.join(f'{x:.2f}' for x in r['loss_on_vs_off_pct_per_round'])}); on vs optout: "
           f"{r['loss_on_vs_optout_pct']:.2f} %; optout vs off: {r['loss_optout_vs_off_pct']:.2f} %")
+    print(f"  fill (prefix store on): lost vs off {r['loss_fill_vs_off_pct']:.2f} %, vs on {r['loss_fill_vs_on_pct']:.2f} %;"
+          f" host per step {r['host_us_per_step_fill']:.1f} us; {r['prefix_rows_per_fill_round']:.0f} prefix rows "
+          f"filled per round; store {r['store_device_bytes'] / 2**20:.1f} MiB on the device")
     print(f"  host per step (engine thread, capture on): pre/post {r['host_us_per_step_on']:.1f} us + hooks "
           f"{r['hook_us_per_step_on']:.1f} us; opt-out {r['host_us_per_step_optout']:.1f} us; "
           f"{r['steps_per_round']:.0f} steps per round")
@@ -533,8 +580,8 @@ def _print_summary(r: dict) -> None:
         if isinstance(g, dict):
             print(f"  GPU per step at {n} tokens: fill {g['fill_minus_one_us']:.2f} + cache write "
                   f"{g['fused_cache_write_us']:.2f} + snapshot {g['snapshot_us']:.2f} = "
-                  f"{g['compute_stream_us']:.2f} us compute stream; D2H {g['d2h_side_stream_us']:.1f} us on the "
-                  f"side stream ({g['bytes_per_step']} B)")
+                  f"{g['compute_stream_us']:.2f} us compute stream (+ prefix store write {g['store_write_us']:.2f} us "
+                  f"in fill mode); D2H {g['d2h_side_stream_us']:.1f} us on the side stream ({g['bytes_per_step']} B)")
     m = r["memory"]
     dev, cache = m["device_cache_bytes"] + m["device_copier_bytes"], m["device_cache_bytes"]
     print(f"  memory: device {dev / 2**20:.1f} MiB (cache {cache / 2**20:.1f} + staging "

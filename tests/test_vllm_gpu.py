@@ -53,7 +53,7 @@ from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_mode
 from tests.procs import start_broker, start_consumer  # noqa: E402
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS",
-       "TRITON_F32_DEFAULT", "VLLM_WORKER_MULTIPROC_METHOD")
+       "TRITON_F32_DEFAULT", "VLLM_WORKER_MULTIPROC_METHOD", "ROUTING_REPLAY_PREFIX_ROWS")
 L, K = 4, 2                         # the tiny model: 4 MoE layers, 8 experts, top-2, hidden 128
 N_CONCURRENT = 96
 GPU_MEM = 0.25                      # per engine; the engines of this module run one after the other
@@ -112,9 +112,9 @@ def generate(llm, prompts, sps):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
 
 
-def check_exact(oracle: Oracle, outs, recs) -> dict:
+def check_exact(oracle: Oracle, outs, recs, fill: bool = False) -> dict:
     """Every completion has a complete record matching vLLM's tokens, exact against the oracle, -1 exactly at the
-    prefix-cache hits and the last output token."""
+    prefix-cache hits (none with fill: they carry the prefix store's rows) and the last output token."""
     n_rec = rows = cached_recs = cached_tokens = 0
     reasons: dict = {}
     for o in outs:
@@ -129,9 +129,10 @@ def check_exact(oracle: Oracle, outs, recs) -> dict:
             assert r.prompt_token_ids.tolist() == list(o.prompt_token_ids)
             assert r.output_token_ids.tolist() == list(c.token_ids)
             cached.append(r.num_cached_tokens)
+            assert r.num_prefix_filled == (r.num_cached_tokens if fill else 0), (key, r.num_prefix_filled)
             v = oracle.check(r)
             assert v.ok, (key, v.error, v.mismatches[:3], v.sentinel_errors[:3])
-            assert v.rows == (P + G - 1 - r.num_cached_tokens) * L
+            assert v.rows == (P + G - 1 - r.num_cached_tokens + r.num_prefix_filled) * L
             n_rec += 1
             rows += v.rows
             cached_recs += r.num_cached_tokens > 0
@@ -170,8 +171,10 @@ def _free_gpu():
         torch.cuda.empty_cache()
 
 
-def test_external_broker_float32_exact(env, tmp_path, results_dir):
-    """vLLM's default multi-process engine publishing to broker and consumer processes; all steps replay graphs."""
+@pytest.mark.parametrize("prefix_rows", ["sentinel", "fill"])
+def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows):
+    """vLLM's default multi-process engine publishing to broker and consumer processes; all steps replay graphs.
+    With ROUTING_REPLAY_PREFIX_ROWS=fill the prefix-cache hits (16-token blocks) carry exact routing too."""
     from vllm import LLM
 
     import routing_replay.engines.vllm_plugin as plugin
@@ -181,7 +184,7 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir):
     consumer = start_consumer(be, "--npz-dir", str(npz), "--finish-grace-ms", "100")
     # spawn, not fork: this process has run torch CPU ops (OpenMP) and threads; a forked engine core hung in start-up
     env.update(ROUTING_REPLAY_BROKER=fe, ROUTING_REPLAY_REQUESTS="all", TRITON_F32_DEFAULT="ieee",
-               VLLM_WORKER_MULTIPROC_METHOD="spawn")
+               VLLM_WORKER_MULTIPROC_METHOD="spawn", ROUTING_REPLAY_PREFIX_ROWS=prefix_rows)
     for k in ("ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE"):
         env.pop(k, None)
     plugin.register()           # vLLM loads plugins once per process; this covers a process that loaded them before
@@ -204,11 +207,13 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir):
         shutdown_mp(llm)
         consumer.stop()
         broker.stop()
-    summary = check_exact(Oracle(str(model)), warm_outs + outs, recs)
+    summary = check_exact(Oracle(str(model)), warm_outs + outs, recs, fill=prefix_rows == "fill")
     assert summary["records_with_prefix_hits"] >= N_CONCURRENT // 4, summary
     assert summary["finish_reasons"].get("stop", 0) > 0 and summary["finish_reasons"].get("length", 0) > 0
-    summary.update(engine=cfg, path="external broker + consumer processes", engine_layout="multi-process")
-    (results_dir / "gpu_external_float32.json").write_text(json.dumps(summary, indent=2))
+    summary.update(engine=cfg, path="external broker + consumer processes", engine_layout="multi-process",
+                   prefix_rows=prefix_rows)
+    name = "gpu_external_float32.json" if prefix_rows == "sentinel" else "gpu_external_float32_fill.json"
+    (results_dir / name).write_text(json.dumps(summary, indent=2))
     print("\n" + json.dumps(summary))
     _free_gpu()
 

@@ -283,6 +283,18 @@ class WorkerCapture:
 
     # ---- prefix store (fill mode) ------------------------------------------------------------------------------
 
+    def set_prefix_rows(self, mode: str) -> None:
+        """Switch fill mode between steps (benchmarks compare both on one engine): `fill` starts with an empty
+        store at the next step (nothing computed before is known), `sentinel` frees it. Call only while no
+        captured request is in flight."""
+        if mode not in ("fill", "sentinel"):
+            raise ValueError(f"prefix rows mode {mode!r}: choose fill or sentinel")
+        if mode == "fill":
+            _check_fill_supported(self.runner.vllm_config)
+        self.fill = mode == "fill"
+        self.store = None
+        self._fills, self._fill_queue = [], deque()
+
     def _make_store(self) -> None:
         """Allocate the PrefixStore for every KV slot of this worker's cache (first step: its size is known only
         after vLLM sized the KV cache). On a cache layout it cannot serve, log an ERROR and fall back to -1
