@@ -1,4 +1,4 @@
-"""vLLM general plugin entry point: check the vLLM version and wrap the worker and scheduler methods we hook.
+"""vLLM general plugin entry point: self-check the vLLM it runs in and wrap the worker and scheduler methods we hook.
 
 `register()` runs in every vLLM process (front end, engine core, workers) through the `vllm.general_plugins`
 entry point. It does nothing unless ROUTING_REPLAY_BROKER is set. Otherwise it wraps, at class level and
@@ -16,8 +16,10 @@ without touching vLLM's files:
   vllm.v1.engine.core_client.InprocClient
     get_output, abort_requests   see scheduler_hooks.py (in-process engines only)
 
-Supported: vLLM 0.32.x (the CPU build in CI, V1 model runner) and 0.25.1 (GPU). Any other version raises at
-start-up; vLLM propagates exceptions from plugin functions, so the engine does not start.
+Supported: any vLLM whose start-up self-check passes (selfcheck.py: every class, method, signature and field the
+plugin hooks or reads is there). Tested: selfcheck.TESTED_VLLM (0.25.1 on GPU; the CPU build 0.27.0 to 0.32.0, the
+V1 model runner). Outside those a WARNING names them; a failed self-check raises at start-up naming the missing
+hook (vLLM propagates exceptions from plugin functions, so the engine does not start).
 """
 
 from __future__ import annotations
@@ -25,23 +27,20 @@ from __future__ import annotations
 import functools
 import logging
 
+from routing_replay.engines.vllm_plugin import selfcheck
 from routing_replay.engines.vllm_plugin import settings as _settings
 
 log = logging.getLogger("vllm.routing_replay")
 
-SUPPORTED_VLLM = ("0.32.x", "0.25.1")
+SUPPORTED_VLLM = selfcheck.TESTED_VLLM      # tested; any other vLLM runs if the self-check passes
 _ATTR = "_routing_replay"
 _installed = False
 
 
 def check_version(version: str) -> None:
-    """Raise RuntimeError unless `version` (vllm.__version__) is one routing-replay was built against."""
-    base = version.split("+")[0]
-    parts = base.split(".")
-    if base == "0.25.1" or (len(parts) >= 2 and parts[0] == "0" and parts[1] == "32"):
-        return
-    raise RuntimeError(f"routing-replay supports vLLM {' and '.join(SUPPORTED_VLLM)}; this is vLLM {version}. "
-                       f"Unset {_settings.ENV_BROKER} to run without routing capture.")
+    """The start-up self-check for vLLM `version` (vllm.__version__): RuntimeError naming every missing hook;
+    a WARNING naming the tested versions if `version` is not one of them (selfcheck.startup_check)."""
+    selfcheck.startup_check(version)
 
 
 def register() -> None:

@@ -127,15 +127,16 @@ def install_inproc_flush(client_cls) -> None:
     orig_get, orig_abort = client_cls.get_output, client_cls.abort_requests
 
     @functools.wraps(orig_get)
-    def get_output(self):
-        out = orig_get(self)
+    def get_output(self, *args, **kwargs):
+        out = orig_get(self, *args, **kwargs)
         _deliver_owed(self)
         return out
 
     @functools.wraps(orig_abort)
-    def abort_requests(self, request_ids):
-        orig_abort(self, request_ids)
+    def abort_requests(self, *args, **kwargs):
+        out = orig_abort(self, *args, **kwargs)
         _deliver_owed(self)
+        return out
 
     client_cls.get_output = get_output
     client_cls.abort_requests = abort_requests
