@@ -359,37 +359,52 @@ class WorkerCapture:
             self.stats.prefix_rows += hits
 
     def _pump_fills(self, force: set | None = None) -> None:
-        """Gather queued prefix rows into the host ring, oldest first, chunk by chunk, while the ring keeps room
-        for two worst-case steps (the steps' own rows are never pushed out by prefix rows). `force`: engine ids
-        whose blocks are freed in this step (finished, preempted): their rows go now, dropped (published as lost,
-        the record says so) if the ring is full."""
+        """Gather queued prefix rows into the host ring, oldest first, up to half a step's rows per gather (many
+        requests' rows in one index_select), while the ring keeps room for two worst-case steps (the steps' own
+        rows are never pushed out by prefix rows). `force`: engine ids whose blocks are freed in this step
+        (finished, preempted): their rows go now, dropped (published as lost, the record says so) if the ring
+        is full."""
         q = self._fill_queue
         chunk = max(1, self.copier.max_rows // 2)
-        reserve = 2 * self.copier.max_rows
         if force:
-            for f in [f for f in q if f.rid in force]:
-                q.remove(f)
-                while f.done < len(f.slots):
-                    self._gather(f, min(len(f.slots), f.done + chunk), may_drop=True)
+            forced = deque(f for f in q if f.rid in force)
+            self._fill_queue = q = deque(f for f in q if f.rid not in force)
+            while forced:
+                self._gather(forced, chunk, may_drop=True)
+        reserve = 2 * self.copier.max_rows
         while q:
-            f = q[0]
-            b = min(len(f.slots), f.done + chunk)
-            if self.copier.free_rows < (b - f.done) + reserve or not self._gather(f, b, may_drop=False):
+            want = min(chunk, sum(len(f.slots) - f.done for f in q))
+            if self.copier.free_rows < want + reserve or not self._gather(q, chunk, may_drop=False):
                 return
-            if f.done == len(f.slots):
-                q.popleft()
 
-    def _gather(self, f: "_Fill", b: int, may_drop: bool) -> bool:
-        a = f.done
-        pending = self.copier.submit_gather(self.store.rows, f.slots[a:b], may_drop=may_drop)
+    def _gather(self, q: deque, chunk: int, may_drop: bool) -> bool:
+        """One gather of up to `chunk` rows taken from the front of `q` (whole requests while they fit, then part
+        of the next); finished requests leave the queue. False if the ring had no room (nothing taken)."""
+        keys, starts, counts, parts = [], [], [], []
+        room = chunk
+        for f in q:
+            if room == 0:
+                break
+            n = min(room, len(f.slots) - f.done)
+            keys.append(f.key)
+            starts.append(f.done)
+            counts.append(n)
+            parts.append(f.slots[f.done:f.done + n])
+            room -= n
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        pending = self.copier.submit_gather(self.store.rows, slots, may_drop=may_drop)
         if pending is None:
             return False
-        f.done = b
+        for n in counts:
+            f = q[0]
+            f.done += n
+            if f.done == len(f.slots):
+                q.popleft()
         if pending.dropped:                     # host ring full: published as lost, the record says so
             self._flush()
-            self.producer.publish_rows([f.key], [a], [b - a], pending)
+            self.producer.publish_rows(keys, starts, counts, pending)
             return True
-        self.batch.add(pending, [f.key], [a], [b - a], strict=False)
+        self.batch.add(pending, keys, starts, counts, strict=False)
         if self.batch.rows >= self.max_batch_rows:
             self._flush()
         return True
