@@ -52,6 +52,77 @@ def _moe_runner_cls():
     return MoERunner
 
 
+# ---- vLLM 0.27 on CPU: the unquantized MoE is monolithic ---------------------------------------------------------
+# vLLM 0.27's UnquantizedFusedMoEMethod keeps CPU on the "old monolithic path": `apply_monolithic` calls the layer's
+# `quant_method.cpu_fused_moe` (CPUFusedMOE or SGLFusedMOE), whose `__call__` computes the top-k with the module
+# function `cpu_fused_moe.select_experts` and never calls the router's capture hook. (From 0.28 on CPU is modular
+# and goes through BaseRouter like every other backend.) The shim: each such layer's `cpu_fused_moe` is wrapped
+# in a _RouterScope that names the layer's MoERunner while it runs, and `select_experts` is wrapped (module-level,
+# once) to hand its logical top-k ids to that runner's `router.capture_fn`: the same hook, the same ids vLLM
+# routes with, no second top-k.
+
+_scope: list = []                   # the MoERunner whose cpu_fused_moe is running (innermost last)
+
+
+def _cpu_moe_module():
+    try:
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+    except ImportError:
+        return None
+    return cpu_fused_moe
+
+
+def _legacy_cpu_moe(module) -> bool:
+    """Whether `module` (a monolithic MoERunner) runs vLLM 0.27's CPU fused MoE, which the shim can hook."""
+    qm = getattr(getattr(module, "routed_experts", None), "quant_method", None)
+    fn = getattr(qm, "cpu_fused_moe", None)
+    if isinstance(fn, _RouterScope):
+        return True
+    mod = _cpu_moe_module()
+    kinds = tuple(getattr(mod, n) for n in ("CPUFusedMOE", "SGLFusedMOE") if hasattr(mod, n))
+    return bool(kinds) and isinstance(fn, kinds) and callable(getattr(mod, "select_experts", None))
+
+
+class _RouterScope:
+    """Stands in for one layer's `quant_method.cpu_fused_moe`: runs it with the layer's MoERunner in scope."""
+
+    def __init__(self, fn, module):
+        self.fn, self.module = fn, module
+
+    def __call__(self, *args, **kwargs):
+        _scope.append(self.module)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            _scope.pop()
+
+    def __getattr__(self, name):            # forward_method, isa, ... as the wrapped object has them
+        return getattr(self.fn, name)
+
+
+def _install_legacy_cpu_hook(module) -> None:
+    """Route `module`'s CPU fused-MoE top-k through its router's capture hook (idempotent)."""
+    mod = _cpu_moe_module()
+    orig = mod.select_experts
+    if not getattr(orig, "_routing_replay", False):
+        def select_experts(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            if _scope:
+                fn = _scope[-1].router.capture_fn
+                if fn is not None:
+                    fn(out[1])
+            return out
+
+        select_experts._routing_replay = True
+        mod.select_experts = select_experts
+    qm = module.routed_experts.quant_method
+    if not isinstance(qm.cpu_fused_moe, _RouterScope):
+        qm.cpu_fused_moe = _RouterScope(qm.cpu_fused_moe, module)
+    elif qm.cpu_fused_moe.module is not module:
+        raise NotImplementedError(f"routing-replay: MoE layers share the quant method {type(qm).__name__}; "
+                                  "their CPU fused MoE cannot be told apart")
+
+
 def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
     """The MoE blocks of `model` in layer order (only this pipeline stage's layers exist in `model`)."""
     runner_cls = _moe_runner_cls()
@@ -60,7 +131,7 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         if not isinstance(module, runner_cls):
             continue
         router = module.router
-        if module.is_monolithic:
+        if module.is_monolithic and not _legacy_cpu_moe(module):
             kernel = type(getattr(module.routed_experts, "quant_method", None)).__name__
             raise NotImplementedError(
                 f"routing-replay: MoE layer {name} uses the monolithic kernel {kernel}, which computes its "
@@ -69,6 +140,8 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         if not callable(getattr(router, "set_capture_fn", None)):
             raise NotImplementedError(f"routing-replay: router {type(router).__name__} of MoE layer {name} "
                                       "has no set_capture_fn")
+        if module.is_monolithic:
+            _install_legacy_cpu_hook(module)
         top_k = int(router.top_k)
         num_experts = int(getattr(router, "global_num_experts", 0) or 0)
         if num_experts - 1 > MAX_EXPERT_ID:
