@@ -34,23 +34,29 @@ def _tokenizer(out: Path) -> int:
 
 
 def make_config(arch: str, *, num_layers: int = 4, num_experts: int = 8, top_k: int = 2, hidden_size: int = 128,
-                vocab_size: int = 512, dtype: str = "float32"):
+                vocab_size: int = 512, dtype: str = "float32", moe_intermediate_size: int | None = None,
+                num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                head_dim: int | None = None):
+    """The config of make_tiny_model. The shape arguments left None keep the tiny defaults: expert (MoE)
+    intermediate size = hidden_size, hidden_size // 64 query heads, 1 KV head, head_dim 64."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                  num_attention_heads=hidden_size // 64, num_key_value_heads=1, head_dim=64,
+                  num_attention_heads=num_attention_heads or hidden_size // 64,
+                  num_key_value_heads=num_key_value_heads or 1, head_dim=head_dim or 64,
                   max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=256, eos_token_id=256,
                   pad_token_id=257)
+    moe_inter = moe_intermediate_size or hidden_size
     if arch in ("qwen3_moe", "qwen3_moe_mixed"):
         mlp_only = [1] if arch == "qwen3_moe_mixed" else []
         if arch == "qwen3_moe_mixed" and num_layers >= 5:
             mlp_only = [1, num_layers - 2]
-        cfg = Qwen3MoeConfig(intermediate_size=4 * hidden_size, moe_intermediate_size=hidden_size,
+        cfg = Qwen3MoeConfig(intermediate_size=4 * hidden_size, moe_intermediate_size=moe_inter,
                              num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                              decoder_sparse_step=1, mlp_only_layers=mlp_only, **common)
         cfg.architectures = ["Qwen3MoeForCausalLM"]
     elif arch == "mixtral":
-        cfg = MixtralConfig(intermediate_size=hidden_size, num_local_experts=num_experts,
+        cfg = MixtralConfig(intermediate_size=moe_inter, num_local_experts=num_experts,
                             num_experts_per_tok=top_k, sliding_window=None, **common)
         cfg.architectures = ["MixtralForCausalLM"]
     else:
@@ -69,7 +75,10 @@ def moe_layer_ids(cfg) -> list[int]:
 
 def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed: int = 0, num_layers: int = 4,
                     num_experts: int = 8, top_k: int = 2, hidden_size: int = 128, router_std: float = 1.0,
-                    dtype: str = "float32", peaked: bool = False) -> Path:
+                    dtype: str = "float32", peaked: bool = False, vocab_size: int | None = None,
+                    moe_intermediate_size: int | None = None, num_attention_heads: int | None = None,
+                    num_key_value_heads: int | None = None, head_dim: int | None = None,
+                    fan_in_ref: int | None = None, device: str | None = None, timings: dict | None = None) -> Path:
     """Write a random-weight checkpoint to out_dir (idempotent for the same arguments) and return the path.
 
     Router weights get a larger std than the rest so that top-k choices are rarely near-tied: the oracle
@@ -82,7 +91,22 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed
     residual stream, so experts are distinct and a different expert set gives a different distribution).
     The same seed draws the same numbers; only those two scales differ. peaked=False leaves the model exactly
     as before (same weights, same marker file).
+
+    Larger shapes (bench/r3_gpu.py: Qwen3-30B-A3B's layer): vocab_size (None: 512, at least the tokenizer's),
+    moe_intermediate_size, num_attention_heads, num_key_value_heads, head_dim (None: make_config's tiny values).
+    fan_in_ref=F scales the std of every weight that multiplies an activation (all but the token embedding and
+    the norms; the router too, router_std included) by sqrt(F / fan_in), fan_in = the weight's last dimension
+    (nn.Linear's in_features; the fused expert tensors (E, out, in) alike). With F = 128, the tiny width, a
+    wider model keeps the tiny model's activation statistics: the same router logit std (router_std *
+    sqrt(128)), the same peaked lm_head logits (std about 4.5), expert outputs of the same size against the
+    residual stream. device: generate the weights there, directly in `dtype` (fast on a GPU; the numbers differ
+    from a CPU float32 generation of the same seed). All of these left None keep the model exactly as before;
+    each one given is part of the marker. timings: a dict to receive generate_s and save_s (seconds; both 0.0
+    when the marker matched and nothing was written).
     """
+    import math
+    import time
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -91,30 +115,52 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed
                  hidden_size=hidden_size, router_std=router_std, dtype=dtype)
     if peaked:
         stamp["peaked"] = True
+    shape = dict(moe_intermediate_size=moe_intermediate_size, num_attention_heads=num_attention_heads,
+                 num_key_value_heads=num_key_value_heads, head_dim=head_dim)
+    extra = dict(vocab_size=vocab_size, fan_in_ref=fan_in_ref, device=device, **shape)
+    stamp.update({k: v for k, v in extra.items() if v is not None})
     marker = out / "routing_replay_model.json"
+    if timings is not None:
+        timings.update(generate_s=0.0, save_s=0.0)
     if marker.exists() and json.loads(marker.read_text()) == stamp:
         return out
+    t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     vocab = _tokenizer(out)
     cfg = make_config(arch, num_layers=num_layers, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
-                      vocab_size=max(512, vocab), dtype=dtype)
+                      vocab_size=max(vocab_size or 512, vocab), dtype=dtype, **shape)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if device is None:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+
+    def std(name: str, p, base: float) -> float:
+        if fan_in_ref is None or name.endswith("embed_tokens.weight"):
+            return base
+        return base * math.sqrt(fan_in_ref / p.shape[-1])
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 continue
             if name.endswith("gate.weight") and p.shape[0] == num_experts:
-                p.normal_(0.0, router_std)
+                p.normal_(0.0, std(name, p, router_std))
             elif peaked and name == "lm_head.weight":
-                p.normal_(0.0, PEAKED_LM_HEAD_STD)
+                p.normal_(0.0, std(name, p, PEAKED_LM_HEAD_STD))
             elif peaked and ".experts." in name:
-                p.normal_(0.0, PEAKED_EXPERT_STD)
+                p.normal_(0.0, std(name, p, PEAKED_EXPERT_STD))
             else:
-                p.normal_(0.0, 0.05)
+                p.normal_(0.0, std(name, p, 0.05))
     model = model.to(getattr(torch, dtype))
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(stamp))
+    if timings is not None:
+        timings.update(generate_s=t1 - t0, save_s=time.perf_counter() - t1)
     return out
 
 

@@ -5,6 +5,9 @@
 #   bash bench/vllm_gpu.sh test        the tests only       (about 4 minutes on an H100, vLLM install included)
 #   bash bench/vllm_gpu.sh bench [ARGS] the benchmark only   (ARGS go to bench/vllm_gpu.py)
 #   bash bench/vllm_gpu.sh [all]       both
+#   bash bench/vllm_gpu.sh r3 [ARGS]    R3 at layer width (bench/r3_gpu.py: generated 8-layer Qwen3-30B-A3B-shaped
+#                                       model, bf16 engine and trainer; about 4 minutes, R3_TIMEOUT_S caps it at 480 s):
+#                                       r3_gpu.json/.txt and the log r3_gpu.log in $OUT; not part of `all`
 # On the lent H100, vLLM 0.25.1 comes from the carried pieces (docs/PERFORMANCE.md, ../shared/gpu-vllm/RECIPE.md):
 # this script runs .carry/whl/install.sh when `vllm` is not importable. pytest comes from the environment, else from
 # .carry/capture_pylib (a pure-Python copy). The plugin's entry point is declared through a dist-info directory in
@@ -58,6 +61,15 @@ if [[ $mode == bench || $mode == all ]]; then
   r=$?
   grep -vE "^\(|^INFO|^WARNING|^\[|^$" "$OUT/bench_vllm_gpu.txt" | tail -40
   echo "bench rc=$r in $((SECONDS - t0)) s"
+  [[ $r -ne 0 ]] && rc=$r
+fi
+if [[ $mode == r3 ]]; then
+  echo "== bench/r3_gpu.py $*"
+  t0=$SECONDS
+  timeout "${R3_TIMEOUT_S:-480}" python3 bench/r3_gpu.py --out "$OUT" "$@" > "$OUT/r3_gpu.log" 2>&1
+  r=$?
+  grep -vE "^\(|^INFO|^WARNING|^\[|^$|it/s\]|^Loading|^Writing" "$OUT/r3_gpu.log" | tail -40
+  echo "r3 rc=$r in $((SECONDS - t0)) s"
   [[ $r -ne 0 ]] && rc=$r
 fi
 exit $rc
