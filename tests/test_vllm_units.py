@@ -238,6 +238,74 @@ def test_binding_records_gates_counts_and_chains():
     assert layers[0].router.capture_fn is None and layers[1].router.capture_fn == foreign.append
 
 
+_CPU_MOE_SRC = """
+import torch
+
+def select_experts(hidden_states, router_logits, top_k, use_grouped_topk=False, renormalize=True, **kw):
+    vals, ids = torch.topk(router_logits, k=top_k, dim=-1, sorted=False)
+    return torch.softmax(vals, dim=-1), ids.to(torch.int32)
+
+class CPUFusedMOE:                      # vLLM 0.27's shape: __call__ routes with the module's select_experts
+    def __init__(self, layer):
+        self.isa = "vec"
+
+    def __call__(self, layer, x, use_grouped_topk, top_k, router_logits, renormalize, *args, **kwargs):
+        topk_weights, topk_ids = select_experts(hidden_states=x, router_logits=router_logits, top_k=top_k,
+                                                use_grouped_topk=use_grouped_topk, renormalize=renormalize)
+        return x * topk_weights.sum(-1, keepdim=True)
+
+class SGLFusedMOE(CPUFusedMOE):
+    pass
+"""
+
+
+def test_vllm_027_cpu_monolithic_moe_is_hooked(monkeypatch):
+    """vLLM 0.27 on CPU routes inside quant_method.cpu_fused_moe (monolithic): the binding shim hands the ids
+    of cpu_fused_moe.select_experts to the layer's router.capture_fn, and only while that layer runs."""
+    import types
+
+    from routing_replay.engines.vllm_plugin import binding
+
+    fake = types.ModuleType("vllm.model_executor.layers.fused_moe.cpu_fused_moe")
+    exec(_CPU_MOE_SRC, fake.__dict__)
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    class Runner(torch.nn.Module):
+        def __init__(self, lid, qm):
+            super().__init__()
+            self.layer_id, self.router, self.is_monolithic = lid, FakeRouter(), True
+            self.router.top_k, self.router.global_num_experts = 2, 8
+            self.routed_experts = types.SimpleNamespace(quant_method=qm)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = Runner(0, types.SimpleNamespace(cpu_fused_moe=fake.CPUFusedMOE(None)))
+            self.b = Runner(1, types.SimpleNamespace(cpu_fused_moe=fake.SGLFusedMOE(None)))
+
+    monkeypatch.setattr(binding, "_moe_runner_cls", lambda: Runner)
+    model = Model()
+    layers = binding.find_moe_layers(model)
+    assert [m.layer_id for m in layers] == [0, 1] and [m.top_k for m in layers] == [2, 2]
+    got = []
+    b = CaptureBinding(layers, lambda i, ids: got.append((i, sorted(ids[0].tolist()))))
+    b.bind()
+    x = torch.ones(1, 4)
+    logits = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 4.0, 0.0]])
+    qm_a, qm_b = model.a.routed_experts.quant_method, model.b.routed_experts.quant_method
+    assert qm_a.cpu_fused_moe.isa == "vec"                 # the stand-in forwards attributes
+    assert torch.equal(qm_b.cpu_fused_moe(model.b, x, False, 2, logits, True), x)
+    qm_a.cpu_fused_moe(model.a, x, False, 2, logits, True)
+    assert got == [(1, [1, 6]), (0, [1, 6])] and b.calls == 2
+    fake.select_experts(hidden_states=x, router_logits=logits, top_k=2)
+    assert len(got) == 2                                   # outside a layer's scope: nobody's routing
+    wrapped = qm_a.cpu_fused_moe
+    assert binding.find_moe_layers(model)[0].module is model.a and qm_a.cpu_fused_moe is wrapped   # idempotent
+    model.a.routed_experts.quant_method = types.SimpleNamespace(cpu_fused_moe=object())          # another kernel
+    with pytest.raises(NotImplementedError, match="layer a uses the monolithic kernel SimpleNamespace"):
+        binding.find_moe_layers(model)
+
+
 # ---- step batching ---------------------------------------------------------------------------------------------
 
 
