@@ -212,6 +212,7 @@ class WorkerCapture:
         self.store: PrefixStore | None = None   # made at the first step (the KV cache's size is known then)
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
+        self._store_views: dict = {}            # (slot-mapping address, step size) -> (slots, rows) views
         self.binding = None
         self.sink = None
         self._warned_no_notes = False
@@ -293,7 +294,7 @@ class WorkerCapture:
             _check_fill_supported(self.runner.vllm_config)
         self.fill = mode == "fill"
         self.store = None
-        self._fills, self._fill_queue = [], deque()
+        self._fills, self._fill_queue, self._store_views = [], deque(), {}
 
     def _make_store(self) -> None:
         """Allocate the PrefixStore for every KV slot of this worker's cache (first step: its size is known only
@@ -330,10 +331,20 @@ class WorkerCapture:
                  (self.copier.host_bytes + (store.nbytes if self.device.type == "cpu" else 0)) / 2**20)
 
     def _store_step(self, n: int, complete: bool) -> None:
-        """After the forward: this step's n rows into the store at their KV slots (-1 if not all recorded)."""
-        slots = self._slots.gpu[:n]
+        """After the forward: this step's n rows into the store at their KV slots (-1 if not all recorded).
+        The (slot-mapping, cache) views per step size are kept (keyed by the slot-mapping tensor's address, so a
+        runner that reallocates it gets new views): the write is then one torch call on the engine thread."""
+        mapping = self._slots.gpu
+        key = (mapping.data_ptr(), n)
+        views = self._store_views.get(key)
+        if views is None:
+            if len(self._store_views) >= 1024:
+                self._store_views.clear()
+            views = self._store_views[key] = (mapping[:n], self.cache.buffer[:, :n].transpose(0, 1))
+        slots = views[0]
         if complete:
-            self.store.write(slots, self.cache.buffer[:, :n].transpose(0, 1))
+            self.store.rows.index_copy_(0, slots, views[1])
+            self.store.writes += 1
         else:
             self.store.forget(slots)
             self.stats.store_forgotten += n
