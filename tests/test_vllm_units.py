@@ -306,6 +306,57 @@ def test_vllm_027_cpu_monolithic_moe_is_hooked(monkeypatch):
         binding.find_moe_layers(model)
 
 
+def test_vllm_028_cpu_monolithic_experts_are_hooked(monkeypatch):
+    """vLLM 0.28/0.29 on CPU route inside CPUUnquantizedExperts._select_experts (monolithic): each layer's experts
+    object gets an instance-level wrapper that hands the ids to that layer's router.capture_fn."""
+    import types
+
+    from routing_replay.engines.vllm_plugin import binding
+
+    fake = types.ModuleType("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+
+    class CPUUnquantizedExperts:
+        def _select_experts(self, hidden_states, router_logits, num_expert_group, topk_group, bias, scale):
+            vals, ids = torch.topk(router_logits, k=2, dim=-1, sorted=False)
+            return vals, ids.to(torch.int32)
+
+        def apply(self, hidden_states, router_logits):
+            w, ids = self._select_experts(hidden_states, router_logits, None, None, None, None)
+            return hidden_states
+
+    fake.CPUUnquantizedExperts = CPUUnquantizedExperts
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    class Runner(torch.nn.Module):
+        def __init__(self, lid):
+            super().__init__()
+            self.layer_id, self.router, self.is_monolithic = lid, FakeRouter(), True
+            self.router.top_k, self.router.global_num_experts = 2, 8
+            kernel = types.SimpleNamespace(fused_experts=CPUUnquantizedExperts())
+            self.routed_experts = types.SimpleNamespace(quant_method=types.SimpleNamespace(moe_kernel=kernel))
+
+    model = torch.nn.Module()
+    model.a, model.b = Runner(0), Runner(1)
+    monkeypatch.setattr(binding, "_moe_runner_cls", lambda: Runner)
+    got = []
+    layers = binding.find_moe_layers(model)
+    assert [m.name for m in layers] == ["a", "b"]
+    b = CaptureBinding(layers, lambda i, ids: got.append((i, sorted(ids[0].tolist()))))
+    b.bind()
+    x = torch.ones(1, 4)
+    logits = torch.tensor([[0.0, 0.0, 3.0, 0.0, 0.0, 2.0, 0.0, 0.0]])
+    ea = model.a.routed_experts.quant_method.moe_kernel.fused_experts
+    eb = model.b.routed_experts.quant_method.moe_kernel.fused_experts
+    eb.apply(x, logits)
+    ea.apply(x, logits)
+    assert got == [(1, [2, 5]), (0, [2, 5])] and b.calls == 2
+    wrapped = ea._select_experts
+    binding.find_moe_layers(model)
+    assert ea._select_experts is wrapped                   # idempotent
+    ea.apply(x, logits)
+    assert len(got) == 3                                   # hooked once, not twice
+
+
 # ---- step batching ---------------------------------------------------------------------------------------------
 
 

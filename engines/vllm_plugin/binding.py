@@ -1,6 +1,6 @@
 """Find the MoE layers of a loaded vLLM model and point their routers' capture hooks at one RoutingCache.
 
-How the hook is reached (vLLM 0.25.1 and 0.32 alike): every MoE block is a `MoERunner` module holding a
+How the hook is reached (vLLM 0.25.1, 0.30 to 0.32 alike): every MoE block is a `MoERunner` module holding a
 `BaseRouter`. For modular MoE kernels (every CPU backend for unquantized weights, the Triton GPU path)
 `MoERunner._apply_quant_method` calls `router.select_experts()` -> `BaseRouter._select_experts()`, which
 computes the top-k and calls `router.capture_fn(topk_ids)` with the *logical* expert ids, before any EPLB
@@ -11,7 +11,8 @@ so the Python hook runs eagerly) and is recorded into CUDA graphs when it is bou
 What breaks it, and what happens then:
 - Monolithic MoE kernels (`quant_method.is_monolithic`: FlashInfer/TRT-LLM fused routing on GPU, the zentorch
   int4 and ARM W4A8 kernels on CPU, which route through `cpu_router.select_experts()` and never call the
-  hook): refused at bind time with the kernel's name.
+  hook): refused at bind time with the kernel's name. Exception: vLLM 0.27-0.29's CPU kernels for unquantized
+  weights, monolithic too, are hooked by a shim (see "vLLM 0.27 to 0.29 on CPU" below).
 - A router object replaced after binding (a weight reload that rebuilds layers) or another capturer calling
   `set_capture_fn` over ours: the plugin re-binds after `reload_weights`, `wake_up` and weight updates; any
   other loss is caught per step (`CaptureBinding.calls` where hooks run in Python every step, the -1
@@ -22,6 +23,8 @@ What breaks it, and what happens then:
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass, field
 from time import thread_time_ns
 from typing import Callable
@@ -52,39 +55,54 @@ def _moe_runner_cls():
     return MoERunner
 
 
-# ---- vLLM 0.27 on CPU: the unquantized MoE is monolithic ---------------------------------------------------------
-# vLLM 0.27's UnquantizedFusedMoEMethod keeps CPU on the "old monolithic path": `apply_monolithic` calls the layer's
-# `quant_method.cpu_fused_moe` (CPUFusedMOE or SGLFusedMOE), whose `__call__` computes the top-k with the module
-# function `cpu_fused_moe.select_experts` and never calls the router's capture hook. (From 0.28 on CPU is modular
-# and goes through BaseRouter like every other backend.) The shim: each such layer's `cpu_fused_moe` is wrapped
-# in a _RouterScope that names the layer's MoERunner while it runs, and `select_experts` is wrapped (module-level,
-# once) to hand its logical top-k ids to that runner's `router.capture_fn`: the same hook, the same ids vLLM
-# routes with, no second top-k.
+# ---- vLLM 0.27 to 0.29 on CPU: the unquantized MoE is monolithic ------------------------------------------------
+# Before 0.30 the CPU kernels for unquantized weights route inside the kernel, with vLLM's CPU `select_experts`,
+# and never call the router's capture hook (from 0.30 on they are modular and go through BaseRouter):
+#   0.27        UnquantizedFusedMoEMethod keeps CPU on "the old monolithic path": `apply_monolithic` calls the
+#               layer's `quant_method.cpu_fused_moe` (CPUFusedMOE or SGLFusedMOE), whose `__call__` routes with
+#               the module function `fused_moe.cpu_fused_moe.select_experts`.
+#   0.28, 0.29  the layer's `quant_method.moe_kernel.fused_experts` is a CPUUnquantizedExperts
+#               (FusedMoEExpertsMonolithic, fused_moe.experts.cpu_moe) whose `apply` routes with its own
+#               `_select_experts` method.
+# The shims hand the logical top-k ids that routing returns to the layer's `router.capture_fn`: the same hook and
+# the same ids vLLM routes with, no second top-k. 0.27: each layer's `cpu_fused_moe` is wrapped in a _RouterScope
+# that names the layer's MoERunner while it runs, and `select_experts` is wrapped (module-level, once) to call that
+# runner's hook. 0.28/0.29: each layer's experts object gets an instance-level `_select_experts` that calls it.
+# Other monolithic kernels (quantized CPU experts, FlashInfer/TRT-LLM on GPU) stay refused.
 
-_scope: list = []                   # the MoERunner whose cpu_fused_moe is running (innermost last)
+_scope: list = []                   # 0.27: the MoERunner whose cpu_fused_moe is running (innermost last)
 
 
-def _cpu_moe_module():
+def _vllm_module(name: str):
     try:
-        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        return importlib.import_module(f"vllm.model_executor.layers.fused_moe.{name}")
     except ImportError:
         return None
-    return cpu_fused_moe
 
 
-def _legacy_cpu_moe(module) -> bool:
-    """Whether `module` (a monolithic MoERunner) runs vLLM 0.27's CPU fused MoE, which the shim can hook."""
+def _classes(mod, *names) -> tuple:
+    return tuple(getattr(mod, n) for n in names if inspect.isclass(getattr(mod, n, None)))
+
+
+def _legacy_cpu_hook(module):
+    """The shim that hooks `module` (a monolithic MoERunner) if it runs vLLM 0.27-0.29's CPU MoE for unquantized
+    weights, else None."""
     qm = getattr(getattr(module, "routed_experts", None), "quant_method", None)
     fn = getattr(qm, "cpu_fused_moe", None)
-    if isinstance(fn, _RouterScope):
-        return True
-    mod = _cpu_moe_module()
-    kinds = tuple(getattr(mod, n) for n in ("CPUFusedMOE", "SGLFusedMOE") if hasattr(mod, n))
-    return bool(kinds) and isinstance(fn, kinds) and callable(getattr(mod, "select_experts", None))
+    if fn is not None:
+        mod = _vllm_module("cpu_fused_moe")
+        if isinstance(fn, _RouterScope) or (isinstance(fn, _classes(mod, "CPUFusedMOE", "SGLFusedMOE"))
+                                            and callable(getattr(mod, "select_experts", None))):
+            return _install_scope_hook
+    experts = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+    if experts is not None and isinstance(experts, _classes(_vllm_module("experts.cpu_moe"), "CPUUnquantizedExperts")) \
+            and callable(getattr(experts, "_select_experts", None)):
+        return _install_select_hook
+    return None
 
 
 class _RouterScope:
-    """Stands in for one layer's `quant_method.cpu_fused_moe`: runs it with the layer's MoERunner in scope."""
+    """Stands in for one layer's `quant_method.cpu_fused_moe` (0.27): runs it with the layer's MoERunner in scope."""
 
     def __init__(self, fn, module):
         self.fn, self.module = fn, module
@@ -100,9 +118,13 @@ class _RouterScope:
         return getattr(self.fn, name)
 
 
-def _install_legacy_cpu_hook(module) -> None:
-    """Route `module`'s CPU fused-MoE top-k through its router's capture hook (idempotent)."""
-    mod = _cpu_moe_module()
+def _shared(module, what) -> NotImplementedError:
+    return NotImplementedError(f"routing-replay: MoE layers share one {what}; their routing cannot be told apart")
+
+
+def _install_scope_hook(module) -> None:
+    """0.27: route `module`'s CPU fused-MoE top-k through its router's capture hook (idempotent)."""
+    mod = _vllm_module("cpu_fused_moe")
     orig = mod.select_experts
     if not getattr(orig, "_routing_replay", False):
         def select_experts(*args, **kwargs):
@@ -119,8 +141,29 @@ def _install_legacy_cpu_hook(module) -> None:
     if not isinstance(qm.cpu_fused_moe, _RouterScope):
         qm.cpu_fused_moe = _RouterScope(qm.cpu_fused_moe, module)
     elif qm.cpu_fused_moe.module is not module:
-        raise NotImplementedError(f"routing-replay: MoE layers share the quant method {type(qm).__name__}; "
-                                  "their CPU fused MoE cannot be told apart")
+        raise _shared(module, type(qm.cpu_fused_moe.fn).__name__)
+
+
+def _install_select_hook(module) -> None:
+    """0.28, 0.29: route `module`'s CPU experts' `_select_experts` through its router's capture hook (idempotent)."""
+    experts = module.routed_experts.quant_method.moe_kernel.fused_experts
+    cur = experts.__dict__.get("_select_experts")
+    owner = getattr(cur, "_routing_replay_module", None)
+    if owner is module:
+        return
+    if owner is not None:
+        raise _shared(module, type(experts).__name__)
+    orig = experts._select_experts
+
+    def _select_experts(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        fn = module.router.capture_fn
+        if fn is not None:
+            fn(out[1])
+        return out
+
+    _select_experts._routing_replay_module = module
+    experts._select_experts = _select_experts
 
 
 def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
@@ -131,7 +174,8 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         if not isinstance(module, runner_cls):
             continue
         router = module.router
-        if module.is_monolithic and not _legacy_cpu_moe(module):
+        shim = _legacy_cpu_hook(module) if module.is_monolithic else None
+        if module.is_monolithic and shim is None:
             kernel = type(getattr(module.routed_experts, "quant_method", None)).__name__
             raise NotImplementedError(
                 f"routing-replay: MoE layer {name} uses the monolithic kernel {kernel}, which computes its "
@@ -140,8 +184,8 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         if not callable(getattr(router, "set_capture_fn", None)):
             raise NotImplementedError(f"routing-replay: router {type(router).__name__} of MoE layer {name} "
                                       "has no set_capture_fn")
-        if module.is_monolithic:
-            _install_legacy_cpu_hook(module)
+        if shim is not None:
+            shim(module)
         top_k = int(router.top_k)
         num_experts = int(getattr(router, "global_num_experts", 0) or 0)
         if num_experts - 1 > MAX_EXPERT_ID:
