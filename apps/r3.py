@@ -103,7 +103,7 @@ def routing_agreement(trainer_ids, engine_ids) -> Agreement:
 class Fallback:
     """Own the count of (token, layer) rows without recorded routing, where the trainer's router chooses."""
 
-    prefix_cache_rows: int   # prompt rows below num_cached_tokens (-1 in records)
+    prefix_cache_rows: int   # prompt rows below num_cached_tokens left -1 (sentinel mode; 0 when they were filled)
     prefix_cache_tokens: int
     last_token_rows: int     # the last output token, never fed to the engine
     other_rows: int          # anything else flagged (missing rows of incomplete records)
@@ -235,7 +235,7 @@ def measure(model, records: Sequence, engine_lp: Mapping[str, np.ndarray], *, ba
             lp_eng.append(e)
             n = len(engine)
             flags = rt.no_routing[b, :n].numpy()                     # (n, L)
-            c = int(r.num_cached_tokens)
+            c = int(r.num_cached_tokens)                            # filled rows have routing: flags are 0
             pre_rows += int(flags[:c].sum())
             pre_tok += int(flags[:c].any(-1).sum())
             last_rows += int(flags[n - 1].sum())
