@@ -116,6 +116,10 @@ def test_torch_compile_on_cpu_gives_exact_records(embedded):
 def test_speculative_decoding_gives_exact_records(embedded):
     """Last in the module: vLLM's n-gram proposer loads numba, after which vLLM 0.32 cannot create another
     engine in this process (triton_utils/dispatcher.py trips over a numba object in sys.modules)."""
+    if vllm.__version__.startswith("0.30."):
+        pytest.skip("vLLM 0.30's CPU build fails n-gram speculative decoding without the plugin too: its rejection "
+                    "sampler raises TypeError 'Cannot inspect kernel parameters for function' "
+                    "(model_executor/warmup/jit_warmup_triton_helper.py)")
     model = tiny_model("qwen3_moe")
     llm = inprocess_llm(model, max_num_batched_tokens=256, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
