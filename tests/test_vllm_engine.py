@@ -245,6 +245,34 @@ def test_stop_string_finish(eng):
     assert eng.oracle.check(r).ok
 
 
+def test_a_capturer_installed_after_ours_is_chained_not_lost(eng):
+    """vLLM's own routed-experts capturer is installed after load_model with set_capture_fn, replacing our hook;
+    the plugin re-binds after Worker.initialize_from_config: ours records, theirs still gets every call."""
+    from routing_replay.engines.vllm_plugin.plugin import rebind_if_replaced
+
+    seen = []
+
+    def theirs(topk_ids):
+        seen.append(int(topk_ids.shape[0]))
+
+    for layer in eng.cap.binding.layers:
+        layer.router.set_capture_fn(theirs)
+    assert not eng.cap.binding.bound()
+    rebinds = eng.cap.stats.rebinds
+    rebind_if_replaced(worker_of(eng.llm))
+    assert eng.cap.binding.bound() and eng.cap.stats.rebinds == rebinds + 1
+    rebind_if_replaced(worker_of(eng.llm))                  # nothing replaced: nothing to do
+    assert eng.cap.stats.rebinds == rebinds + 1
+    try:
+        outs = eng.generate([_tokens(random.Random(11), 50)], SamplingParams(max_tokens=5, temperature=0))
+        eng.check(outs)
+        assert len(seen) >= 4 * 5 and seen[:4] == [50] * 4           # every layer, every step, after ours
+    finally:                                                   # ours alone again for the tests after this one
+        for layer in eng.cap.binding.layers:
+            layer.router.set_capture_fn(None)
+        eng.cap.binding.bind()
+
+
 def test_rebuilt_router_is_rebound_and_routing_stays_exact(eng):
     """A weight reload may rebuild layers: the hooks are found again and routing stays exact."""
     module = eng.cap.binding.layers[1].module

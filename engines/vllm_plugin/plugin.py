@@ -67,6 +67,14 @@ def register() -> None:
              _settings.ENV_BROKER, s.broker, s.requests)
 
 
+def rebind_if_replaced(worker) -> None:
+    """Re-bind a worker's capture hooks if another capturer replaced them (vLLM's own, installed when the KV cache
+    is initialised); chains the other hook after ours. No-op when ours are all still in place."""
+    cap = getattr(worker, _ATTR, None)
+    if cap is not None and cap.binding is not None and not cap.binding.bound():
+        cap.rebind("another capture hook replaced ours (vLLM's return_routed_experts?)")
+
+
 def capture_of(worker):
     """The WorkerCapture attached to a vLLM worker (None if the plugin is inert or this rank does not publish)."""
     return getattr(worker, _ATTR, None)
@@ -107,6 +115,10 @@ def _install_worker_hooks(cls) -> None:
     for name in ("reload_weights", "wake_up", "finish_weight_update"):
         if hasattr(cls, name):
             after(name, rebinder(name))
+    if hasattr(cls, "initialize_from_config"):
+        # vLLM's own routed-experts capturer (enable_return_routed_experts) is installed after load_model, with
+        # set_capture_fn, which replaces our hook: bind again (ours first, chaining theirs) before graph capture
+        after("initialize_from_config", rebind_if_replaced)
 
     orig_execute = cls.execute_model
 
