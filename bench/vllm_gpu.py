@@ -227,7 +227,7 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
         step_rows = cache.buffer[:, :n].transpose(0, 1)
 
         def store_write():
-            store.rows.index_copy_(0, slots, step_rows)
+            store.write(slots, step_rows)
 
         row = {"fill_minus_one_us": timed(fill), "fused_cache_write_us": timed(record),
                "snapshot_us": timed(snapshot), "store_write_us": timed(store_write)}

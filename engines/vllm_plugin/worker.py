@@ -343,8 +343,7 @@ class WorkerCapture:
             views = self._store_views[key] = (mapping[:n], self.cache.buffer[:, :n].transpose(0, 1))
         slots = views[0]
         if complete:
-            self.store.rows.index_copy_(0, slots, views[1])
-            self.store.writes += 1
+            self.store.write(slots, views[1])
         else:
             self.store.forget(slots)
             self.stats.store_forgotten += n
