@@ -125,6 +125,12 @@ def _install_worker_hooks(cls) -> None:
         if old is not None:
             old.close()
         s = _settings.current()
+        # a worker subclass with a warm-up of its own (CPUWorker) gets the same pause; wrapped here, not at
+        # register(): importing vllm.v1.worker.cpu_worker on a GPU host replaces torch.cuda.Event (vLLM's shm.py)
+        for klass in type(worker).__mro__:
+            if klass is cls:
+                break
+            _wrap_warm_up(klass)
         cap = WorkerCapture(worker, s) if s.enabled else None
         setattr(worker, _ATTR, cap if cap is not None and cap.publisher else None)
 
@@ -158,12 +164,6 @@ def _install_worker_hooks(cls) -> None:
 
     cls.execute_model = execute_model
     _wrap_warm_up(cls)
-    try:                                        # the CPU worker has its own warm-up (same pause needed)
-        from vllm.v1.worker.cpu_worker import CPUWorker
-    except Exception:                           # noqa: BLE001 -- not every build has it
-        CPUWorker = None
-    if CPUWorker is not None and "compile_or_warm_up_model" in CPUWorker.__dict__:
-        _wrap_warm_up(CPUWorker)
 
     orig_shutdown = cls.shutdown
 
