@@ -47,10 +47,21 @@ class RoutingCache:
         self.device = self.buffer.device          # "cuda" resolved to "cuda:<index>", as tensors report it
         self._views = [self.buffer[i] for i in range(num_layers)]
         self._held: list[torch.Tensor | None] = [None] * num_layers
+        self._step_views: dict = {}
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    def step_rows(self, n: int) -> torch.Tensor:
+        """buffer[:, :n], every layer's rows of an n-token step (the view is kept per n: one torch call less
+        on the engine thread when the caller then writes it)."""
+        view = self._step_views.get(n)
+        if view is None:
+            if len(self._step_views) >= 4096:
+                self._step_views.clear()
+            view = self._step_views[n] = self.buffer[:, :n]
+        return view
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s (max_tokens, top_k) block; its first n rows are the current step's."""

@@ -1,17 +1,20 @@
 """Move each step's routing rows from the device cache to a pinned host ring without stalling the engine.
 
-Per `submit(segments)` (engine thread, right after the forward):
+Per `submit(segments)` (engine thread, right after the forward), two torch calls on the engine thread:
   1. compute stream: one kernel snapshots the step's rows out of the cache into a device staging ring, as
      (n, L, K) int16 in request order (transpose and narrowing happen in this copy). The snapshot is what lets
      the next step overwrite the cache at once: copying straight from the cache on a side stream would race
      with the next step's router writes unless the compute stream waited for the D2H (vLLM's aux-output
      connector snapshots on the main stream for the same reason). Segments that are not one contiguous run
-     are gathered with `index_select` through an index uploaded from the pinned index ring.
-  2. side stream: waits on an event recorded on the compute stream after the snapshot (`wait_stream` without
-     creating an event per step), one contiguous non_blocking copy staging -> pinned host ring,
-     `event.record(side)`. The compute stream never waits on it.
-  3. returns a `PendingRows`; the producer's thread calls `result()` (waits on the event there, never on the
-     engine thread), copies the bytes out, and calls `release()`.
+     are gathered with `index_select` through an index uploaded from the pinned index ring. The (staging,
+     cache) views of a step's size and ring position are kept, so this is one call.
+  2. one reused event is recorded on the compute stream after the snapshot.
+  3. returns a `PendingRows`. Everything else happens on the thread that consumes the rows (the producer's):
+     `launch(parts)` makes a side stream wait on that event (a later record of it only waits longer: the same
+     stream ran every earlier snapshot first) and copies staging -> pinned host ring, one non_blocking copy per
+     contiguous run of parts (consecutive steps are consecutive in the ring: usually one copy for a whole
+     batch of steps), then records a per-copy event; `result()` launches if needed, waits on that event there,
+     and returns the rows; `release()` frees the range. The compute stream never waits on any of it.
 On CPU the snapshot goes straight into the host ring and result() does not wait; everything else is the same.
 Measured costs (compute-stream kernel time, D2H bandwidth, engine-thread CPU per submit): docs/PERFORMANCE.md.
 For many non-adjacent segments pass an (m, 2) int array: long lists are converted and merged with numpy.
@@ -27,6 +30,7 @@ positions go into the request's `finish` as `lost`, so the consumer marks the re
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,9 +56,11 @@ class PendingRows:
     """Own one step's (n, L, K) int16 rows in the host ring until they are consumed: the copy event to wait
     on (in the consumer's thread) and the ring range to free."""
 
-    __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released")
+    __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released",
+                 "_staged")
 
-    def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False):
+    def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False,
+                 staged: bool = False):
         self.shape = shape
         self.dtype = ROW_DTYPE
         self.dropped = dropped
@@ -62,7 +68,8 @@ class PendingRows:
         self._lo = lo
         self._handle = handle
         self._event = event
-        self._waited = event is None
+        self._staged = staged           # CUDA: the rows are in the staging ring; the D2H copy is not launched yet
+        self._waited = event is None and not staged
         self._released = dropped
 
     @property
@@ -70,8 +77,10 @@ class PendingRows:
         return self.shape[0] * self.shape[1] * self.shape[2] * ROW_DTYPE.itemsize
 
     def done(self) -> bool:
-        """True when result() would not wait (never blocks, never syncs)."""
-        return self._waited or self._event.query()
+        """True when result() would not wait (never blocks, never syncs; False before the copy is launched)."""
+        if self._waited:
+            return True
+        return self._event is not None and self._event.query()
 
     def result(self) -> np.ndarray:
         """Wait for the copy (in the calling thread) and return the rows: a read-only view into the host ring,
@@ -81,6 +90,8 @@ class PendingRows:
         if self._released:
             raise RuntimeError("rows were released; result() must come before release()")
         if not self._waited:
+            if self._staged:
+                self._copier.launch([self])
             self._event.synchronize()
             self._waited = True
         view = self._copier._host_np[self._lo:self._lo + self.shape[0]]
@@ -93,7 +104,18 @@ class PendingRows:
         if self._released:
             return
         self._released = True
-        self._copier._release(self._handle, self._event, self._waited)
+        self._copier._release(self._handle, self._event, self._waited or self._event is None)
+
+
+def launch_rows(parts) -> None:
+    """Launch the host copies of PendingRows `parts` (of one or several copiers) together: one copy per run of
+    parts adjacent in a copier's ring. `result()` launches its own part alone otherwise."""
+    by_copier: dict = {}
+    for p in parts:
+        if getattr(p, "_staged", False):
+            by_copier.setdefault(id(p._copier), (p._copier, []))[1].append(p)
+    for copier, ps in by_copier.values():
+        copier.launch(ps)
 
 
 class AsyncCopier:
@@ -124,6 +146,7 @@ class AsyncCopier:
             self._stream = torch.cuda.Stream(device=dev)
             self._snapped = torch.cuda.Event()
             self._events: list = []
+            self._launch_lock = threading.Lock()
         else:
             self._stage = None
             self._host = torch.empty((cap, L, K), dtype=torch.int16)
@@ -132,6 +155,7 @@ class AsyncCopier:
             self._stream = None
         self._host_np = self._host.numpy()
         self._idx_np = self._idx_host.numpy()
+        self._views: dict = {}          # (lo, a, b) -> (staging or host rows [lo, lo + b - a), cache rows [a, b))
 
     @property
     def host_bytes(self) -> int:
@@ -198,8 +222,18 @@ class AsyncCopier:
         if not isinstance(got, tuple):
             return got
         lo, handle = got
-        dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
-        self._snapshot(runs, dst, lo, n)
+        if len(runs) == 1:                      # one contiguous run (the common case): one call, views kept
+            a, b = int(runs[0][0]), int(runs[0][1])
+            views = self._views.get((lo, a, b))
+            if views is None:
+                if len(self._views) >= 4096:
+                    self._views.clear()
+                dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
+                views = self._views[(lo, a, b)] = (dst, self._src[a:b])
+            views[0].copy_(views[1])
+        else:
+            dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
+            self._snapshot(runs, dst, lo, n)
         return self._send(lo, n, handle)
 
     def submit_gather(self, source: torch.Tensor, index, *, may_drop: bool = True) -> PendingRows | None:
@@ -248,23 +282,46 @@ class AsyncCopier:
         return got
 
     def _send(self, lo: int, n: int, handle) -> PendingRows:
-        """The rows [lo, lo + n) are in the staging ring (CUDA) or already in the host ring (CPU): start the D2H."""
+        """The rows [lo, lo + n) are in the staging ring (CUDA) or already in the host ring (CPU). CUDA: mark the
+        snapshot's place on the compute stream (one reused event); the D2H copy is launched by `launch()` on the
+        thread that consumes the rows."""
         shape = (n, self.cache.num_layers, self.cache.top_k)
         if not self._cuda:
             return PendingRows(self, shape, lo, handle, None)
-        stage = self._stage[lo:lo + n]
-        main = torch.cuda.current_stream(self.cache.device)
-        side = self._stream
-        self._snapped.record(main)            # one reused event: a wait binds to the record before it
-        side.wait_event(self._snapped)
-        event = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
-        torch.cuda.set_stream(side)
-        try:
-            self._host[lo:lo + n].copy_(stage, non_blocking=True)
-            event.record(side)
-        finally:
-            torch.cuda.set_stream(main)
-        return PendingRows(self, shape, lo, handle, event)
+        self._snapped.record()                # current stream: the one that ran the snapshot
+        return PendingRows(self, shape, lo, handle, None, staged=True)
+
+    def launch(self, parts) -> None:
+        """Start the staging -> pinned host copies of `parts` (PendingRows of this copier, any order) whose copy
+        is not launched yet: one non_blocking copy on the side stream per run of parts adjacent in the ring, after
+        the compute stream's last snapshot. Call on the thread that consumes the rows (never the engine's): it
+        costs a few torch calls per batch of steps, and nothing here waits."""
+        if not self._cuda:
+            return
+        with self._launch_lock:
+            todo = sorted((p for p in parts if p._staged and not p._released), key=lambda p: p._lo)
+            if not todo:
+                return
+            side = self._stream
+            side.wait_event(self._snapped)    # binds to the latest record: every snapshot of `todo` is before it
+            prev = torch.cuda.current_stream(self.cache.device)
+            torch.cuda.set_stream(side)
+            try:
+                i = 0
+                while i < len(todo):
+                    j, lo = i, todo[i]._lo
+                    hi = lo + todo[i].shape[0]
+                    while j + 1 < len(todo) and todo[j + 1]._lo == hi:
+                        j += 1
+                        hi += todo[j].shape[0]
+                    self._host[lo:hi].copy_(self._stage[lo:hi], non_blocking=True)
+                    event = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
+                    event.record(side)
+                    for p in todo[i:j + 1]:
+                        p._event, p._staged = event, False
+                    i = j + 1
+            finally:
+                torch.cuda.set_stream(prev)
 
     def _snapshot(self, runs: list, dst: torch.Tensor, lo: int, n: int) -> None:
         if len(runs) == 1:
@@ -287,7 +344,7 @@ class AsyncCopier:
     def _release(self, handle, event, waited: bool) -> None:
         if waited:
             self._ring.free(handle)
-            if event is not None:
+            if event is not None and event not in self._events:
                 self._events.append(event)          # its copy has landed: the event can be recorded again
         else:
             self._ring.free(handle, fence=event)    # the range stays taken until the event has passed

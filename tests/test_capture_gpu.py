@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +237,60 @@ def test_hf_adapter_on_cuda_matches_router_topk(tmp_path):
         ref_out, ref_rows = reference(model, PROMPTS, 6)
         assert outputs == ref_out
         _check_rows(sink.rows_by_request(), rids, ref_rows, len(PROMPTS[0]), outputs)
+
+
+def test_batched_launch_on_the_consumer_thread_is_exact_and_one_copy_per_run():
+    """The engine thread only snapshots and records an event (no host sync); a consumer thread launches the host
+    copies of 4 consecutive steps at once (launch_rows): one copy for the adjacent ones, every row exact, even
+    while the engine keeps replaying steps that overwrite the cache."""
+    from routing_replay.capture.copier import launch_rows
+
+    max_tokens = max(SIZES)
+    cache = RoutingCache(max_tokens, L, K, device="cuda")
+    copier = AsyncCopier(cache, num_slots=8)
+    routers = ToyRouters(cache, max_tokens)
+    x_static, graphs = _capture(routers, max_tokens)
+    rng = np.random.default_rng(3)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    work: queue.Queue = queue.Queue()
+    results: list = []
+
+    def consumer():
+        while True:
+            batch = work.get(timeout=60)
+            if batch is None:
+                return
+            launch_rows([p for p, _ in batch])
+            results.append((len({id(p._event) for p, _ in batch}),
+                            all(np.array_equal(p.result(), w) for p, w in batch)))
+            for p, _ in batch:
+                p.release()
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    batch: list = []
+    try:
+        for step in range(64):
+            n = int(rng.integers(1, max_tokens + 1))
+            size = min(s for s in SIZES if s >= n)
+            x_static[:size].normal_(generator=gen)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                graphs[size].replay()
+                p = copier.submit([(0, n)])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want = routers.ref[:, :n].transpose(0, 1).cpu().numpy().astype(np.int16)
+            assert not p.dropped and p._event is None          # nothing launched on the engine thread
+            batch.append((p, want))
+            if len(batch) == 4:
+                work.put(batch)
+                batch = []
+                while copier.free_rows < 4 * max_tokens and t.is_alive():
+                    time.sleep(0.001)
+    finally:
+        work.put(None)
+        t.join(60)
+    assert len(results) == 16 and all(ok for _, ok in results), results
+    assert sum(copies for copies, _ in results) < 16 * 4 / 2, results      # adjacent steps share one copy
+    assert copier.in_flight_rows == 0 and copier.stats.dropped_steps == 0

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots
+from routing_replay.capture.copier import launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers
@@ -100,6 +101,7 @@ class _BatchedRows:
         self.dropped = False
 
     def result(self) -> np.ndarray:
+        launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
         for a, strict in zip(arrays, self._strict):
             if strict and a.size and int(a.min()) < 0:
@@ -245,6 +247,8 @@ class WorkerCapture:
         self.publisher = tp.rank_in_group == 0
         self.announces = pp.rank_in_group == 0
         self.tracked: dict[str, str] = {}       # engine request id -> record key
+        self._tracked_gen = 0                   # bumped on every change of `tracked`
+        self._last_keys = (None, -1, None, True)  # (request ids, _tracked_gen, their keys, any None) of the last step
         self.active = False
         self.storing = False                    # this step's routing goes into the prefix store (fill)
         self.fill = settings.prefix_rows == "fill"
@@ -390,7 +394,7 @@ class WorkerCapture:
         if views is None:
             if len(self._store_views) >= 1024:
                 self._store_views.clear()
-            views = self._store_views[key] = (mapping[:n], self.cache.buffer[:, :n].transpose(0, 1))
+            views = self._store_views[key] = (mapping[:n], self.cache.step_rows(n).transpose(0, 1))
         slots = views[0]
         if complete:
             self.store.write(slots, views[1])
@@ -485,6 +489,7 @@ class WorkerCapture:
             notes = getattr(so, scheduler_hooks.ATTR, None)
             for rid in so.finished_req_ids:
                 key = tracked.pop(rid, None)
+                self._tracked_gen += 1
                 if key is not None:
                     self._close_request(rid, key, notes)
         n = so.total_num_scheduled_tokens
@@ -502,7 +507,7 @@ class WorkerCapture:
             if b.gate:                          # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
             else:                               # replayed from graphs: rows no router writes stay -1
-                self.cache.buffer[:, :so.total_num_scheduled_tokens].fill_(-1)
+                self.cache.step_rows(so.total_num_scheduled_tokens).fill_(-1)
         if t0:
             self.stats.host_ns += time.thread_time_ns() - t0
 
@@ -529,6 +534,7 @@ class WorkerCapture:
             self._skip(new.req_id, "open", e)
             return
         self.tracked[new.req_id] = key
+        self._tracked_gen += 1
         if problem is not None:
             self.stats.derived_keys += 1
             log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
@@ -621,11 +627,15 @@ class WorkerCapture:
                 self.stats.host_ns += time.thread_time_ns() - t0
             return
         req_ids, qsl, computed = layout
-        tracked = self.tracked
-        keys = [tracked.get(r) for r in req_ids]
+        last_ids, last_gen, keys, uncaptured = self._last_keys
+        if last_gen != self._tracked_gen or last_ids != req_ids:     # decode steps repeat the batch: C-speed compare
+            tracked = self.tracked
+            keys = [tracked.get(r) for r in req_ids]
+            uncaptured = None in keys
+            self._last_keys = (req_ids, self._tracked_gen, keys, uncaptured)
         first = qsl[:-1]
         count = qsl[1:] - first
-        if None in keys or not count.all():
+        if uncaptured or not count.all():
             sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
             keys = [k for k, on in zip(keys, sel.tolist()) if on]
             first, count, computed = first[sel], count[sel], computed[sel]
