@@ -116,6 +116,43 @@ def _rpc_set_timing(worker, on: bool) -> bool:
     return True
 
 
+def _rpc_profile(worker, on: bool):
+    """--profile: cProfile around WorkerCapture.pre_step/post_step on the engine thread (on=True starts it; on=False
+    stops it and returns the report: the functions by own time and by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    from routing_replay.engines.vllm_plugin import capture_of
+
+    cap = capture_of(worker)
+    if cap is None:
+        return False
+    if on:
+        prof = cProfile.Profile()
+        pre, post = cap.pre_step, cap.post_step
+
+        def wrap(fn):
+            def run(so):
+                prof.enable()
+                try:
+                    return fn(so)
+                finally:
+                    prof.disable()
+            return run
+
+        cap.pre_step, cap.post_step = wrap(pre), wrap(post)
+        cap._bench_profile = prof
+        return True
+    prof = cap.__dict__.pop("_bench_profile")
+    del cap.pre_step, cap.post_step                     # the class's methods again
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(25)
+    st.sort_stats("cumulative").print_stats(25)
+    return buf.getvalue()
+
+
 def _rpc_prefix_rows(worker, mode: str) -> bool:
     from routing_replay.engines.vllm_plugin import capture_of
 
@@ -384,6 +421,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="per engine")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="leading prompt tokens shared by all requests (prefix-cache hits; the fill mode's gathers)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rounds: one `on` and one `fill` round under cProfile (engine thread, pre_step + "
+                         "post_step), reports in profile_on.txt / profile_fill.txt")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: tiny model, 16 requests, 1 round")
     a = ap.parse_args(argv)
     if a.small:
@@ -497,6 +537,13 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         for m in order:
             rounds.append(one_round(m, i))
         order = order[1:] + order[:1]
+    if a.profile:
+        for m in ("on", "fill"):
+            engines[m].collective_rpc(_rpc_profile, args=(True,))
+            one_round(m, -2)
+            report = engines[m].collective_rpc(_rpc_profile, args=(False,))[0]
+            (out / f"profile_{m}.txt").write_text(report)
+            print(f"== cProfile, engine thread, {m} round (pre_step + post_step)\n" + report[:6000], flush=True)
 
     gpu = engines["on"].collective_rpc(_rpc_gpu_cost, args=([a.requests, int(info["max_num_batched_tokens"])],))[0]
     final = engines["on"].collective_rpc(_rpc_stats)[0]

@@ -8,13 +8,14 @@ Per `submit(segments)` (engine thread, right after the forward), two torch calls
      connector snapshots on the main stream for the same reason). Segments that are not one contiguous run
      are gathered with `index_select` through an index uploaded from the pinned index ring. The (staging,
      cache) views of a step's size and ring position are kept, so this is one call.
-  2. one reused event is recorded on the compute stream after the snapshot.
+  2. an event (from a pool) is recorded on the compute stream after the snapshot.
   3. returns a `PendingRows`. Everything else happens on the thread that consumes the rows (the producer's):
-     `launch(parts)` makes a side stream wait on that event (a later record of it only waits longer: the same
-     stream ran every earlier snapshot first) and copies staging -> pinned host ring, one non_blocking copy per
+     `launch(parts)` makes a side stream wait on the newest of their snapshot events (the compute stream ran
+     the older snapshots before it) and copies staging -> pinned host ring, one non_blocking copy per
      contiguous run of parts (consecutive steps are consecutive in the ring: usually one copy for a whole
-     batch of steps), then records a per-copy event; `result()` launches if needed, waits on that event there,
-     and returns the rows; `release()` frees the range. The compute stream never waits on any of it.
+     batch of steps), then records a per-copy event; the snapshot events go back to the pool (a stream wait
+     binds to the record before it). `result()` launches if needed, waits on its copy event there, and returns
+     the rows; `release()` frees the range. The compute stream never waits on any of it.
 On CPU the snapshot goes straight into the host ring and result() does not wait; everything else is the same.
 Measured costs (compute-stream kernel time, D2H bandwidth, engine-thread CPU per submit): docs/PERFORMANCE.md.
 For many non-adjacent segments pass an (m, 2) int array: long lists are converted and merged with numpy.
@@ -57,10 +58,10 @@ class PendingRows:
     on (in the consumer's thread) and the ring range to free."""
 
     __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released",
-                 "_staged")
+                 "_staged", "_seq")
 
     def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False,
-                 staged: bool = False):
+                 staged=None, seq: int = 0):
         self.shape = shape
         self.dtype = ROW_DTYPE
         self.dropped = dropped
@@ -68,8 +69,9 @@ class PendingRows:
         self._lo = lo
         self._handle = handle
         self._event = event
-        self._staged = staged           # CUDA: the rows are in the staging ring; the D2H copy is not launched yet
-        self._waited = event is None and not staged
+        self._staged = staged           # CUDA: the snapshot's event while the D2H copy is not launched yet
+        self._seq = seq                 # submission order (the newest snapshot of a batch is waited on)
+        self._waited = event is None and staged is None
         self._released = dropped
 
     @property
@@ -90,7 +92,7 @@ class PendingRows:
         if self._released:
             raise RuntimeError("rows were released; result() must come before release()")
         if not self._waited:
-            if self._staged:
+            if self._staged is not None:
                 self._copier.launch([self])
             self._event.synchronize()
             self._waited = True
@@ -104,6 +106,9 @@ class PendingRows:
         if self._released:
             return
         self._released = True
+        if self._staged is not None:    # never launched: nothing is in flight into the host ring
+            self._copier._snap_pool.append(self._staged)
+            self._staged = None
         self._copier._release(self._handle, self._event, self._waited or self._event is None)
 
 
@@ -112,7 +117,7 @@ def launch_rows(parts) -> None:
     parts adjacent in a copier's ring. `result()` launches its own part alone otherwise."""
     by_copier: dict = {}
     for p in parts:
-        if getattr(p, "_staged", False):
+        if getattr(p, "_staged", None) is not None:
             by_copier.setdefault(id(p._copier), (p._copier, []))[1].append(p)
     for copier, ps in by_copier.values():
         copier.launch(ps)
@@ -144,7 +149,8 @@ class AsyncCopier:
             self._idx_host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
             self._idx_dev = torch.empty(cap, dtype=torch.int64, device=dev)
             self._stream = torch.cuda.Stream(device=dev)
-            self._snapped = torch.cuda.Event()
+            self._snap_pool: list = []          # snapshot events, recorded on the engine thread
+            self._seq = 0
             self._events: list = []
             self._launch_lock = threading.Lock()
         else:
@@ -288,8 +294,10 @@ class AsyncCopier:
         shape = (n, self.cache.num_layers, self.cache.top_k)
         if not self._cuda:
             return PendingRows(self, shape, lo, handle, None)
-        self._snapped.record()                # current stream: the one that ran the snapshot
-        return PendingRows(self, shape, lo, handle, None, staged=True)
+        snap = self._snap_pool.pop() if self._snap_pool else torch.cuda.Event()
+        snap.record()                         # current stream: the one that ran the snapshot
+        self._seq += 1
+        return PendingRows(self, shape, lo, handle, None, staged=snap, seq=self._seq)
 
     def launch(self, parts) -> None:
         """Start the staging -> pinned host copies of `parts` (PendingRows of this copier, any order) whose copy
@@ -299,11 +307,12 @@ class AsyncCopier:
         if not self._cuda:
             return
         with self._launch_lock:
-            todo = sorted((p for p in parts if p._staged and not p._released), key=lambda p: p._lo)
+            todo = sorted((p for p in parts if p._staged is not None and not p._released), key=lambda p: p._lo)
             if not todo:
                 return
             side = self._stream
-            side.wait_event(self._snapped)    # binds to the latest record: every snapshot of `todo` is before it
+            newest = max(todo, key=lambda p: p._seq)
+            side.wait_event(newest._staged)   # the compute stream ran every older snapshot of `todo` before it
             prev = torch.cuda.current_stream(self.cache.device)
             torch.cuda.set_stream(side)
             try:
@@ -318,8 +327,11 @@ class AsyncCopier:
                     event = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
                     event.record(side)
                     for p in todo[i:j + 1]:
-                        p._event, p._staged = event, False
+                        p._event = event
                     i = j + 1
+                for p in todo:                    # the wait above is enqueued: the events can be recorded again
+                    self._snap_pool.append(p._staged)
+                    p._staged = None
             finally:
                 torch.cuda.set_stream(prev)
 
