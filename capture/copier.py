@@ -112,8 +112,8 @@ class PendingRows:
         self._copier._release(self._handle, self._event, self._waited or self._event is None)
 
 
-_record = torch._C._CudaEventBase.record if hasattr(torch._C, "_CudaEventBase") else None   # Event.record, no
-# Python frame (which would look the current stream up again)
+# torch.cuda.Event.record without its Python frame (which looks the current stream up again); None on CPU builds
+_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
 
 
 def launch_rows(parts) -> None:
