@@ -113,6 +113,16 @@ def generate(llm, prompts, sps):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
 
 
+def run_workload(llm, npz, seed: int):
+    """The module's workload through `llm` (warm-up prompts first, so their prefixes are cached): (warm-up outputs,
+    outputs, every record in `npz` once each completion has one)."""
+    warm, prompts, sps = workload(seed)
+    warm_outs = generate(llm, warm, SamplingParams(max_tokens=4, temperature=0.0))
+    outs = generate(llm, prompts, sps)
+    want = [record_key(o.request_id, c.index, len(o.outputs)) for o in warm_outs + outs for c in o.outputs]
+    return warm_outs, outs, wait_records(npz, want, timeout_s=120)
+
+
 def check_exact(oracle: Oracle, outs, recs, fill: bool = False) -> dict:
     """Every completion has a complete record matching vLLM's tokens, exact against the oracle, -1 exactly at the
     prefix-cache hits (none with fill: they carry the prefix store's rows) and the last output token."""
@@ -199,11 +209,7 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows):
         assert_defaults(cfg)
         if not ON_CPU:
             assert cfg["max_cudagraph_capture_size"] >= 512, cfg       # every step fits a captured graph
-        warm, prompts, sps = workload(1)
-        warm_outs = generate(llm, warm, SamplingParams(max_tokens=4, temperature=0.0))
-        outs = generate(llm, prompts, sps)
-        want = [record_key(o.request_id, c.index, len(o.outputs)) for o in warm_outs + outs for c in o.outputs]
-        recs = wait_records(npz, want, timeout_s=120)
+        warm_outs, outs, recs = run_workload(llm, npz, 1)
     finally:
         shutdown_mp(llm)
         consumer.stop()
@@ -253,11 +259,7 @@ def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir
             return post(so)
 
         cap.pre_step, cap.post_step = spy_pre, spy_post
-        warm, prompts, sps = workload(2)
-        warm_outs = generate(llm, warm, SamplingParams(max_tokens=4, temperature=0.0))
-        outs = generate(llm, prompts, sps)
-        want = [record_key(o.request_id, c.index, len(o.outputs)) for o in warm_outs + outs for c in o.outputs]
-        recs = wait_records(npz, want, timeout_s=120)
+        warm_outs, outs, recs = run_workload(llm, npz, 2)
         stats = dict(cap.stats.__dict__)
         copier = dict(cap.copier.stats.__dict__)
         assert copier["dropped_steps"] == 0 and cap.producer.stats.dropped_msgs == 0
@@ -309,15 +311,12 @@ def test_model_runner_v2_float32_exact(env, tmp_path, results_dir, prefix_rows):
         assert cap is not None and cap.kind == "v2" and cap.layer_ids == list(range(L))
         assert type(cap.runner).__module__ == "vllm.v1.worker.gpu.model_runner", type(cap.runner)
         assert cap.stats.opened == 0 and cap.stats.steps == 0      # the warm-up's fake requests were not seen
-        warm, prompts, sps = workload(3)
-        warm_outs = generate(llm, warm, SamplingParams(max_tokens=4, temperature=0.0))
-        outs = generate(llm, prompts, sps)
-        want = [record_key(o.request_id, c.index, len(o.outputs)) for o in warm_outs + outs for c in o.outputs]
-        recs = wait_records(npz, want, timeout_s=120)
+        warm_outs, outs, recs = run_workload(llm, npz, 3)
         stats = dict(cap.stats.__dict__)
         assert cap.copier.stats.dropped_steps == 0 and cap.producer.stats.dropped_msgs == 0
     finally:
         shutdown(llm)
+    want = [record_key(o.request_id, c.index, len(o.outputs)) for o in warm_outs + outs for c in o.outputs]
     assert sorted(recs) == sorted(want), sorted(set(recs) - set(want))[:5]     # no warm-up record
     assert stats["opened"] == stats["finished"] == len(want), stats
     summary = check_exact(Oracle(str(model)), warm_outs + outs, recs, fill=prefix_rows == "fill")
@@ -421,11 +420,7 @@ def test_embedded_bfloat16_agreement_and_near_ties(env, tmp_path, results_dir):
     try:
         cfg = engine_config(llm.llm_engine.vllm_config)
         assert_defaults(cfg)
-        warm, prompts, sps = workload(3)
-        warm_outs = generate(llm, warm, SamplingParams(max_tokens=4, temperature=0.0))
-        outs = generate(llm, prompts, sps)
-        want = [record_key(o.request_id, c.index, len(o.outputs)) for o in warm_outs + outs for c in o.outputs]
-        recs = wait_records(npz, want, timeout_s=120)
+        warm_outs, outs, recs = run_workload(llm, npz, 3)
     finally:
         shutdown(llm)
     rep = near_tie_report(str(model), warm_outs + outs, recs)
