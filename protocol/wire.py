@@ -146,6 +146,14 @@ def pack_header(kind: str, producer: str, epoch: int, seq: int, key: Any, body: 
 _LINK_PACKER = msgpack.Packer(use_bin_type=True)
 
 
+def pack_header_packed_key(kind: str, producer: str, epoch: int, seq: int, packed_key: bytes, body: dict) -> bytes:
+    """pack_header with `key` given already packed (msgpack bytes of a str or list of str): the same bytes, without
+    packing the key again (the broker packs each owner's key list once per split plan, not per message)."""
+    p = _LINK_PACKER
+    return b"".join((b"\x97", p.pack(PROTOCOL_VERSION), p.pack(kind), p.pack(producer), p.pack(epoch), p.pack(seq),
+                     packed_key, p.pack(body)))
+
+
 def with_link(frame: bytes | memoryview, link: Sequence[int]) -> bytes:
     """The header frame `frame` with `link` as its 8th element (any link it carried is replaced).
 

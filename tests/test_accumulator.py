@@ -255,8 +255,9 @@ def test_memory_close_to_record_bytes():
         f.open(f"r{i}", P)
     for start in range(0, P, 100):
         f.delta([(f"r{i}", start, rows(i, start, start + 100)) for i in range(n_req)])
-    held = sum(sys.getsizeof(b) for st in f.acc.requests.values() for r in st.ranges.values() for b in r.blocks)
-    assert f.acc.bytes_held == sum(r.allocated for st in f.acc.requests.values() for r in st.ranges.values())
+    arenas = {id(r.arena): r.arena for st in f.acc.requests.values() for r in st.ranges.values()}
+    held = sum(a.live_blocks * a.block_bytes for a in arenas.values())
+    assert f.acc.bytes_held == held == sum(r.allocated for st in f.acc.requests.values() for r in st.ranges.values())
     record_bytes = n_req * P * L * K * 2
     assert record_bytes <= held <= 1.2 * record_bytes
 
