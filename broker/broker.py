@@ -36,7 +36,7 @@ import zmq
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
 from routing_replay.broker.ownership import OpenMsg, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
-from routing_replay.protocol import security, wire
+from routing_replay.protocol import memory, security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded
 
 log = logging.getLogger("routing_replay.broker")
@@ -193,6 +193,7 @@ class Broker(ServiceThread):
 
     def serve(self) -> None:
         front, back = self._front, self._back
+        memory.keep_freed_memory()
         try:
             poller = zmq.Poller()
             poller.register(front, zmq.POLLIN)

@@ -4,7 +4,12 @@ requests and the matching byte ranges of the payload, zero-copy where it pays (s
 The rows of the requests follow each other in key order, so each owner's rows are a few contiguous runs of the
 payload. One run is forwarded as one slice of the received frame; several runs that are large on average (at least
 wire.COPY_THRESHOLD bytes each) go as one slice each (frame boundaries fall on request boundaries, which
-wire.check_payload allows); many small runs (decode steps: a row or two per request) are gathered into one frame.
+wire.check_payload allows); many small runs (decode steps: a row or two per request) are gathered into one frame
+(one per payload frame when the payload came in several: a producer's coalesced steps, read in place).
+
+The split of a key list is a `Plan` (per owner: its entries, its key list packed once, its byte ranges or rows),
+computed once and reused by the broker for every delta of the same producer with the same key list and counts
+while the ownership table's version is unchanged: a decode step then costs a constant number of numpy calls.
 """
 
 from __future__ import annotations
@@ -89,34 +94,65 @@ def plan_split(d: wire.Delta, counts_raw: bytes, owners: list, distinct: set, ve
 
 
 def apply_plan(h: wire.Header, d: wire.Delta, plan: Plan, payload: Sequence) -> list[Part]:
-    """One Part per owner of `plan`; `payload` passed check_payload."""
+    """One Part per owner of `plan`; `payload` passed check_payload (its frames end on request boundaries)."""
     parts = []
-    mv = None
+    views = None
     for p in plan.parts:
         if p.idx is None:
             return [Part(p.owner, None, list(payload))]
         body = wire.delta_body(d.starts[p.idx], d.counts[p.idx], d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
         head = wire.pack_header_packed_key("delta", h.producer, h.epoch, h.seq, p.key, body)
-        if mv is None:
-            mv = _payload_view(payload)
+        if views is None:
+            views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in payload]
+            ends = np.cumsum([len(v) for v in views]).tolist()
         if p.slices is not None:
-            frames = [mv[a:b] for a, b in p.slices]
+            frames = _slices(views, ends, p.slices)
         elif p.per and len(p.rows):
-            frames = [np.frombuffer(mv, dtype=np.dtype((np.void, p.per))).take(p.rows)]
+            frames = _gather(views, ends, p.rows, p.per)
         else:
             frames = [b""]
         parts.append(Part(p.owner, head, frames))
     return parts
 
 
+def _slices(views: list, ends: list, slices: list) -> list:
+    """Byte ranges [a, b) of the payload (its frames end at `ends`) as views of the frames, zero-copy: one frame per
+    range, or per piece of a range that crosses frames (frame ends fall on request boundaries)."""
+    if len(views) == 1:
+        mv = views[0]
+        return [mv[a:b] for a, b in slices]
+    out = []
+    fi = 0
+    for a, b in slices:
+        while a < b:
+            while ends[fi] <= a:
+                fi += 1
+            base = ends[fi] - len(views[fi])
+            e = min(b, ends[fi])
+            out.append(views[fi][a - base:e - base])
+            a = e
+    return out
+
+
+def _gather(views: list, ends: list, units: np.ndarray, per: int) -> list:
+    """The `per`-byte units `units` (ascending) of the payload gathered: one frame, or one per payload frame they
+    come from (frame ends fall on request boundaries, so on unit boundaries)."""
+    dt = np.dtype((np.void, per))
+    if len(views) == 1:
+        return [np.frombuffer(views[0], dtype=dt).take(units)]
+    cuts = np.searchsorted(units, np.asarray(ends, dtype=np.int64) // per).tolist()
+    out = []
+    lo = 0
+    u0 = 0
+    for v, hi in zip(views, cuts):
+        if hi > lo:
+            out.append(np.frombuffer(v, dtype=dt).take(units[lo:hi] - u0))
+        lo = hi
+        u0 += len(v) // per
+    return out
+
+
 _PACKER = msgpack.Packer(use_bin_type=True)
-
-
-def _payload_view(payload: Sequence) -> memoryview:
-    if len(payload) == 1:
-        f = payload[0]
-        return memoryview(f.buffer if hasattr(f, "buffer") else f)
-    return memoryview(b"".join(bytes(f.buffer if hasattr(f, "buffer") else f) for f in payload))
 
 
 def split_delta(h: wire.Header, d: wire.Delta, owners: list, distinct: set, payload: Sequence) -> list[Part]:

@@ -1,9 +1,11 @@
 """Accumulate routing rows per request from decoded messages and turn finished requests into Records.
 
 No sockets here: `Accumulator.apply(header, payload_frames, now)` takes one validated message and returns the
-records it finished. Rows of one request live in a bytearray per layer range (appends are amortised O(1));
-positions are absolute, so a re-sent position overwrites and a jump leaves a hole that is filled with -1 and
-reported as missing unless a later delta fills it.
+records it finished. Rows live in a paged arena per row shape (consumer/arena.py: blocks, a block table per
+request); a delta's entries that continue their request's rows are appended as a few numpy scatters for the whole
+message, the others (a new request, an overwrite, a hole) one by one. Positions are absolute, so a re-sent
+position overwrites and a jump leaves a hole that is filled with -1 and reported as missing unless a later delta
+fills it.
 
 Replays are harmless: the link below delivers each producer's messages in seq order, and a resend is always a
 suffix of that order, so re-applying deltas leaves the newest write of every position in place. Request-level
@@ -104,7 +106,10 @@ class _Rows:
         m = min(self.n, upto)
         if m <= 0:
             return
-        K = arr.shape[2]
+        T, L, K = arr.shape
+        if lo == 0 and hi == L and arr.flags.c_contiguous:       # all layers: straight into the record's rows
+            self.arena.gather(self.h, m, arr.reshape(T, L * K).view(self.arena.vdt).reshape(T))
+            return
         arr[:m, lo:hi] = self.arena.gather(self.h, m).view(wire.ROW_DTYPE).reshape(m, hi - lo, K)
 
     def release(self) -> int:

@@ -182,21 +182,30 @@ class Arena:
             m = c == ci
             self.chunks[ci][flat[m] - ci * self.crows] = src[m]
 
-    def gather(self, h: int, m: int) -> np.ndarray:
-        """Positions [0, m) of handle h as (m,) void rows (a copy)."""
+    def gather(self, h: int, m: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Positions [0, m) of handle h as (m,) void rows, copied block by block into `out` (or a new array)."""
+        if out is None:
+            out = np.empty(max(m, 0), dtype=self.vdt)
         if m <= 0:
-            return np.empty(0, dtype=self.vdt)
-        flat = self.rows_at(np.full(m, h, dtype=np.int64), np.arange(m, dtype=np.int64))
+            return out
+        B = self.B
+        nb = (m + B - 1) // B
+        blocks = self.bt[h, :nb]
+        full = m // B
+        dst = out[:full * B].reshape(full, B)
         if len(self.chunks) == 1:
-            return self.chunks[0][flat]
-        c = flat // self.crows
-        c0, c1 = int(c.min()), int(c.max())
-        if c0 == c1:
-            return self.chunks[c0][flat - c0 * self.crows]
-        out = np.empty(m, dtype=self.vdt)
-        for ci in np.unique(c).tolist():
-            sel = c == ci
-            out[sel] = self.chunks[ci][flat[sel] - ci * self.crows]
+            src = self.chunks[0].reshape(self.bpc, B)
+            np.take(src, blocks[:full], axis=0, out=dst, mode="clip")
+            if full < nb:
+                out[full * B:m] = src[blocks[full], :m - full * B]
+            return out
+        c = blocks // self.bpc
+        local = blocks - c * self.bpc
+        for ci in np.unique(c[:full]).tolist():
+            sel = c[:full] == ci
+            dst[sel] = self.chunks[ci].reshape(self.bpc, B)[local[:full][sel]]
+        if full < nb:
+            out[full * B:m] = self.chunks[int(c[full])].reshape(self.bpc, B)[local[full], :m - full * B]
         return out
 
     def write(self, h: int, start: int, src: np.ndarray) -> None:

@@ -33,7 +33,8 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
               start, count: int32 LE arrays as msgpack bin, one entry per request id; layer_lo and layer_hi
               are sent together, only for a partial layer range (a pipeline-parallel stage)
               frames 1..: the rows, (sum(count), layer_hi - layer_lo, top_k) int16 LE, requests in key order;
-              several frames only where a frame boundary falls on a request boundary (a broker's zero-copy split)
+              several frames only where a frame boundary falls on a request boundary (a broker's zero-copy split,
+              a producer's coalesced steps: one frame per step); the key may repeat an id (several steps batched)
     finish    key: request id
               {num_output[, reason = "stop"][, prompt_len][, num_cached][, lost: [[lo, hi], ...]]
                [, n_output_tokens = 0]}
@@ -365,12 +366,12 @@ def check_payload(d: Delta, frames: Sequence) -> None:
         raise _bad("size_mismatch", f"delta announces {d.total_rows} rows of {rb} bytes = {want} bytes, "
                    f"payload has {got} bytes in {len(sizes)} frames")
     if len(sizes) > 1:
-        bounds = set((np.cumsum(d.counts, dtype=np.int64) * rb).tolist())
-        acc = 0
-        for s in sizes:
-            acc += s
-            if acc not in bounds:
-                raise _bad("split_mid_request", "a payload frame boundary falls inside a request's rows")
+        # every frame's end is the end of some request's rows (one searchsorted, not a loop over requests)
+        bounds = np.cumsum(d.counts, dtype=np.int64) * rb
+        ends = np.cumsum(np.asarray(sizes, dtype=np.int64))
+        at = np.searchsorted(bounds, ends)
+        if len(bounds) == 0 or int(at.max()) >= len(bounds) or not np.array_equal(bounds[at], ends):
+            raise _bad("split_mid_request", "a payload frame boundary falls inside a request's rows")
 
 
 def delta_body(starts: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray, num_layers: int,
