@@ -5,7 +5,7 @@ The rows of the requests follow each other in key order, so each owner's rows ar
 payload. One run is forwarded as one slice of the received frame; several runs that are large on average (at least
 wire.COPY_THRESHOLD bytes each) go as one slice each (frame boundaries fall on request boundaries, which
 wire.check_payload allows); many small runs (decode steps: a row or two per request) are gathered into one frame
-(one per payload frame when the payload came in several: a producer's coalesced steps, read in place).
+(also when the payload came in several frames: a producer's coalesced steps, read in place).
 
 The split of a key list is a `Plan` (per owner: its entries, its key list packed once, its byte ranges or rows),
 computed once and reused by the broker for every delta of the same producer with the same key list and counts
@@ -135,21 +135,21 @@ def _slices(views: list, ends: list, slices: list) -> list:
 
 
 def _gather(views: list, ends: list, units: np.ndarray, per: int) -> list:
-    """The `per`-byte units `units` (ascending) of the payload gathered: one frame, or one per payload frame they
-    come from (frame ends fall on request boundaries, so on unit boundaries)."""
+    """The `per`-byte units `units` (ascending) of the payload gathered into one frame, from however many payload
+    frames they come (frame ends fall on request boundaries, so on unit boundaries)."""
     dt = np.dtype((np.void, per))
     if len(views) == 1:
         return [np.frombuffer(views[0], dtype=dt).take(units)]
+    out = np.empty(len(units), dtype=dt)
     cuts = np.searchsorted(units, np.asarray(ends, dtype=np.int64) // per).tolist()
-    out = []
     lo = 0
     u0 = 0
     for v, hi in zip(views, cuts):
         if hi > lo:
-            out.append(np.frombuffer(v, dtype=dt).take(units[lo:hi] - u0))
+            np.frombuffer(v, dtype=dt).take(units[lo:hi] - u0, out=out[lo:hi], mode="clip")
         lo = hi
         u0 += len(v) // per
-    return out
+    return [out]
 
 
 _PACKER = msgpack.Packer(use_bin_type=True)

@@ -349,11 +349,36 @@ class Accumulator:
         # bounds once per message; only a message that could break them takes the checked path
         in_bounds = int(d.starts.max()) + int(d.counts.max()) <= self.max_positions and \
             self.bytes_held + d.total_rows * rb <= self.max_bytes
-        slow = self._append(d, bufs, sh) if in_bounds and sh.handle else None
+        slow = self._append(d, bufs, sh, now) if in_bounds else None
         if slow is not _NONE_SLOW:
             self._delta_entries(d, bufs, sh, shape, now, slow)
 
-    def _append(self, d: wire.Delta, bufs: list, sh: "_Shape") -> np.ndarray | None:
+    def _new_rows(self, rids: set, sh: "_Shape", d: wire.Delta, now: float) -> list:
+        """Give the requests of `rids` that may take rows of this shape (held, or new; same L and K) their rows
+        here, so that their first entries can be appended with the others. Returns those requests."""
+        shape = (d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
+        key = (d.layer_lo, d.layer_hi)
+        made = []
+        for rid in rids:
+            st = self.requests.get(rid)
+            if st is None:
+                st = self._get(rid, now)
+                if st is None:
+                    continue                    # finished: the entry-by-entry path counts it late
+            if st.num_layers is None:
+                st.num_layers, st.top_k = d.num_layers, d.top_k
+            elif st.num_layers != d.num_layers or st.top_k != d.top_k:
+                continue                        # refused there
+            if key in st.ranges:
+                continue
+            rows = st.ranges[key] = _Rows(sh.arena)
+            sh.handle[rid] = rows.h
+            st.shapes.append(shape)
+            st.last_seen = now
+            made.append(st)
+        return made
+
+    def _append(self, d: wire.Delta, bufs: list, sh: "_Shape", now: float) -> np.ndarray | None:
         """Append the rows of every request whose entries in `d` all continue where its rows end (in entry order),
         as numpy work over the whole message. Returns the mask of entries left for `_delta_entries` (None: no
         entry was applied here)."""
@@ -362,12 +387,18 @@ class Accumulator:
         n = len(ids)
         before = a.live_blocks
         hd = np.fromiter(map(sh.handle.get, ids, itertools.repeat(-1)), dtype=np.int64, count=n)
+        fresh = self._new_rows(set(itertools.compress(ids, hd < 0)), sh, d, now) if int(hd.min()) < 0 else ()
+        if fresh:
+            hd = np.fromiter(map(sh.handle.get, ids, itertools.repeat(-1)), dtype=np.int64, count=n)
+            self.bytes_held += (a.live_blocks - before) * a.block_bytes     # their first blocks
+            before = a.live_blocks
         c, s = d.counts, d.starts
         if d.total_rows == n and int(c.min()) == 1 and len(set(ids)) == n:
             # a decode step: one row for each of n distinct requests
             if int(hd.min()) >= 0 and np.array_equal(a.n[hd], s):
                 self._scatter(a, a.append_one(hd), bufs, rb)
                 self.bytes_held += (a.live_blocks - before) * a.block_bytes
+                self._seen(fresh)
                 return _NONE_SLOW
         s = s.astype(np.int64)
         c = c.astype(np.int64)
@@ -394,6 +425,7 @@ class Accumulator:
         row_off = np.cumsum(c) - c                 # each entry's first row in the payload
         if gbad.any():
             if gbad.all():
+                self._seen(fresh)
                 return None
             ok = ~gbad
             slow = np.empty(n, dtype=bool)
@@ -432,7 +464,14 @@ class Accumulator:
         a.n[u] = new_n
         a.fix(u)
         self.bytes_held += (a.live_blocks - before) * a.block_bytes
+        self._seen(fresh)
         return slow
+
+    @staticmethod
+    def _seen(fresh) -> None:
+        """Requests given rows by this message: their timeout counts from now (as on the entry-by-entry path)."""
+        for st in fresh:
+            st.seen_n = sum(r.n for r in st.ranges.values())
 
     @staticmethod
     def _scatter(a: Arena, flat: np.ndarray, bufs: list, rb: int) -> None:

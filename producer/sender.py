@@ -265,7 +265,9 @@ class Sender:
 
     def _step_bytes(self, item: Step) -> int:
         """The bytes the caller counted into the queue for this step (its kept rows)."""
-        return sum(c for c, k in zip(item.counts, item.keep or [True] * len(item.counts)) if k) * self.cfg.row_bytes
+        if item.keep is None:
+            return sum(item.counts) * self.cfg.row_bytes
+        return sum(c for c, k in zip(item.counts, item.keep) if k) * self.cfg.row_bytes
 
     def _intake(self, item: Announce | Step) -> None:
         expect = 0

@@ -76,6 +76,7 @@ number, and raises ProtocolError(reason_key, message) for the caller to log, cou
 from __future__ import annotations
 
 import array
+import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
@@ -374,10 +375,22 @@ def check_payload(d: Delta, frames: Sequence) -> None:
             raise _bad("split_mid_request", "a payload frame boundary falls inside a request's rows")
 
 
+_LITTLE = sys.byteorder == "little" and array.array("i").itemsize == 4
+
+
+def _i32_bytes(values: Sequence[int] | np.ndarray) -> bytes:
+    """int32 LE bytes of a list of ints (array.array: a C loop, several times faster than numpy on a list)."""
+    if _LITTLE and isinstance(values, list):
+        try:
+            return array.array("i", values).tobytes()
+        except TypeError:          # numpy integers in the list: numpy converts them
+            pass
+    return np.asarray(values, dtype=_I32).tobytes()
+
+
 def delta_body(starts: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray, num_layers: int,
                top_k: int, layer_lo: int = 0, layer_hi: int | None = None) -> dict:
-    body = {"start": np.asarray(starts, dtype=_I32).tobytes(), "count": np.asarray(counts, dtype=_I32).tobytes(),
-            "num_layers": num_layers, "top_k": top_k}
+    body = {"start": _i32_bytes(starts), "count": _i32_bytes(counts), "num_layers": num_layers, "top_k": top_k}
     if layer_lo != 0 or (layer_hi is not None and layer_hi != num_layers):
         body["layer_lo"] = layer_lo
         body["layer_hi"] = num_layers if layer_hi is None else layer_hi
