@@ -167,9 +167,24 @@ class Arena:
         return self.bt[rh, pos // self.B] * self.B + pos % self.B
 
     def scatter(self, flat: np.ndarray, src: np.ndarray) -> None:
-        """Write src[i] (void rows) to arena row flat[i]."""
-        if not len(flat):
+        """Write src[i] (void rows) to arena row flat[i]. Where the target rows run on consecutively (a long entry
+        whose blocks were allocated together: prefill chunks) each run is one slice copy; short runs (decode: one
+        row per request) go row by row in one fancy assignment."""
+        n = len(flat)
+        if not n:
             return
+        if n >= 64:
+            brk = np.flatnonzero((np.diff(flat) != 1) | (flat[1:] % self.crows == 0)) + 1
+            if len(brk) * 32 < n:
+                cr = self.crows
+                for a, b in zip([0, *brk.tolist()], [*brk.tolist(), n]):
+                    f0 = int(flat[a])
+                    c = f0 // cr
+                    self.chunks[c][f0 - c * cr:f0 - c * cr + b - a] = src[a:b]
+                return
+        self._put_rows(flat, src)
+
+    def _put_rows(self, flat: np.ndarray, src: np.ndarray) -> None:
         if len(self.chunks) == 1:
             self.chunks[0][flat] = src
             return
@@ -183,7 +198,8 @@ class Arena:
             self.chunks[ci][flat[m] - ci * self.crows] = src[m]
 
     def gather(self, h: int, m: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Positions [0, m) of handle h as (m,) void rows, copied block by block into `out` (or a new array)."""
+        """Positions [0, m) of handle h as (m,) void rows, copied into `out` (or a new array): runs of consecutive
+        blocks as one slice each, scattered blocks a block at a time."""
         if out is None:
             out = np.empty(max(m, 0), dtype=self.vdt)
         if m <= 0:
@@ -191,6 +207,15 @@ class Arena:
         B = self.B
         nb = (m + B - 1) // B
         blocks = self.bt[h, :nb]
+        brk = np.flatnonzero((np.diff(blocks) != 1) | (blocks[1:] % self.bpc == 0)) + 1
+        if len(brk) * 8 < nb:                       # long runs: one slice copy each
+            cr = self.crows
+            for a, b in zip([0, *brk.tolist()], [*brk.tolist(), nb]):
+                f0 = int(blocks[a]) * B
+                c = f0 // cr
+                lo, hi = a * B, min(b * B, m)
+                out[lo:hi] = self.chunks[c][f0 - c * cr:f0 - c * cr + hi - lo]
+            return out
         full = m // B
         dst = out[:full * B].reshape(full, B)
         if len(self.chunks) == 1:

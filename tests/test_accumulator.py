@@ -471,7 +471,7 @@ def test_rows_spread_over_many_arena_chunks(monkeypatch):
     monkeypatch.setattr(accumulator, "Arena", lambda rb: arena.Arena(rb, chunk_bytes=3 * arena.BLOCK_ROWS * rb))
     f = Feed()
     specs = {f"r{i}": 30 + i for i in range(7)}
-    P, G = 3, 60
+    P, G = 45, 60                   # prefill rows go a whole block at a time, decode rows one by one
     for rid, seed in specs.items():
         f.open(rid, P)
         f.delta([(rid, 0, rows(seed, 0, P))])
