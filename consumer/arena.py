@@ -8,9 +8,10 @@ anonymous mappings of CHUNK_BYTES with their pages populated at once (MAP_POPULA
 cheap per byte as faulting them in row by row on the 2-vCPU VM of docs/PERFORMANCE.md, and no 2 MiB fault or
 compaction stall in the middle of a message); they are never returned to the system.
 
-Memory: each request holds at most B rows it does not use (B = BLOCK_ROWS), plus 8 bytes per
-block-table entry: the table is (handles, widest request's blocks) int64, so one request of 1M positions costs
-512 KiB of table per handle (fine for thousands of requests of up to ~64k positions).
+Memory: each request holds at most B rows it does not use (B = BLOCK_ROWS), plus 4 bytes per
+block-table entry: the table is (handles, widest request's blocks) int32, so one request of 1M positions makes
+the table 256 KiB per handle slot (1,024 slots: 256 MiB; fine for thousands of requests of up to ~64k positions,
+costly when a few requests run to the default max_positions of 2M: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Arena:
         self.nblk = np.zeros(16, dtype=np.int64)                 # blocks per handle
         self.cur = np.zeros(16, dtype=np.int64)                  # arena row of position n[h]
         self.left = np.zeros(16, dtype=np.int64)                 # free rows in that block (>= 1)
-        self.bt = np.zeros((16, 8), dtype=np.int64)              # block table
+        self.bt = np.zeros((16, 8), dtype=np.int32)              # block table (block ids < 2**31)
         self._free_handles: list[int] = []
         self._next_handle = 0
         self.live_blocks = 0
@@ -77,7 +78,7 @@ class Arena:
                 cap = 2 * len(self.n)
                 for name in ("n", "nblk", "cur", "left"):
                     setattr(self, name, np.resize(getattr(self, name), cap))
-                bt = np.zeros((cap, self.bt.shape[1]), dtype=np.int64)
+                bt = np.zeros((cap, self.bt.shape[1]), dtype=np.int32)
                 bt[:len(self.bt)] = self.bt
                 self.bt = bt
         self.n[h] = 0
@@ -132,7 +133,7 @@ class Arena:
         wmax = int(want.max())
         if wmax > self.bt.shape[1]:
             w = max(wmax, 2 * self.bt.shape[1])
-            bt = np.zeros((len(self.bt), w), dtype=np.int64)
+            bt = np.zeros((len(self.bt), w), dtype=np.int32)
             bt[:, :self.bt.shape[1]] = self.bt
             self.bt = bt
         ids = self._alloc(total)
@@ -147,7 +148,7 @@ class Arena:
         """Restore the invariant for handles hs (distinct) after n moved: room for the next row, cur and left."""
         v = self.n[hs]
         self.ensure(hs, v + 1)
-        self.cur[hs] = self.bt[hs, v // self.B] * self.B + v % self.B
+        self.cur[hs] = self.bt[hs, v // self.B].astype(np.int64) * self.B + v % self.B
         self.left[hs] = self.nblk[hs] * self.B - v
 
     def append_one(self, hd: np.ndarray) -> np.ndarray:
@@ -164,7 +165,7 @@ class Arena:
 
     def rows_at(self, rh: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """The arena-wide row index of position pos[i] of handle rh[i] (its block must exist)."""
-        return self.bt[rh, pos // self.B] * self.B + pos % self.B
+        return self.bt[rh, pos // self.B].astype(np.int64) * self.B + pos % self.B
 
     def scatter(self, flat: np.ndarray, src: np.ndarray) -> None:
         """Write src[i] (void rows) to arena row flat[i]. Where the target rows run on consecutively (a long entry
