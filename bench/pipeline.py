@@ -1,14 +1,20 @@
 """Benchmark producer -> broker -> 2 consumers against raw ZeroMQ and a zmq.proxy chain, in one run.
 
-Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workloads:
+Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workloads (one publish_rows call each):
   decode  : steps of 256 requests x 1 token (one message per step, split across the two consumers)
   prefill : steps of 4 requests x 2048 tokens
+  batched : the vLLM plugin's message: 16 engine steps of 256 requests x 1 token (ids repeated 16 times)
+  mixed   : 16 engine steps of (240 decode requests x 1 token + a new request's 512-token prefill), the 16 prefill
+            requests finishing after each message (new requests every message)
 Chains (each role a separate process, loopback tcp):
   raw     : PUSH -> PULL, the same frames, the consumer only counts bytes (the wire's limit)
   proxy   : PUSH -> zmq.proxy(PULL, PUSH) -> 2 x PULL counting bytes (libzmq's C forwarder: one hop's limit)
   ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
 Then latency: ours at an offered load of 100k tokens/s (decode steps), p50/p99 from publish() to applied.
-Peak RSS of broker and consumers is reported. Usage: python bench/pipeline.py [--quick] [--json FILE]
+Peak RSS of broker and consumers is reported. The producer coalesces steps that queue up behind its thread
+(Producer coalesce_max_bytes; --coalesce-bytes 0: one message per publish call, as before issue #16).
+Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
+       [--coalesce-bytes N]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,18 +40,53 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class Step(NamedTuple):
+    ids: list
+    starts: list
+    counts: list
+    opens: list               # (request id, prompt_len) to open before this step
+    finishes: list            # (request id, num_output, prompt_len) to finish after it
+
+
 def _steps(workload: str, n_steps: int):
-    """Yield (ids, starts, counts) per step, and the finishes at the end (list of (rid, prompt_len, n_out))."""
+    """The workload as a list of Steps (one publish_rows call each) and the tokens per step."""
     if workload == "decode":
         ids = [f"cmpl-{i:08x}-decode-request" for i in range(256)]
-        return [(ids, [s] * 256, [1] * 256) for s in range(n_steps)], [(r, 1, n_steps) for r in ids], 256
-    per = 2048
-    steps, fins = [], []
-    for s in range(n_steps):
-        ids = [f"cmpl-{s:06d}-{j}-prefill-request" for j in range(4)]
-        steps.append((ids, [0] * 4, [per] * 4))
-        fins += [(r, per, 1) for r in ids]
-    return steps, fins, 4 * per
+        steps = [Step(ids, [s] * 256, [1] * 256, [], []) for s in range(n_steps)]
+        steps[0].opens.extend((r, 1) for r in ids)
+        steps[-1].finishes.extend((r, n_steps, 1) for r in ids)
+        return steps, 256
+    if workload == "prefill":
+        per = 2048
+        steps = []
+        for s in range(n_steps):
+            ids = [f"cmpl-{s:06d}-{j}-prefill-request" for j in range(4)]
+            steps.append(Step(ids, [0] * 4, [per] * 4, [(r, per) for r in ids], [(r, 1, per) for r in ids]))
+        return steps, 4 * per
+    if workload == "batched":
+        ids = [f"cmpl-{i:08x}-decode-request" for i in range(256)]
+        steps = [Step(ids * 16, [16 * m + k for k in range(16) for _ in ids], [1] * 4096, [], [])
+                 for m in range(n_steps)]
+        steps[0].opens.extend((r, 1) for r in ids)
+        steps[-1].finishes.extend((r, 16 * n_steps, 1) for r in ids)
+        return steps, 4096
+    if workload == "mixed":
+        dec = [f"cmpl-{i:08x}-decode-request" for i in range(240)]
+        steps = []
+        for m in range(n_steps):
+            ids, starts, counts, opens, fins = [], [], [], [], []
+            for k in range(16):
+                new = f"cmpl-{m:06d}-{k:02d}-prefill-request"
+                ids += dec + [new]
+                starts += [16 * m + k] * 240 + [0]
+                counts += [1] * 240 + [512]
+                opens.append((new, 512))
+                fins.append((new, 1, 512))
+            steps.append(Step(ids, starts, counts, opens, fins))
+        steps[0].opens.extend((r, 1) for r in dec)
+        steps[-1].finishes.extend((r, 16 * n_steps, 1) for r in dec)
+        return steps, 16 * (240 + 512)
+    raise ValueError(f"unknown workload {workload!r}")
 
 
 # ---- processes ------------------------------------------------------------------------------------------------
@@ -52,7 +94,7 @@ def _steps(workload: str, n_steps: int):
 def raw_sender(ep, workload, n_steps, q):
     import zmq
     from routing_replay.protocol import wire
-    steps, _, tok = _steps(workload, n_steps)
+    steps, tok = _steps(workload, n_steps)
     payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
     ctx = zmq.Context()
     s = ctx.socket(zmq.PUSH)
@@ -60,8 +102,8 @@ def raw_sender(ep, workload, n_steps, q):
     s.connect(ep)
     q.get()  # go
     t0 = time.monotonic()
-    for i, (ids, starts, counts) in enumerate(steps):
-        head = wire.pack_header("delta", "raw", 0, i, ids, wire.delta_body(starts, counts, L, K))
+    for i, st in enumerate(steps):
+        head = wire.pack_header("delta", "raw", 0, i, st.ids, wire.delta_body(st.starts, st.counts, L, K))
         s.send_multipart([head, payload], copy=False)
     q.put(("sent", t0))
     s.close(linger=-1)
@@ -124,10 +166,12 @@ def consumer_proc(back, q, latency):
     class C(Consumer):
         def _on_broker_message(self, frames, now):
             super()._on_broker_message(frames, now)
-            if latency:
+            if latency:              # decode steps: step i writes position i of every request
                 h = msgpack.unpackb(frames[0].buffer)
                 if h[1] == "delta":
-                    recv_times[h[4]] = time.monotonic()
+                    t = time.monotonic()
+                    for pos in np.unique(np.frombuffer(h[6]["start"], "<i4")).tolist():
+                        recv_times.setdefault(pos, t)
             state["held_peak"] = max(state["held_peak"], self.acc.bytes_held)
 
     def on_record(rec):
@@ -149,46 +193,40 @@ def consumer_proc(back, q, latency):
            state["record_bytes"], base_rss))
 
 
-def producer_proc(ep, workload, n_steps, q, rate_tokens_s):
+def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes):
     import logging
     logging.basicConfig(level=logging.WARNING)
     from routing_replay.producer import Producer
-    steps, fins, tok = _steps(workload, n_steps)
+    steps, tok = _steps(workload, n_steps)
     payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
-    p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30)
-    opened = set()
+    kw = {} if coalesce_bytes is None else {"coalesce_max_bytes": coalesce_bytes}
+    p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30, **kw)
     # warm-up, as an engine that connected at start-up: the first step's requests are opened and acked
     # (connection, hello round trip, the consumers' first allocations) before the clock starts
-    for rid in steps[0][0]:
-        opened.add(rid)
-        p.open(rid, prompt_len=1 if workload == "decode" else 2048)
+    for rid, prompt_len in steps[0].opens:
+        p.open(rid, prompt_len=prompt_len)
     p.wait_acked(60)
     q.get()  # go
     send_times = {}
     t0 = time.monotonic()
     step_s = tok / rate_tokens_s if rate_tokens_s else 0
-    for i, (ids, starts, counts) in enumerate(steps):
-        for rid in ids:
-            if rid not in opened:
-                opened.add(rid)
-                p.open(rid, prompt_len=1 if workload == "decode" else 2048)
+    for i, st in enumerate(steps):
+        if i:
+            for rid, prompt_len in st.opens:
+                p.open(rid, prompt_len=prompt_len)
         if step_s:
             target = t0 + i * step_s
             while time.monotonic() < target:
                 time.sleep(max(0, target - time.monotonic() - 0.0002))
         t = time.monotonic()
-        p.publish_rows(ids, starts, counts, payload)
-        send_times[("step", i)] = t
-        if workload == "prefill":
-            for rid in ids:
-                p.finish(rid, num_output_tokens=1, prompt_len=2048)
-    if workload == "decode":
-        for rid, _, n_out in fins:
-            p.finish(rid, num_output_tokens=n_steps, prompt_len=1)
+        p.publish_rows(st.ids, st.starts, st.counts, payload)
+        send_times[i] = t
+        for rid, n_out, prompt_len in st.finishes:
+            p.finish(rid, num_output_tokens=n_out, prompt_len=prompt_len)
     p.flush(600)
-    st = p.stats
+    stats = p.stats
     p.close()
-    q.put(("sent", t0, st.sent_msgs, st.dropped_msgs, send_times))
+    q.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times))
 
 
 def _wait(q, kind, n, timeout=300):
@@ -211,7 +249,7 @@ def _port() -> str:
     return f"tcp://127.0.0.1:{_next_port[0]}"
 
 
-def measure_chain(chain, workload, n_steps, rate=0):
+def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()          # from workers
     go = ctx.Queue()         # to the sender
@@ -240,7 +278,7 @@ def measure_chain(chain, workload, n_steps, rate=0):
         _wait(q, "ready", n_cons)
         time.sleep(0.5)       # let the consumers' hello reach the broker (bench only)
     if chain == "ours":
-        sender = ctx.Process(target=producer_proc, args=(fe, workload, n_steps, go, rate))
+        sender = ctx.Process(target=producer_proc, args=(fe, workload, n_steps, go, rate, coalesce_bytes))
     else:
         sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go))
     sender.start()
@@ -256,7 +294,7 @@ def measure_chain(chain, workload, n_steps, rate=0):
             p.terminate()
     t0 = sent[1]
     t_end = max(d[2] for d in done)
-    _, _, tok = _steps(workload, 1)
+    _, tok = _steps(workload, 1)
     tokens = tok * n_steps
     dt = t_end - t0
     res = {"chain": chain, "workload": workload, "steps": n_steps, "tokens": tokens, "seconds": dt,
@@ -269,50 +307,61 @@ def measure_chain(chain, workload, n_steps, rate=0):
         # peak RSS above the consumer's RSS at start, over the bytes of the records it assembled
         res["rss_over_records"] = [round((d[3] - d[7]) * 1.048576 / max(d[6] / 1e6, 1e-9), 2) for d in done]
         res["dropped"] = sent[3]
+        res["messages"] = sent[2]
         if rate:
             res["latency"] = _latency(sent[4], [d[5] for d in done], n_steps)
     return res
 
 
 def _latency(send_times, recv_maps, n_steps):
-    # the producer numbers its messages: seq 1.. in order; opens come before the first delta of a request
-    # decode workload: 256 opens (seq 1..256) then one delta per step -> delta i has seq 257 + i
+    # decode workload: step i writes position i of every request; a delta may carry several steps (coalesced)
     lat = []
     for i in range(n_steps):
-        seq = 257 + i
-        recv = [m[seq] for m in recv_maps if seq in m]
-        if recv:
-            lat.append((max(recv) - send_times[("step", i)]) * 1e3)
+        recv = [m[i] for m in recv_maps if i in m]
+        if len(recv) == len(recv_maps):
+            lat.append((max(recv) - send_times[i]) * 1e3)
     lat.sort()
     return {"n": len(lat), "p50_ms": round(statistics.median(lat), 3),
             "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3), "max_ms": round(lat[-1], 3)}
+
+
+STEPS = {"decode": 4000, "prefill": 200, "batched": 250, "mixed": 100}     # about 1M tokens each (mixed: 1.2M)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--workloads", default="decode,prefill,batched,mixed")
+    ap.add_argument("--chains", default="raw,proxy,ours")
+    ap.add_argument("--coalesce-bytes", type=int, default=None,
+                    help="Producer coalesce_max_bytes (default: the Producer's; 0: one message per publish call)")
+    ap.add_argument("--no-latency", action="store_true")
     a = ap.parse_args(argv)
-    dec_steps = 400 if a.quick else 4000
-    pre_steps = 20 if a.quick else 200
     results = []
-    for workload, steps in (("decode", dec_steps), ("prefill", pre_steps)):
-        for chain in ("raw", "proxy", "ours"):
-            r = measure_chain(chain, workload, steps)
+    for workload in a.workloads.split(","):
+        steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
+        for chain in a.chains.split(","):
+            r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes)
             results.append(r)
             print(f"{workload:8s} {chain:6s} tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
                   f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']}"
-                  + (f" records={r['records']} held_peak_mb={r['held_peak_mb']} record_mb={r['record_mb']} "
-                     f"rss_over_records={r['rss_over_records']}" if chain == "ours" else ""),
+                  + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
+                     f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
+                     if chain == "ours" else ""),
                   flush=True)
-    lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000)
-    results.append(lat)
-    print(f"latency at 100k tokens/s offered (decode steps of 256): {lat['latency']}", flush=True)
+    if not a.no_latency:
+        lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes)
+        results.append(lat)
+        print(f"latency at 100k tokens/s offered (decode steps of 256): {lat['latency']} "
+              f"messages={lat['messages']} records={lat['records']}", flush=True)
     by = {(r["workload"], r["chain"]): r for r in results if "latency" not in r}
-    for w in ("decode", "prefill"):
+    for w in a.workloads.split(","):
+        if (w, "ours") not in by:
+            continue
         ours = by[(w, "ours")]["tokens_per_s"]
-        print(f"{w}: ours/raw={ours / by[(w, 'raw')]['tokens_per_s']:.2f} "
-              f"ours/proxy={ours / by[(w, 'proxy')]['tokens_per_s']:.2f}")
+        print(f"{w}: " + " ".join(f"ours/{c}={ours / by[(w, c)]['tokens_per_s']:.2f}" for c in ("raw", "proxy")
+                                  if (w, c) in by))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -35,8 +35,8 @@ import zmq
 
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
 from routing_replay.broker.ownership import OpenMsg, Ownership
-from routing_replay.broker.split import split_delta
-from routing_replay.protocol import security, wire
+from routing_replay.broker.split import apply_plan, plan_split
+from routing_replay.protocol import memory, security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded
 
 log = logging.getLogger("routing_replay.broker")
@@ -193,6 +193,7 @@ class Broker(ServiceThread):
 
     def serve(self) -> None:
         front, back = self._front, self._back
+        memory.keep_freed_memory()
         try:
             poller = zmq.Poller()
             poller.register(front, zmq.POLLIN)
@@ -553,17 +554,22 @@ class Broker(ServiceThread):
         self.stats.bytes_in += d.total_rows * d.row_bytes
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
-        owners = self.ownership.lookup(d.request_ids)
-        if owners is None:
-            links = [self._owner_of(r) for r in d.request_ids]
-            owners = (links, set(links))
-        links, distinct = owners
-        if len(distinct) == 1:
-            ok = self._send(links[0], frames[1].buffer, payload, tok)      # payload untouched, zero-copy
+        # the split plan of this producer's last delta holds while the key list, the counts and the ownership
+        # table are the same (decode steps): then no per-request work at all
+        own = self.ownership
+        counts_raw = h.body["count"]
+        plan = ps.plan
+        if plan is None or plan.version != own.version or plan.counts != counts_raw or plan.ids != d.request_ids:
+            owners = own.lookup(d.request_ids)
+            if owners is None:
+                links = [self._owner_of(r) for r in d.request_ids]
+                owners = (links, set(links))
+            plan = ps.plan = plan_split(d, counts_raw, owners[0], owners[1], own.version)
+        if len(plan.parts) == 1:
+            ok = self._send(plan.parts[0].owner, frames[1].buffer, payload, tok)      # payload untouched, zero-copy
         else:
             self.stats.deltas_split += 1
-            ok = all(self._send(p.owner, p.head, p.frames, tok)
-                     for p in split_delta(h, d, links, distinct, payload))
+            ok = all(self._send(p.owner, p.head, p.frames, tok) for p in apply_plan(h, d, plan, payload))
         if not ok:
             self._unaccept(tok)
 

@@ -64,7 +64,7 @@ class ProducerIntake:
     seqs completed so far, what was acked to the producer, and when it last asked the producer to rewind."""
 
     __slots__ = ("pid", "epoch", "ident", "next", "frontier", "done", "acked_sent", "last_seen", "nacked_at",
-                 "nacked_for", "held")
+                 "nacked_for", "held", "plan")
 
     def __init__(self, pid: str, epoch: int, ident: bytes, unacked_from: int, now: float):
         self.pid = pid
@@ -78,6 +78,8 @@ class ProducerIntake:
         self.nacked_at = -1e9
         self.nacked_for = -1                # `next` when the last rewind was asked (one ask per gap episode)
         self.held: set = set()              # seqs waiting in the pending queue
+        self.plan = None                    # the split plan of its last delta (broker.split.Plan), reused while
+                                            # its key list, counts and the ownership table stay the same
 
     def admit(self, seq: int) -> Admission:
         """Decide on a data message by its seq; every decision but GAP makes `seq + 1` the next one expected."""

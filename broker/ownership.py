@@ -72,12 +72,14 @@ class Ownership:
         self.live: frozenset = frozenset()               # the live links
         self._link_of: dict[bytes, Any] = {}
         self.evicted = 0                                 # requests forgotten at max_open_requests
+        self.version = 0                                 # moves on every change of an owner or of the live set
 
     def __len__(self) -> int:
         return len(self.owner)
 
     def set_live(self, links: dict[bytes, Any]) -> None:
         """The live links, by consumer id (each new assignment hashes over them)."""
+        self.version += 1
         self._link_of = dict(links)
         self.live_ids = sorted(links)
         self.live = frozenset(links.values())
@@ -102,7 +104,7 @@ class Ownership:
         if link.alive:
             return Owner(link)
         self._by_link_discard(link, rid)
-        return Owner(self._assign(rid), True, self._open.get(rid))
+        return Owner(self._assign(rid), True, self._open.get(rid))     # (_assign moved the version)
 
     def opened(self, rid: str, producer: Hashable, msg: OpenMsg) -> None:
         """`rid` was opened by `producer` with `msg` (call after owner_of)."""
@@ -118,6 +120,7 @@ class Ownership:
         """`rid` finished or was aborted: forget it."""
         link = self.owner.pop(rid, None)
         if link is not None:
+            self.version += 1
             self._by_link_discard(link, rid)
         self._open.pop(rid, None)
         p = self._producer.pop(rid, None)
@@ -127,6 +130,7 @@ class Ownership:
     def drop_producer(self, producer: Hashable) -> list[tuple[str, Any]]:
         """Forget every request `producer` opened; returns each (request id, owner link or None)."""
         rids = self._by_producer.pop(producer, ())
+        self.version += 1
         out = []
         for rid in rids:
             del self._producer[rid]
@@ -138,6 +142,7 @@ class Ownership:
         return out
 
     def _assign(self, rid: str) -> Any:
+        self.version += 1
         link = self._link_of[rendezvous(rid.encode("utf-8", "surrogatepass"), self.live_ids)]
         if rid not in self.owner and len(self.owner) >= self.max_open_requests:
             self.close(next(iter(self.owner)))

@@ -1,9 +1,11 @@
 """Accumulate routing rows per request from decoded messages and turn finished requests into Records.
 
 No sockets here: `Accumulator.apply(header, payload_frames, now)` takes one validated message and returns the
-records it finished. Rows of one request live in a bytearray per layer range (appends are amortised O(1));
-positions are absolute, so a re-sent position overwrites and a jump leaves a hole that is filled with -1 and
-reported as missing unless a later delta fills it.
+records it finished. Rows live in a paged arena per row shape (consumer/arena.py: blocks, a block table per
+request); a delta's entries that continue their request's rows are appended as a few numpy scatters for the whole
+message, the others (a new request, an overwrite, a hole) one by one. Positions are absolute, so a re-sent
+position overwrites and a jump leaves a hole that is filled with -1 and reported as missing unless a later delta
+fills it.
 
 Replays are harmless: the link below delivers each producer's messages in seq order, and a resend is always a
 suffix of that order, so re-applying deltas leaves the newest write of every position in place. Request-level
@@ -16,19 +18,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from routing_replay.consumer.arena import Arena, void_rows
 from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
 
-_FILL = 0xFF  # int16 -1 is 0xFFFF
-_JITTER = itertools.count()
 
 
 @dataclass
@@ -59,90 +59,62 @@ class _Ending(NamedTuple):
 
 
 class _Rows:
-    """Own one request's rows for one layer range: positions [0, n) in blocks, and the holes below n.
+    """Own one request's rows for one layer range: positions [0, n) under a handle of the shape's Arena, and the
+    holes below n (positions never written, held as -1 rows)."""
 
-    Blocks are preallocated bytearrays (the next one holds max(16 rows, n/8, the rows being written); the first
-    one 16-31 rows, varied so that requests in lockstep do not all grow at the same step), so an
-    append is one copy into free space: no realloc ever re-copies earlier rows, and unused capacity stays
-    below about 1/8 of what is held.
-    """
+    __slots__ = ("arena", "h", "holes", "row_bytes")
 
-    __slots__ = ("blocks", "starts", "n", "cap", "holes", "row_bytes", "allocated", "view", "boff", "bend")
-
-    def __init__(self, row_bytes: int):
-        self.blocks: list[bytearray] = []
-        self.starts: list[int] = []       # first position of each block
-        self.n = 0                        # positions [0, n) are held
-        self.cap = 0                      # positions [0, cap) fit in the blocks
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.h = arena.new_handle()
         self.holes: list[list[int]] = []
-        self.row_bytes = row_bytes
-        self.allocated = 0
-        # append cursor: the last block, the byte offset of position n in it, and its end (the fast path)
-        self.view = memoryview(b"")
-        self.boff = 0
-        self.bend = 0
+        self.row_bytes = arena.row_bytes
 
-    def _grow(self, need_rows: int) -> None:
-        # the first block's size varies by 0-15 rows from one _Rows to the next, so requests decoding in lockstep
-        # grow at different steps (at most ~8 of 128 per step, not all 128 at once: a latency spike)
-        rows = max(16 + next(_JITTER) % 16 if not self.cap else 16, self.cap >> 3, need_rows)
-        self.blocks.append(bytearray(rows * self.row_bytes))
-        self.starts.append(self.cap)
-        self.cap += rows
-        self.allocated += rows * self.row_bytes
+    @property
+    def n(self) -> int:
+        """Positions [0, n) are held."""
+        return int(self.arena.n[self.h])
 
-    def _put(self, pos: int, chunk) -> None:
-        """Copy chunk (whole rows) to positions starting at pos < cap, across blocks as needed."""
-        rb = self.row_bytes
-        i = bisect_right(self.starts, pos) - 1
-        done = 0
-        total = len(chunk)
-        while done < total:
-            blk = self.blocks[i]
-            off = (pos - self.starts[i]) * rb
-            k = min(len(blk) - off, total - done)
-            blk[off:off + k] = chunk[done:done + k]
-            done += k
-            pos += k // rb
-            i += 1
+    @property
+    def allocated(self) -> int:
+        return self.arena.allocated(self.h)
 
     def write(self, start: int, count: int, chunk) -> None:
+        """Write `count` rows (bytes-like `chunk`) at `start` (the arena counts the blocks it allocates)."""
         if count == 0:                                  # an entry with no rows says nothing (found by atheris)
             return
+        a, h = self.arena, self.h
         end = start + count
-        if end > self.cap:
-            self._grow(end - self.cap)
-        n = self.n
+        n = int(a.n[h])
         if start > n:                                   # a hole: -1 rows, remembered as missing
-            self._put(n, b"\xff" * ((start - n) * self.row_bytes))
+            a.write(h, n, np.frombuffer(b"\xff" * ((start - n) * self.row_bytes), dtype=a.vdt))
             self.holes.append([n, start])
         elif start < n and self.holes:
             self.holes = _subtract(self.holes, start, end)
-        self._put(start, chunk)
-        if end > n:
-            self.n = end
-        last = self.blocks[-1]
-        self.view = memoryview(last)
-        self.boff = (self.n - self.starts[-1]) * self.row_bytes
-        self.bend = len(last)
+        a.write(h, start, void_rows(chunk, self.row_bytes))
 
     def missing(self, lo: int, hi: int) -> list[list[int]]:
         """Positions in [lo, hi) that were never written."""
+        n = self.n
         out = [[max(a, lo), min(b, hi)] for a, b in self.holes if b > lo and a < hi]
-        if self.n < hi:
-            out.append([max(self.n, lo), hi])
+        if n < hi:
+            out.append([max(n, lo), hi])
         return _merge(out)
 
     def copy_into(self, arr: np.ndarray, lo: int, hi: int, upto: int) -> None:
         """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) int16)."""
         m = min(self.n, upto)
-        K = arr.shape[2]
-        for blk, s in zip(self.blocks, self.starts):
-            if s >= m:
-                break
-            k = min(m, s + len(blk) // self.row_bytes) - s
-            arr[s:s + k, lo:hi] = np.frombuffer(blk, dtype=wire.ROW_DTYPE, count=k * (hi - lo) * K).reshape(
-                k, hi - lo, K)
+        if m <= 0:
+            return
+        T, L, K = arr.shape
+        if lo == 0 and hi == L and arr.flags.c_contiguous:       # all layers: straight into the record's rows
+            self.arena.gather(self.h, m, arr.reshape(T, L * K).view(self.arena.vdt).reshape(T))
+            return
+        arr[:m, lo:hi] = self.arena.gather(self.h, m).view(wire.ROW_DTYPE).reshape(m, hi - lo, K)
+
+    def release(self) -> int:
+        """Give the blocks back; returns the bytes freed."""
+        return self.arena.release(self.h)
 
 
 def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
@@ -184,11 +156,24 @@ def _merge(ranges: list[list[int]]) -> list[list[int]]:
     return out
 
 
+_NONE_SLOW = np.zeros(0, dtype=bool)      # Accumulator._append applied every entry
+
+
+class _Shape:
+    """One row shape's (L, K, layer_lo, layer_hi) arena and the handle there of each request holding rows."""
+
+    __slots__ = ("arena", "handle")
+
+    def __init__(self, row_bytes: int):
+        self.arena = Arena(row_bytes)
+        self.handle: dict[str, int] = {}
+
+
 class _Request:
     """Own everything known about one in-flight request until its record is emitted."""
 
     __slots__ = ("rid", "opened", "prompt_len", "num_cached", "prefix_filled", "num_layers", "top_k", "layer_ids",
-                 "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "cursor_shapes",
+                 "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "shapes",
                  "seen_n", "key", "damaged")
 
     def __init__(self, rid: str, now: float):
@@ -207,7 +192,7 @@ class _Request:
         self.finish_at = 0.0
         self.notes: list[str] = []  # reasons gathered on the way (reassigned, refused, ...)
         self.refused = False
-        self.cursor_shapes: list = []  # the append cursors this request has (see Accumulator._delta)
+        self.shapes: list = []      # the row shapes it holds rows of (see Accumulator._delta)
         self.seen_n = 0
         self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
         self.damaged = False        # a message for it could not be read: its record can never be complete
@@ -244,8 +229,8 @@ class Accumulator:
         self._remember = remember_finished
         self.bytes_held = 0
         self.stats = AccumulatorStats()
-        # per row shape (L, K, layer_lo, layer_hi): request id -> append cursor into its last block
-        self._cursors: dict[tuple, dict[str, list]] = {}
+        # per row shape (L, K, layer_lo, layer_hi): its arena and request id -> handle there
+        self._shapes: dict[tuple, _Shape] = {}
 
     # ---- input --------------------------------------------------------------------------------------------------
 
@@ -343,55 +328,192 @@ class Accumulator:
         return True
 
     def _delta(self, d: wire.Delta, frames: list, now: float) -> None:
+        """Apply a delta: the entries of requests that only append go in as a few numpy scatters for the whole
+        message (`_append`); the others (a new request, an overwrite, a hole, bounds to check) one by one."""
         wire.check_payload(d, frames)
-        # read the frames in place: their boundaries fall on request boundaries (check_payload), so a request's
-        # rows never straddle two frames (a broker's split sends one frame per run of requests)
-        views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in frames]
-        fi = 0
-        mv = views[0] if views else memoryview(b"")
-        lim = len(mv)
         rb = d.row_bytes
-        key = (d.layer_lo, d.layer_hi)
         L, K = d.num_layers, d.top_k
         self.stats.delta_msgs += 1
         self.stats.rows += d.total_rows
         self.stats.bytes += d.total_rows * rb
-        starts, counts = d.starts.tolist(), d.counts.tolist()
-        n = len(starts)
-        # bounds once per message; only a message that could break them takes the checked path
-        in_bounds = (not n or int(d.starts.max()) + int(d.counts.max()) <= self.max_positions) and \
-            self.bytes_held + d.total_rows * rb <= self.max_bytes
+        n = len(d.request_ids)
+        if not n:
+            return
         shape = (L, K, d.layer_lo, d.layer_hi)
-        cursors = self._cursors.get(shape)
-        if cursors is None:
-            cursors = self._cursors[shape] = {}
-        get = cursors.get
+        sh = self._shapes.get(shape)
+        if sh is None:
+            sh = self._shapes[shape] = _Shape(rb)
+        # the frames are read in place: their boundaries fall on request boundaries (check_payload), so an entry's
+        # rows never straddle two frames (a broker's split sends one frame per run of requests)
+        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+        # bounds once per message; only a message that could break them takes the checked path
+        in_bounds = int(d.starts.max()) + int(d.counts.max()) <= self.max_positions and \
+            self.bytes_held + d.total_rows * rb <= self.max_bytes
+        slow = self._append(d, bufs, sh, now) if in_bounds else None
+        if slow is not _NONE_SLOW:
+            self._delta_entries(d, bufs, sh, shape, now, slow)
+
+    def _new_rows(self, rids: set, sh: "_Shape", d: wire.Delta, now: float) -> list:
+        """Give the requests of `rids` that may take rows of this shape (held, or new; same L and K) their rows
+        here, so that their first entries can be appended with the others. Returns those requests."""
+        shape = (d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
+        key = (d.layer_lo, d.layer_hi)
+        made = []
+        for rid in rids:
+            st = self.requests.get(rid)
+            if st is None:
+                st = self._get(rid, now)
+                if st is None:
+                    continue                    # finished: the entry-by-entry path counts it late
+            if st.num_layers is None:
+                st.num_layers, st.top_k = d.num_layers, d.top_k
+            elif st.num_layers != d.num_layers or st.top_k != d.top_k:
+                continue                        # refused there
+            if key in st.ranges:
+                continue
+            rows = st.ranges[key] = _Rows(sh.arena)
+            sh.handle[rid] = rows.h
+            st.shapes.append(shape)
+            st.last_seen = now
+            made.append(st)
+        return made
+
+    def _append(self, d: wire.Delta, bufs: list, sh: "_Shape", now: float) -> np.ndarray | None:
+        """Append the rows of every request whose entries in `d` all continue where its rows end (in entry order),
+        as numpy work over the whole message. Returns the mask of entries left for `_delta_entries` (None: no
+        entry was applied here)."""
+        a, rb = sh.arena, d.row_bytes
+        ids = d.request_ids
+        n = len(ids)
+        before = a.live_blocks
+        hd = np.fromiter(map(sh.handle.get, ids, itertools.repeat(-1)), dtype=np.int64, count=n)
+        fresh = self._new_rows(set(itertools.compress(ids, hd < 0)), sh, d, now) if int(hd.min()) < 0 else ()
+        if fresh:
+            hd = np.fromiter(map(sh.handle.get, ids, itertools.repeat(-1)), dtype=np.int64, count=n)
+            self.bytes_held += (a.live_blocks - before) * a.block_bytes     # their first blocks
+            before = a.live_blocks
+        c, s = d.counts, d.starts
+        if d.total_rows == n and int(c.min()) == 1 and len(set(ids)) == n:
+            # a decode step: one row for each of n distinct requests
+            if int(hd.min()) >= 0 and np.array_equal(a.n[hd], s):
+                self._scatter(a, a.append_one(hd), bufs, rb)
+                self.bytes_held += (a.live_blocks - before) * a.block_bytes
+                self._seen(fresh)
+                return _NONE_SLOW
+        s = s.astype(np.int64)
+        c = c.astype(np.int64)
+        e = s + c
+        # group the entries by handle (stable: entry order within a request); each group must be a chain
+        # n[h] = s0, s0 + c0 = s1, ... (unknown requests, handle -1, are one group that never matches)
+        order = np.argsort(hd, kind="stable")
+        hs, ss, es = hd[order], s[order], e[order]
+        first = np.empty(n, dtype=bool)
+        first[0] = True
+        np.not_equal(hs[1:], hs[:-1], out=first[1:])
+        expect = np.empty(n, dtype=np.int64)
+        expect[0] = 0
+        expect[1:] = es[:-1]
+        fh = hs[first]
+        known = fh >= 0
+        expect[first] = np.where(known, a.n[np.maximum(fh, 0)], -1)
+        starts_at = np.flatnonzero(first)
+        gbad = (np.add.reduceat(ss != expect, starts_at) > 0) | ~known
+        last = np.empty(n, dtype=bool)
+        last[-1] = True
+        last[:-1] = first[1:]
+        gend = es[last]
+        row_off = np.cumsum(c) - c                 # each entry's first row in the payload
+        if gbad.any():
+            if gbad.all():
+                self._seen(fresh)
+                return None
+            ok = ~gbad
+            slow = np.empty(n, dtype=bool)
+            slow[order] = np.repeat(gbad, np.diff(np.append(starts_at, n)))
+            fast = ~slow
+            u, new_n = fh[ok], gend[ok]
+            cf = c[fast]
+            T = int(cf.sum())
+            fo = np.cumsum(cf) - cf
+            rh = np.repeat(hd[fast], cf)
+            pos = np.repeat(s[fast] - fo, cf) + np.arange(T)
+            src = np.repeat(row_off[fast] - fo, cf) + np.arange(T)      # payload row of each fast row
+        else:
+            slow = _NONE_SLOW
+            u, new_n = fh, gend
+            T = d.total_rows
+            rh = np.repeat(hd, c)
+            pos = np.repeat(s - row_off, c) + np.arange(T)
+            src = None
+        a.ensure(u, new_n)
+        if len(rh):
+            flat = a.rows_at(rh, pos)
+            if src is None:
+                self._scatter(a, flat, bufs, rb)
+            elif len(bufs) == 1:
+                a.scatter(flat, void_rows(bufs[0], rb)[src])
+            else:
+                r0 = 0
+                for b in bufs:
+                    k = len(b) // rb
+                    if k:
+                        sel = (src >= r0) & (src < r0 + k)
+                        if sel.any():
+                            a.scatter(flat[sel], void_rows(b, rb)[src[sel] - r0])
+                    r0 += k
+        a.n[u] = new_n
+        a.fix(u)
+        self.bytes_held += (a.live_blocks - before) * a.block_bytes
+        self._seen(fresh)
+        return slow
+
+    @staticmethod
+    def _seen(fresh) -> None:
+        """Requests given rows by this message: their timeout counts from now (as on the entry-by-entry path)."""
+        for st in fresh:
+            st.seen_n = sum(r.n for r in st.ranges.values())
+
+    @staticmethod
+    def _scatter(a: Arena, flat: np.ndarray, bufs: list, rb: int) -> None:
+        """Write every payload row, in order, to the arena rows `flat`."""
+        if len(bufs) == 1:
+            a.scatter(flat, void_rows(bufs[0], rb))
+            return
+        r0 = 0
+        for b in bufs:
+            k = len(b) // rb
+            if k:
+                a.scatter(flat[r0:r0 + k], void_rows(b, rb))
+            r0 += k
+
+    def _delta_entries(self, d: wire.Delta, bufs: list, sh: "_Shape", shape: tuple, now: float,
+                       only: np.ndarray | None) -> None:
+        """Apply the entries of `d` one by one (those in the mask `only`, or all), in entry order."""
+        rb = d.row_bytes
+        key = (d.layer_lo, d.layer_hi)
+        counts = d.counts.tolist()
+        starts = d.starts.tolist()
+        offs = (np.cumsum(d.counts, dtype=np.int64) - d.counts).tolist()      # each entry's first row
+        ends = np.cumsum([len(b) // rb for b in bufs]).tolist()               # each frame's end row
+        views = [memoryview(b).cast("B") for b in bufs]
+        idx = range(len(counts)) if only is None else np.flatnonzero(only).tolist()
+        ids = d.request_ids
         added = 0
-        off = 0
-        for rid, s, c in zip(d.request_ids, starts, counts):
-            end = off + c * rb
-            while end > lim:               # this request's rows start in the next frame
-                fi += 1
-                mv = views[fi]
-                lim = len(mv)
-                end -= off
-                off = 0
-            r = get(rid)
-            if r is not None and r.n == s and in_bounds:
-                o = r.boff
-                e = o + end - off
-                if e <= r.bend:            # the common case: append into free space of the last block
-                    r.view[o:e] = mv[off:end]
-                    r.n = s + c
-                    r.boff = e
-                    off = end
-                    continue
-            added += self._delta_slow(rid, s, c, mv[off:end], key, shape, cursors, rb, now)
-            off = end
+        fi = 0
+        for i in idx:
+            c = counts[i]
+            chunk = b""
+            if c:
+                o = offs[i]
+                while ends[fi] <= o:
+                    fi += 1
+                base = ends[fi - 1] if fi else 0
+                chunk = views[fi][(o - base) * rb:(o - base + c) * rb]
+            added += self._delta_slow(ids[i], starts[i], c, chunk, key, shape, sh, rb, now)
         self.bytes_held += added
 
-    def _delta_slow(self, rid: str, s: int, c: int, chunk, key, shape, cursors: dict, rb: int, now: float) -> int:
-        """A delta for a request that is new, overwrites, leaves a hole, or needs its bounds checked."""
+    def _delta_slow(self, rid: str, s: int, c: int, chunk, key, shape, sh: "_Shape", rb: int, now: float) -> int:
+        """A delta entry for a request that is new, overwrites, leaves a hole, or needs its bounds checked."""
         L, K = shape[0], shape[1]
         st = self.requests.get(rid)
         if st is None:
@@ -409,17 +531,16 @@ class Accumulator:
             self._refuse(st, c, f"rows up to position {s + c} ({self.bytes_held + nb} bytes held) exceed "
                                 f"max_positions={self.max_positions} / max_bytes={self.max_bytes}")
             return 0
+        before = sh.arena.live_blocks
         rows = st.ranges.get(key)
         if rows is None:
-            rows = st.ranges[key] = _Rows(rb)
-        before = rows.allocated
+            rows = st.ranges[key] = _Rows(sh.arena)
+            sh.handle[rid] = rows.h
+            st.shapes.append(shape)
         rows.write(s, c, chunk)
         st.last_seen = now
         st.seen_n = sum(r.n for r in st.ranges.values())
-        cursors[rid] = rows
-        if shape not in st.cursor_shapes:
-            st.cursor_shapes.append(shape)
-        return rows.allocated - before
+        return (sh.arena.live_blocks - before) * sh.arena.block_bytes
 
     def _refuse(self, st: _Request, rows: int, why: str) -> None:
         self.stats.refused_msgs += 1
@@ -540,11 +661,11 @@ class Accumulator:
 
     def _drop(self, st: _Request) -> None:
         for r in st.ranges.values():
-            self.bytes_held -= r.allocated
+            self.bytes_held -= r.release()
         st.ranges = {}
-        for shape in st.cursor_shapes:
-            self._cursors[shape].pop(st.rid, None)
-        st.cursor_shapes = []
+        for shape in st.shapes:
+            self._shapes[shape].handle.pop(st.rid, None)
+        st.shapes = []
 
     def _build(self, st: _Request) -> wire.Record:
         end = st.finish

@@ -26,7 +26,7 @@ from routing_replay.consumer.accumulator import Accumulator
 from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
-from routing_replay.protocol import security, wire
+from routing_replay.protocol import memory, security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded
 from routing_replay.protocol.ids import default_peer_id
 
@@ -190,6 +190,7 @@ class Consumer(ServiceThread):
 
     def run(self) -> None:
         """Serve until stop() (or SIGINT in the CLI). Owns and closes its sockets."""
+        memory.keep_freed_memory()
         socks = self._open_sockets()
         try:
             poll_all, poll_trainers = zmq.Poller(), zmq.Poller()

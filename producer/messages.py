@@ -99,6 +99,65 @@ def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry)
     return Encoded(parts, [head, payload], len(payload))
 
 
+def step_rows(item: Step) -> int:
+    """Rows a queued step carries (all of them, kept or not)."""
+    shape = getattr(item.rows, "shape", None)
+    return int(shape[0]) if shape is not None else int(sum(item.counts))
+
+
+def encode_steps(items: Sequence[Step], producer_id: str, epoch: int, seq: int, g: Geometry,
+                 row_shape: tuple) -> tuple[Encoded | None, list]:
+    """Several queued steps as one delta: their entries in order, each step's rows one payload frame (frame
+    boundaries fall on request boundaries, as wire.check_payload wants; ndarray rows are not copied, deferred rows
+    are copied out of their slot once). Every deferred slot is released here, whatever happens. A step whose rows
+    cannot be had (result() raises, or the rows are not (sum(counts), L, K) int16) is left out and returned with
+    its error, so its positions can be reported lost; the others still travel. Returns (the message or None if no
+    step is left, [(step, error)])."""
+    ids: list = []
+    starts: list = []
+    counts: list = []
+    frames: list = []
+    failed: list = []
+    for item in items:
+        rows = item.rows
+        release = None if isinstance(rows, np.ndarray) else getattr(rows, "release", None)
+        try:
+            try:
+                if not isinstance(rows, np.ndarray):
+                    rows = rows.result()
+                rows = np.asarray(rows)
+                if rows.dtype != wire.ROW_DTYPE or rows.shape != (sum(item.counts), *row_shape):
+                    raise ValueError(f"rows are {rows.shape} {rows.dtype}, expected ({sum(item.counts)}, "
+                                     f"{row_shape[0]}, {row_shape[1]}) int16")
+            except Exception as e:  # noqa: BLE001 (this step's failure; the others go on)
+                failed.append((item, e))
+                continue
+            if item.keep is None:
+                ids += item.request_ids
+                starts += item.starts
+                counts += item.counts
+                copied = False
+            else:
+                rows = kept_rows(rows, item.counts, item.keep)
+                copied = True
+                for r, st, c, k in zip(item.request_ids, item.starts, item.counts, item.keep):
+                    if k:
+                        ids.append(r)
+                        starts.append(st)
+                        counts.append(c)
+            if len(rows):
+                payload = memoryview(np.ascontiguousarray(rows)).cast("B")
+                frames.append(bytes(payload) if release is not None and not copied else payload)
+        finally:
+            if release is not None:
+                release()
+    if not ids:
+        return None, failed
+    body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi)
+    head = wire.pack_header("delta", producer_id, epoch, seq, ids, body)
+    return Encoded(Parts("delta", ids, starts, counts), [head, *frames], sum(len(f) for f in frames)), failed
+
+
 def with_lost(item: Announce, lost: list) -> Announce:
     """A finish that also reports `lost` position ranges (after those it already carries)."""
     body = dict(item.body)

@@ -43,6 +43,15 @@ class ProducerStats:
     refused_by_broker: int = 0  # data messages the broker accepted-and-dropped as undecodable (error refused_seq)
 
 
+def _positions(values: Any, name: str) -> Any:
+    """publish_rows' starts/counts: a 1-D numpy integer array becomes a list of ints; anything else is kept."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D integer array, got shape {values.shape} dtype {values.dtype}")
+        return values.tolist()
+    return values
+
+
 def default_producer_id() -> str:
     return default_peer_id("producer")
 
@@ -72,6 +81,11 @@ class Producer:
     and optionally `release()` (called once its bytes were copied, or when it is dropped). A deferred object with
     `dropped=True` (capture's host ring was full) is counted and reported lost the same way, never waited on.
 
+    Coalescing: steps that wait in the queue together when the thread takes them (it fell behind the caller)
+    leave as one delta message of up to `coalesce_max_bytes` of rows and 64 steps; the thread never waits for
+    more, so a step that finds the queue empty goes alone (no added latency). The broker and consumers then pay
+    their per-message costs once per batch. `coalesce_max_bytes=0`: one message per publish call.
+
     Security: with `curve_secret` (this producer's NAME.key_secret) and `server_key` (the broker's NAME.key) the
     connection is CURVE-encrypted and the broker is authenticated (protocol/security.py).
 
@@ -94,7 +108,8 @@ class Producer:
                  replay_max_bytes: int = 256 << 20, spill_dir: str | os.PathLike | None = None,
                  spill_max_bytes: int = 4 << 30, resend_timeout_ms: int = 5000,
                  curve_secret: str | os.PathLike | None = None, server_key: str | os.PathLike | None = None,
-                 silence_warn_after_ms: int = 3000, silence_warn_every_ms: int = 10_000):
+                 silence_warn_after_ms: int = 3000, silence_warn_every_ms: int = 10_000,
+                 coalesce_max_bytes: int = 4 << 20):
         if not 1 <= num_layers <= wire.MAX_LAYERS or not 1 <= top_k <= wire.MAX_TOP_K:
             raise ValueError(f"num_layers={num_layers} top_k={top_k} outside protocol limits")
         if (curve_secret is None) != (server_key is None):
@@ -148,7 +163,7 @@ class Producer:
         self._sender = Sender(SenderSettings(
             endpoint, self.producer_id, self.epoch, self._geometry, self.row_bytes, self.heartbeat_interval_s,
             self.resend_timeout_s, self.silence_warn_after_s, self.silence_warn_every_s, linger_ms, sndhwm,
-            curve_secret, server_key, replay_max_bytes, self.spill_max_bytes, max_queue_bytes),
+            curve_secret, server_key, replay_max_bytes, self.spill_max_bytes, max_queue_bytes, coalesce_max_bytes),
             self._ctx, self._q, self._ledger, self._book, self._replay, self.stats)
         self._thread = self._sender.thread
         self._sender.start()
@@ -246,10 +261,12 @@ class Producer:
         """Publish one engine step: request_ids[i] gets counts[i] rows at positions starts[i]...
 
         `rows` is (sum(counts), L, K) int16 in request order, an ndarray or a deferred object (see class doc).
+        `starts` and `counts` are sequences of ints or 1-D numpy integer arrays.
         Returns False when the step was dropped by the queue bound (the loss is reported downstream). The parts
         of ids that cannot travel or were refused are dropped and counted (stats.dropped_parts).
         """
         self._check()
+        starts, counts = _positions(starts, "starts"), _positions(counts, "counts")
         if not (len(request_ids) == len(starts) == len(counts)):
             raise ValueError(f"{len(request_ids)} request ids, {len(starts)} starts, {len(counts)} counts")
         total = sum(counts)

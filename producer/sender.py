@@ -17,13 +17,18 @@ import zmq
 from routing_replay.protocol import security, wire
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, encode_announce,
-                                              encode_step, escaped_id, with_lost)
+                                              encode_step, encode_steps, escaped_id, step_rows, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
 
 STOP = object()                 # the queue's sentinel: close() puts it after the last item
 _MAX_LATE_LOST = 1 << 12        # requests whose losses found in the thread wait for their finish
+# Steps that wait in the queue together are sent as one delta (never waiting for more: a step that finds the
+# queue empty goes alone), up to this many steps and SenderSettings.coalesce_max_bytes: the per-message costs of
+# producer, broker and consumers are paid once per batch when the thread falls behind, as in the vLLM plugin's
+# 16-step batches.
+COALESCE_MAX_STEPS = 64
 
 
 class SenderSettings(NamedTuple):
@@ -43,6 +48,7 @@ class SenderSettings(NamedTuple):
     replay_max_bytes: int
     spill_max_bytes: int
     max_queue_bytes: int
+    coalesce_max_bytes: int = 4 << 20
 
 
 class Sender:
@@ -189,25 +195,94 @@ class Sender:
             item, stash = stash, None
             if item is STOP:
                 self._stopping = True
+            elif isinstance(item, Step):
+                batch, stash = self._more_steps(item)
+                if len(batch) == 1:
+                    self._intake(item)
+                else:
+                    self._intake_steps(batch)
             else:
                 self._intake(item)
         return stash
 
+    def _more_steps(self, first: Step) -> tuple[list, Any]:
+        """`first` and the steps queued right behind it that fit one message (COALESCE_*); the first item taken
+        that does not fit is returned to be handled next."""
+        rb = self.cfg.row_bytes
+        batch = [first]
+        nbytes = step_rows(first) * rb
+        entries = len(first.request_ids)
+        limit = self.cfg.coalesce_max_bytes
+        if nbytes >= limit:
+            return batch, None
+        while len(batch) < COALESCE_MAX_STEPS:
+            try:
+                nxt = self._q.get_nowait()
+            except queue.Empty:
+                return batch, None
+            if not isinstance(nxt, Step):
+                return batch, nxt
+            b = step_rows(nxt) * rb
+            n = len(nxt.request_ids)
+            if (nbytes + b > limit or entries + n > wire.MAX_REQUESTS_PER_DELTA
+                    or (nbytes + b) // rb > wire.MAX_ROWS_PER_DELTA):
+                return batch, nxt
+            batch.append(nxt)
+            nbytes += b
+            entries += n
+        return batch, None
+
+    def _intake_steps(self, batch: list) -> None:
+        """Several queued steps into the replay buffer as one delta message."""
+        expect = [self._step_bytes(item) for item in batch]
+        try:
+            items = []
+            for item in batch:
+                item = self._screen_step(item)
+                if item is not None:
+                    items.append(item)
+            if not items:
+                return
+            seq = self._replay.next_seq
+            try:
+                enc, failed = encode_steps(items, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry,
+                                           (self.cfg.geometry.layer_hi - self.cfg.geometry.layer_lo,
+                                            self.cfg.geometry.top_k))
+            except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
+                enc, failed = None, [(item, e) for item in items]
+            for item, e in failed:
+                kept = self._kept_entries(item)
+                for rid, s, c in kept:
+                    self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1)
+                self._encode_failed("delta", len(kept), e)
+            if enc is not None:
+                self._keep(enc)
+        finally:
+            for nbytes in expect:
+                self._ledger.taken(nbytes)
+
     # ---- intake (encode into the replay buffer) ----------------------------------------------------------------------
+
+    def _step_bytes(self, item: Step) -> int:
+        """The bytes the caller counted into the queue for this step (its kept rows)."""
+        if item.keep is None:
+            return sum(item.counts) * self.cfg.row_bytes
+        return sum(c for c, k in zip(item.counts, item.keep) if k) * self.cfg.row_bytes
 
     def _intake(self, item: Announce | Step) -> None:
         expect = 0
         try:
             if isinstance(item, Step):
-                expect = sum(c for c, k in zip(item.counts, item.keep or [True] * len(item.counts)) if k) \
-                    * self.cfg.row_bytes
+                expect = self._step_bytes(item)
                 self._intake_step(item)
             else:
                 self._intake_announce(item)
         finally:
             self._ledger.taken(expect)
 
-    def _intake_step(self, item: Step) -> None:
+    def _screen_step(self, item: Step) -> Step | None:
+        """The step without the parts of ids refused after the caller enqueued it; None (its rows released) if
+        nothing of it is left."""
         if self._book.any_refused:                  # refused after the caller enqueued this step
             screen = self._book.screen(item.request_ids)
             if screen.keep is not None:
@@ -219,13 +294,23 @@ class Sender:
             release = getattr(item.rows, "release", None)
             if release is not None:
                 release()
+            return None
+        return item
+
+    @staticmethod
+    def _kept_entries(item: Step) -> list:
+        return [(r, s, c) for i, (r, s, c) in enumerate(zip(item.request_ids, item.starts, item.counts))
+                if item.keep is None or item.keep[i]]
+
+    def _intake_step(self, item: Step) -> None:
+        item = self._screen_step(item)
+        if item is None:
             return
         seq = self._replay.next_seq
         try:
             enc = encode_step(item, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry)
         except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
-            kept = [(r, s, c) for i, (r, s, c) in enumerate(zip(item.request_ids, item.starts, item.counts))
-                    if item.keep is None or item.keep[i]]
+            kept = self._kept_entries(item)
             for rid, s, c in kept:
                 self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1)
             self._encode_failed("delta", len(kept), e)

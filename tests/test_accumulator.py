@@ -255,8 +255,9 @@ def test_memory_close_to_record_bytes():
         f.open(f"r{i}", P)
     for start in range(0, P, 100):
         f.delta([(f"r{i}", start, rows(i, start, start + 100)) for i in range(n_req)])
-    held = sum(sys.getsizeof(b) for st in f.acc.requests.values() for r in st.ranges.values() for b in r.blocks)
-    assert f.acc.bytes_held == sum(r.allocated for st in f.acc.requests.values() for r in st.ranges.values())
+    arenas = {id(r.arena): r.arena for st in f.acc.requests.values() for r in st.ranges.values()}
+    held = sum(a.live_blocks * a.block_bytes for a in arenas.values())
+    assert f.acc.bytes_held == held == sum(r.allocated for st in f.acc.requests.values() for r in st.ranges.values())
     record_bytes = n_req * P * L * K * 2
     assert record_bytes <= held <= 1.2 * record_bytes
 
@@ -391,3 +392,166 @@ def test_prefix_filled_with_pipeline_stages():
     full[11] = -1
     assert rec.complete and rec.num_prefix_filled == 4
     np.testing.assert_array_equal(np.concatenate([rec.prompt_routed_experts, rec.routed_experts]), full)
+
+
+def _plugin_steps(f, specs, steps, start_of, cuts_every=None):
+    """`steps` decode steps batched into one delta as the vLLM plugin does: every request id once per step, one row
+    each (ids repeat within the message)."""
+    items = []
+    for k in range(steps):
+        for rid, seed in specs.items():
+            pos = start_of[rid] + k
+            items.append((rid, pos, rows(seed, pos, pos + 1)))
+    cuts = None if cuts_every is None else list(range(cuts_every, len(items), cuts_every))
+    f.delta(items, cuts=cuts)
+    for rid in specs:
+        start_of[rid] += steps
+
+
+@pytest.mark.parametrize("cuts_every", [None, 3, 8])
+def test_batched_steps_with_repeated_ids_land_bit_exact(cuts_every):
+    """Deltas of 16 steps x n requests (ids repeated, one row each), in one frame or several: the whole-message
+    append puts every row where it belongs."""
+    f = Feed()
+    specs = {f"r{i}": 10 + i for i in range(9)}
+    P, G = 5, 40
+    for rid, seed in specs.items():
+        f.open(rid, P)
+        f.delta([(rid, 0, rows(seed, 0, P))])                  # prefill (the request's first rows: entry by entry)
+    start_of = dict.fromkeys(specs, P)
+    for _ in range(2):
+        _plugin_steps(f, specs, 16, start_of, cuts_every)
+    _plugin_steps(f, specs, G - 1 - 32, start_of, cuts_every)   # the last row (position P + G - 1) is never fed
+    for rid in specs:
+        f.finish(rid, G)
+    assert sorted(f.out) == sorted(specs)
+    for rid, seed in specs.items():
+        check(f.out[rid], seed, P, G, 0)
+    assert f.acc.bytes_held == 0
+
+
+def test_one_message_mixing_appends_new_requests_overwrites_and_holes():
+    """One delta whose entries take both paths: appends of known requests (numpy, whole message), a new request,
+    an overwrite (newest write wins), a hole (-1 and reported missing) and a zero-row entry; then plain appends
+    again. Every record is exact."""
+    f = Feed()
+    for rid in ("a", "b", "c", "d"):
+        f.open(rid, 4)
+    f.delta([("a", 0, rows(1, 0, 4)), ("b", 0, rows(2, 0, 4)), ("c", 0, rows(3, 0, 4))])
+    f.open("e", 4)
+    f.delta([
+        ("a", 4, rows(1, 4, 5)),                   # append
+        ("b", 2, rows(2, 2, 4, variant=1)),        # overwrite of positions 2, 3 with other rows...
+        ("c", 6, rows(3, 6, 7)),                   # hole at 4, 5
+        ("e", 0, rows(5, 0, 4)),                   # a new request
+        ("d", 0, rows(4, 0, 0)),                   # zero rows: says nothing
+        ("a", 5, rows(1, 5, 6)),                   # a's second entry in the same message: still an append
+        ("b", 2, rows(2, 2, 4)),                   # ...overwritten again with the true rows (later entry wins)
+    ], cuts=[2, 4])
+    f.delta([("a", 6, rows(1, 6, 7)), ("b", 4, rows(2, 4, 6)), ("c", 7, rows(3, 7, 8)), ("e", 4, rows(5, 4, 6)),
+             ("d", 0, rows(4, 0, 6))])
+    for rid in ("a", "b", "e", "d"):
+        f.finish(rid, 3)
+    f.finish("c", 5)
+    f.tick(1.0)
+    for rid, seed in (("a", 1), ("b", 2), ("e", 5), ("d", 4)):
+        check(f.out[rid], seed, 4, 3, 0)
+    r = f.out["c"]
+    assert (r.complete, r.reason, r.missing) == (False, "rows_not_delivered", [(4, 6)])
+    want_p, want_g = expected(3, 4, 5, 0)
+    want_g[0:2] = -1
+    np.testing.assert_array_equal(r.prompt_routed_experts, want_p)
+    np.testing.assert_array_equal(r.routed_experts, want_g)
+    assert f.acc.bytes_held == 0
+
+
+def test_rows_spread_over_many_arena_chunks(monkeypatch):
+    """Chunks of a few blocks: a message's rows land in several chunks, a record gathers from several."""
+    from routing_replay.consumer import accumulator, arena
+    monkeypatch.setattr(accumulator, "Arena", lambda rb: arena.Arena(rb, chunk_bytes=3 * arena.BLOCK_ROWS * rb))
+    f = Feed()
+    specs = {f"r{i}": 30 + i for i in range(7)}
+    P, G = 45, 60                   # prefill rows go a whole block at a time, decode rows one by one
+    for rid, seed in specs.items():
+        f.open(rid, P)
+        f.delta([(rid, 0, rows(seed, 0, P))])
+    start_of = dict.fromkeys(specs, P)
+    for _ in range(G - 1):
+        f.delta([(rid, start_of[rid], rows(seed, start_of[rid], start_of[rid] + 1)) for rid, seed in specs.items()])
+        for rid in specs:
+            start_of[rid] += 1
+    (a,) = {id(st.ranges[(0, L)].arena): st.ranges[(0, L)].arena for st in f.acc.requests.values()}.values()
+    assert len(a.chunks) >= 10
+    for rid in specs:
+        f.finish(rid, G)
+    for rid, seed in specs.items():
+        check(f.out[rid], seed, P, G, 0)
+    assert f.acc.bytes_held == 0 and a.live_blocks == 0
+
+
+def test_blocks_of_finished_requests_are_reused():
+    f = Feed()
+    for round_ in range(3):
+        for i in range(4):
+            rid = f"q{round_}-{i}"
+            f.open(rid, 40)
+            f.delta([(rid, 0, rows(i, 0, 40))])
+            f.finish(rid, 1)
+            check(f.out[rid], i, 40, 1, 0)
+    (sh,) = f.acc._shapes.values()
+    assert len(sh.arena.chunks) == 1 and sh.arena.live_blocks == 0 and f.acc.bytes_held == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_message_append_equals_entry_by_entry_on_random_traffic(seed):
+    """Differential: random deltas (batched steps with repeated ids, new requests, overwrites, holes, zero-row
+    entries, payloads cut into frames on request boundaries) applied to two accumulators, one with the whole-message
+    append and one entry by entry only: every record is identical, bit for bit, and so is the memory held."""
+    rng = np.random.default_rng(seed)
+    fast, slow = Feed(), Feed()
+    slow.acc._append = lambda d, bufs, sh, now: None          # every entry through the entry-by-entry path
+    n_req = 12
+    nxt = {}
+    for i in range(n_req):
+        P = int(rng.integers(1, 6))
+        for f in (fast, slow):
+            f.open(f"q{i}", P)
+        nxt[f"q{i}"] = 0
+    live = list(nxt)
+    for step in range(40):
+        items = []
+        for _ in range(int(rng.integers(1, 4))):                # batched steps: ids repeat within a message
+            for rid in rng.permutation(live).tolist():
+                r = rng.random()
+                c = int(rng.integers(0, 4))
+                if r < 0.75:
+                    s = nxt[rid]                                # an append
+                elif r < 0.85:
+                    s = max(0, nxt[rid] - int(rng.integers(1, 4)))   # an overwrite
+                else:
+                    s = nxt[rid] + int(rng.integers(1, 3))      # a hole
+                items.append((rid, s, rows(sum(map(ord, rid)) % 97, s, s + c, variant=step % 3)))
+                nxt[rid] = max(nxt[rid], s + c)
+        cut = sorted(set(rng.integers(1, len(items), 2).tolist())) if len(items) > 2 and rng.random() < 0.5 else None
+        for f in (fast, slow):
+            f.delta(items, cuts=cut)
+        if step % 10 == 9:                                      # some requests end, new ones come
+            for rid in live[:3]:
+                for f in (fast, slow):
+                    f.finish(rid, 2)
+            live = live[3:] + [f"n{step}-{j}" for j in range(3)]
+            for rid in live[-3:]:
+                for f in (fast, slow):
+                    f.open(rid, 2)
+                nxt[rid] = 0
+        assert fast.acc.bytes_held == slow.acc.bytes_held
+    for rid in live:
+        for f in (fast, slow):
+            f.finish(rid, 2)
+    for f in (fast, slow):
+        f.tick(10.0)
+    assert sorted(fast.out) == sorted(slow.out) and len(fast.out) == n_req + 12
+    for rid in fast.out:
+        assert fast.out[rid].equals(slow.out[rid]), rid
+    assert fast.acc.bytes_held == slow.acc.bytes_held == 0
+    assert fast.acc.stats == slow.acc.stats

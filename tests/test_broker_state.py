@@ -6,7 +6,7 @@ import pytest
 from routing_replay.broker.intake import (Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake,
                                           MAX_PRODUCERS)
 from routing_replay.broker.ownership import OpenMsg, Ownership, rendezvous
-from routing_replay.broker.split import split_delta
+from routing_replay.broker.split import apply_plan, plan_split, split_delta
 from routing_replay.protocol import wire
 
 
@@ -283,3 +283,73 @@ def test_split_forwards_contiguous_runs_zero_copy():
         (f,) = parts[owner].frames
         assert isinstance(f, memoryview) and f.obj is buf          # a view of the received frame, not a copy
         assert bytes(f) == payload[lo:lo + half]
+
+
+@pytest.mark.parametrize("counts,L,owners", [
+    ([1] * 12, 4, "ABBABAABBBAA"),             # decode-like: gathered, one frame per payload frame it comes from
+    ([64] * 6, 512, "AABBBA"),                 # 64 KiB runs: zero-copy slices, cut where the payload frames end
+    ([1, 2, 3, 1, 2, 3], 4, "ABABAB"),         # uneven counts: rows gathered
+    ([2, 0, 1, 0, 2, 1], 4, "AABBAB"),         # zero-row entries
+])
+def test_split_of_a_payload_in_several_frames_gives_each_owner_its_rows_exactly(counts, L, owners):
+    """A producer's coalesced steps arrive as one payload frame per step: the split reads them in place."""
+    K = 8
+    ids = [f"r{i}" for i in range(len(counts))]
+    owners = list(owners)
+    h, d, rows, starts, payload = _delta(ids, counts, L, K, seed=7)
+    rb = L * K * 2
+    edges = np.cumsum([0, *counts]) * rb
+    cuts = [0, int(edges[2]), int(edges[3]), int(edges[5]), len(payload)]      # frames of 2, 1, 2, rest entries
+    frames = [bytearray(payload[a:b]) for a, b in zip(cuts, cuts[1:])]
+    wire.check_payload(d, frames)
+    plan = plan_split(d, b"", owners, set(owners), 0)
+    for p in apply_plan(h, d, plan, frames):
+        mine = [r for r, o in zip(ids, owners) if o == p.owner]
+        sd = wire.parse_delta(wire.decode_header(p.head))
+        assert sd.request_ids == mine
+        assert sd.starts.tolist() == [s for s, o in zip(starts, owners) if o == p.owner]
+        sent = [bytes(f) for f in p.frames]
+        wire.check_payload(sd, sent)
+        got = np.frombuffer(b"".join(sent), np.int16).reshape(-1, L, K)
+        np.testing.assert_array_equal(got, np.concatenate([rows[r] for r in mine]))
+
+
+def test_a_split_plan_is_the_same_split_and_is_tied_to_the_ownership_version():
+    """The plan cached for a key list gives the owners the same headers and rows as a fresh split, for a later
+    delta with other starts and rows; any change of the ownership table moves its version (the broker then plans
+    again)."""
+    L, K = 4, 8
+    ids = [f"r{i}" for i in range(10)]
+    own = Ownership(100)
+    links = {b"A": _Link(b"A"), b"B": _Link(b"B")}
+    own.set_live(links)
+    owners = [own.owner_of(r).link for r in ids]
+    assert set(owners) == set(links.values())
+    v = own.version
+    h1, d1, _, _, p1 = _delta(ids, [1] * 10, L, K, seed=1)
+    plan = plan_split(d1, h1.body["count"], owners, set(owners), v)
+    body = wire.delta_body([5 + i for i in range(10)], [1] * 10, L, K)
+    h2 = wire.decode_header(wire.pack_header("delta", "p", 3, 12, ids, body))
+    d2 = wire.parse_delta(h2)
+    p2 = np.random.default_rng(2).integers(0, 99, (10, L, K)).astype(np.int16).tobytes()
+    cached = {p.owner: p for p in apply_plan(h2, d2, plan, [p2])}
+    fresh = {p.owner: p for p in split_delta(h2, d2, owners, set(owners), [p2])}
+    assert cached.keys() == fresh.keys()
+    for o in cached:
+        assert cached[o].head == fresh[o].head
+        assert [bytes(f) for f in cached[o].frames] == [bytes(f) for f in fresh[o].frames]
+        sh = wire.decode_header(cached[o].head)
+        assert (sh.seq, wire.parse_delta(sh).starts.tolist()) == (
+            12, [5 + i for i, x in enumerate(owners) if x is o])
+    own.owner_of("r0")                              # no change: same version
+    assert own.version == v
+    own.owner_of("new")
+    assert own.version == v + 1
+    own.close("new")
+    assert own.version == v + 2
+    own.close("never-seen")                         # nothing to forget: no change
+    assert own.version == v + 2
+    own.set_live({b"A": links[b"A"]})
+    assert own.version == v + 3
+    own.drop_producer("p")
+    assert own.version == v + 4

@@ -525,7 +525,8 @@ def test_a_handler_bug_on_one_message_is_counted_and_the_loops_go_on(tmp_path):
     rows = true_rows(9, np.arange(12), L, K, E)
     try:
         wait_until(lambda: len(b._live) == 1, 10, "consumer joined")
-        with Producer(b.frontend, num_layers=L, top_k=K, context=ctx) as p:
+        # one message per publish (no coalescing), so exactly the two injected deltas fail
+        with Producer(b.frontend, num_layers=L, top_k=K, context=ctx, coalesce_max_bytes=0) as p:
             for rid in ("boom-c", "boom-b"):
                 p.open(rid, prompt_len=4)
                 p.publish_rows([rid], [0], [4], rows[:4])

@@ -132,7 +132,8 @@ def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(ctx, tm
 def test_a_refused_delta_is_reported_lost_and_a_refused_open_drops_its_request(ctx, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="routing_replay.producer")
     fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0,
+                 coalesce_max_bytes=0)      # one message per publish: seq 3 and 4 below
     try:
         p.open("a", prompt_len=8)
         p.open("b", prompt_len=2)
@@ -233,3 +234,87 @@ def test_a_reachable_broker_gives_one_startup_line(ctx, tmp_path, caplog):
     finally:
         p.close(timeout_s=0.5)
         b.close()
+
+
+class _Deferred:
+    """A deferred rows object (as capture's PendingRows): result() waits for `gate`, or raises `error`."""
+
+    def __init__(self, rows_: np.ndarray, gate=None, error=None):
+        import threading
+        self._rows, self._gate, self._error = rows_, gate, error
+        self.shape, self.dtype, self.dropped = rows_.shape, rows_.dtype, False
+        self.released = 0
+        self.entered = threading.Event()
+
+    def result(self):
+        self.entered.set()
+        if self._gate is not None:
+            assert self._gate.wait(10)
+        if self._error is not None:
+            raise self._error
+        return self._rows
+
+    def release(self):
+        self.released += 1
+
+
+def test_steps_queued_together_leave_as_one_delta_and_a_failed_one_is_reported_lost(ctx, tmp_path):
+    """While the thread waits on one step's rows, three more steps queue up: they leave as one delta (entries in
+    order, one payload frame per step, bit for bit); the one whose rows cannot be had is left out and its positions
+    are reported lost in its request's finish; every deferred slot is released once."""
+    import threading
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    gate = threading.Event()
+    try:
+        p.open("a", prompt_len=1)
+        p.open("b", prompt_len=1)
+        first = _Deferred(rows(2, 100), gate)
+        p.publish_rows(["a", "b"], [0, 0], [1, 1], first)
+        assert first.entered.wait(10)                                     # the thread waits on its rows
+        later = [_Deferred(rows(2, 200)), _Deferred(rows(1, 300), error=RuntimeError("lost hook")),
+                 _Deferred(rows(3, 400))]
+        p.publish_rows(np.array(["a", "b"]).tolist(), np.array([1, 1], np.int32), np.array([1, 1], np.int64),
+                       later[0])
+        p.publish_rows(["a"], [2], [1], later[1])
+        p.publish_rows(["b", "a", "b"], np.array([2, 3, 3]), [1, 1, 1], later[2])
+        gate.set()
+        got = [fake.recv() for _ in range(4)]
+        assert [h.kind for h, _ in got[:2]] == ["open", "open"]
+        (h1, f1), (h2, f2) = got[2:]
+        assert (h1.kind, h1.seq, h1.key) == ("delta", 3, ["a", "b"])
+        assert (h2.kind, h2.seq, h2.key) == ("delta", 4, ["a", "b", "b", "a", "b"])
+        d2 = wire.parse_delta(h2)
+        assert d2.starts.tolist() == [1, 1, 2, 3, 3] and d2.counts.tolist() == [1, 1, 1, 1, 1]
+        assert [bytes(f) for f in f2] == [rows(2, 200).tobytes(), rows(3, 400).tobytes()]
+        wire.check_payload(d2, f2)
+        assert [d.released for d in [first, *later]] == [1, 1, 1, 1]
+        assert p.stats.encode_errors == 1
+        p.finish("a", num_output_tokens=5)
+        h, _ = fake.recv()
+        assert (h.kind, h.key, h.body.get("lost")) == ("finish", "a", [[2, 3]])
+    finally:
+        gate.set()
+        p.close(timeout_s=1)
+        fake.close()
+
+
+def test_publish_rows_takes_numpy_positions_and_refuses_bad_ones(ctx, tmp_path):
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        p.open("a", prompt_len=2)
+        for bad in (np.array([[0]]), np.array([0.0])):
+            with pytest.raises(ValueError, match="1-D integer array"):
+                p.publish_rows(["a"], bad, [1], rows(1))
+        with pytest.raises(ValueError, match="1-D integer array"):
+            p.publish_rows(["a"], [0], np.array([1.0]), rows(1))
+        p.publish_rows(["a"], np.array([0], np.int32), np.array([2], np.uint16), rows(2, 5))
+        got = [fake.recv() for _ in range(2)]
+        h, f = got[1]
+        d = wire.parse_delta(h)
+        assert (h.kind, d.starts.tolist(), d.counts.tolist()) == ("delta", [0], [2])
+        assert bytes(f[0]) == rows(2, 5).tobytes()
+    finally:
+        p.close(timeout_s=1)
+        fake.close()

@@ -232,16 +232,20 @@ def test_producer_close_delivers_everything_before_the_process_exits(tmp_path):
         "p.close()\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
-    deltas = 0
+    rows = 0                  # steps queued together leave as one delta: count the rows, not the messages
     try:
         while rx.poll(10_000):
             frames = rx.recv_multipart()
-            if wire.decode_header(frames[1]).kind == "delta":
-                deltas += 1
-                assert len(frames[2]) == 256 * 48 * 8 * 2
-            if deltas == 300:
+            h = wire.decode_header(frames[1])
+            if h.kind == "delta":
+                d = wire.parse_delta(h)
+                wire.check_payload(d, frames[2:])
+                assert d.counts.tolist() == [1] * len(d.request_ids) and len(d.request_ids) % 256 == 0
+                rows += d.total_rows
+                assert sum(len(f) for f in frames[2:]) == d.total_rows * 48 * 8 * 2
+            if rows == 300 * 256:
                 break
     finally:
         assert proc.wait(30) == 0
         rx.close(0)
-    assert deltas == 300
+    assert rows == 300 * 256

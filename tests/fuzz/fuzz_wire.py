@@ -38,6 +38,8 @@ TEMPLATES = [
     ["open", "p", 1, 1, "f-a", {"prompt_len": 6, "num_cached": 2, "num_layers": L, "top_k": K,
                                 "layer_ids": list(range(L))}],
     ["delta", "p", 1, 2, ["f-a", "f-b"], wire.delta_body([0, 3], [3, 2], L, K)],
+    # batched steps (a producer's coalesced queue, the vLLM plugin's 16-step batches): ids repeat, in position order
+    ["delta", "p", 1, 2, ["f-a", "f-b", "f-a", "f-b", "f-a"], wire.delta_body([0, 3, 3, 5, 4], [3, 2, 1, 1, 1], L, K)],
     ["finish", "p", 1, 3, "f-a", {"num_output": 2, "reason": "stop", "prompt_len": 6, "num_cached": 2}],
     ["abort", "p", 1, 4, "f-b", {"reason": "abort", "num_output": 1}],
     ["record", "c", 1, 0, "f-a", {"prompt_len": 6, "num_output": 2, "num_cached": 2, "num_layers": L, "top_k": K,
