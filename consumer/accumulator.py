@@ -64,9 +64,9 @@ class _Rows:
 
     __slots__ = ("arena", "h", "holes", "row_bytes")
 
-    def __init__(self, arena: Arena):
+    def __init__(self, arena: Arena, h: int | None = None):
         self.arena = arena
-        self.h = arena.new_handle()
+        self.h = arena.new_handle() if h is None else h
         self.holes: list[list[int]] = []
         self.row_bytes = arena.row_bytes
 
@@ -371,11 +371,12 @@ class Accumulator:
                 continue                        # refused there
             if key in st.ranges:
                 continue
-            rows = st.ranges[key] = _Rows(sh.arena)
-            sh.handle[rid] = rows.h
+            made.append(st)
+        for st, h in zip(made, sh.arena.new_handles(len(made))):     # one block allocation for all of them
+            st.ranges[key] = _Rows(sh.arena, h)
+            sh.handle[st.rid] = h
             st.shapes.append(shape)
             st.last_seen = now
-            made.append(st)
         return made
 
     def _append(self, d: wire.Delta, bufs: list, sh: "_Shape", now: float) -> np.ndarray | None:

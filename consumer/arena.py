@@ -69,9 +69,15 @@ class Arena:
     # ---- handles ------------------------------------------------------------------------------------------------
 
     def new_handle(self) -> int:
-        if self._free_handles:
-            h = self._free_handles.pop()
-        else:
+        return self.new_handles(1)[0]
+
+    def new_handles(self, k: int) -> list:
+        """k handles with no rows yet (each with room for its first row), made with one block allocation."""
+        hs = []
+        for _ in range(k):
+            if self._free_handles:
+                hs.append(self._free_handles.pop())
+                continue
             h = self._next_handle
             self._next_handle += 1
             if h >= len(self.n):
@@ -81,10 +87,13 @@ class Arena:
                 bt = np.zeros((cap, self.bt.shape[1]), dtype=np.int32)
                 bt[:len(self.bt)] = self.bt
                 self.bt = bt
-        self.n[h] = 0
-        self.nblk[h] = 0
-        self.fix(np.array([h], dtype=np.int64))
-        return h
+            hs.append(h)
+        if hs:
+            arr = np.array(hs, dtype=np.int64)
+            self.n[arr] = 0
+            self.nblk[arr] = 0
+            self.fix(arr)
+        return hs
 
     def release(self, h: int) -> int:
         """Give handle `h` and its blocks back; returns the bytes freed."""
