@@ -14,9 +14,12 @@ async scheduling, chunked prefill, prefix caching), same weights:
         process, so its engine core (forked from here) holds no routing-replay code at all;
   on    the plugin publishing to an external broker and consumer (`routing-replay broker` / `consume --npz-dir`,
         processes on this machine), every request captured;
-  fill  the same plugin engine with ROUTING_REPLAY_PREFIX_ROWS=fill (switched per round through collective_rpc):
-        every step also writes its routing into the prefix store by KV slot, prefix-cache hits are gathered
-        from it (use --shared-prefix to have hits);
+  fill  the same plugin engine gathering prefix-cache hits from the prefix store (switched per round through
+        collective_rpc; use --shared-prefix to have hits). The plugin engine starts with
+        ROUTING_REPLAY_PREFIX_ROWS=--prefix-rows (default fill): then every forward, `on` rounds included, writes
+        its routing into the store by KV slot inside vLLM's CUDA graphs (the store write is captured with the
+        hooks), and `fill` adds only the gathers. With --prefix-rows sentinel there is no store and no fill mode:
+        run both to compare on/off with and without the store;
   optout  the same plugin engine with every request opted out (`return_routed_experts=False`): hooks bound and
         writing the device cache inside the graphs, nothing copied or sent.
 Rounds rotate the order (off, on, optout / on, optout, off / ...), after one warm-up round per mode. Each round runs
@@ -266,7 +269,14 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
         def store_write():
             store.write(slots, step_rows)
 
-        row = {"fill_minus_one_us": timed(fill), "fused_cache_write_us": timed(record),
+        attached = cache._store                  # time the cache write alone (the store write is timed apart)
+        cache.detach_store()
+        try:
+            record_us = timed(record)
+        finally:
+            if attached is not None:
+                cache.attach_store(*attached)
+        row = {"fill_minus_one_us": timed(fill), "fused_cache_write_us": record_us,
                "snapshot_us": timed(snapshot), "store_write_us": timed(store_write)}
         row["compute_stream_us"] = row["fill_minus_one_us"] + row["fused_cache_write_us"] + row["snapshot_us"]
         # the D2H into the pinned ring, as submit() issues it (side stream; overlaps compute)
@@ -419,6 +429,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each mode after the warm-up round")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.42, help="per engine (two run at once)")
     ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="per engine")
+    ap.add_argument("--prefix-rows", choices=("fill", "sentinel"), default="fill",
+                    help="ROUTING_REPLAY_PREFIX_ROWS of the plugin engine (sentinel: no store, no fill rounds)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="leading prompt tokens shared by all requests (prefix-cache hits; the fill mode's gathers)")
     ap.add_argument("--profile", action="store_true",
@@ -462,6 +474,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     engines["off"] = LLM(**kw)                          # before the plugin is registered in this process
     start_off = time.monotonic() - t
     os.environ["ROUTING_REPLAY_BROKER"] = helpers.fe
+    os.environ["ROUTING_REPLAY_PREFIX_ROWS"] = a.prefix_rows
     import routing_replay.engines.vllm_plugin as plugin
     plugin.register()
     t = time.monotonic()
@@ -530,15 +543,16 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         (out / "bench_vllm_gpu.json").write_text(json.dumps(partial, indent=2))      # survives a timeout
         return r
 
-    for m in MODES:                                       # warm-up, not counted
+    modes = MODES if a.prefix_rows == "fill" else tuple(m for m in MODES if m != "fill")
+    for m in modes:                                       # warm-up, not counted
         one_round(m, -1)
-    order = list(MODES)
+    order = list(modes)
     for i in range(a.rounds):
         for m in order:
             rounds.append(one_round(m, i))
         order = order[1:] + order[:1]
     if a.profile:
-        for m in ("on", "fill"):
+        for m in ("on", "fill") if "fill" in modes else ("on",):
             engines[m].collective_rpc(_rpc_profile, args=(True,))
             one_round(m, -2)
             report = engines[m].collective_rpc(_rpc_profile, args=(False,))[0]
@@ -556,11 +570,11 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         "experts": a.experts, "top_k": a.top_k, "moe_intermediate": a.moe_intermediate, "dtype": a.dtype,
         "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len, "rounds": a.rounds,
         "engine_start_s": {"off": start_off, "on": start_on}, "plugin_engine": info,
-        "rounds_detail": rounds, "record_checks": checks, "gpu_cost": gpu,
+        "prefix_rows": a.prefix_rows, "modes": list(modes), "rounds_detail": rounds, "record_checks": checks, "gpu_cost": gpu,
         "dropped": {"copier_steps": final["copier_dropped_steps"], "producer_msgs": final["producer_dropped_msgs"]},
         "same_outputs_on_vs_off": outputs.get("on") == outputs.get("off"),
     }
-    for m in MODES:
+    for m in modes:
         res[f"{m}_output_tok_s"] = med(m, "output_tok_s")
         res[f"{m}_output_tok_s_all"] = [r["output_tok_s"] for r in rounds if r["mode"] == m]
         res[f"{m}_engine_cpu_s"] = med(m, "engine_cpu_s")
@@ -571,18 +585,21 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     pairs = [(r_on["output_tok_s"], r_off["output_tok_s"]) for r_on in rounds for r_off in rounds
              if r_on["mode"] == "on" and r_off["mode"] == "off" and r_on["round"] == r_off["round"]]
     res["loss_on_vs_off_pct_per_round"] = [100 * (1 - x / y) for x, y in pairs]
-    res["loss_fill_vs_off_pct"] = 100 * (1 - res["fill_output_tok_s"] / res["off_output_tok_s"])
-    res["loss_fill_vs_on_pct"] = 100 * (1 - res["fill_output_tok_s"] / res["on_output_tok_s"])
     on_rounds = [r for r in rounds if r["mode"] == "on"]
     fill_rounds = [r for r in rounds if r["mode"] == "fill"]
+    if fill_rounds:
+        res["loss_fill_vs_off_pct"] = 100 * (1 - res["fill_output_tok_s"] / res["off_output_tok_s"])
+        res["loss_fill_vs_on_pct"] = 100 * (1 - res["fill_output_tok_s"] / res["on_output_tok_s"])
+        res["host_us_per_step_fill"] = statistics.median(r["host_us_per_step"] for r in fill_rounds)
+        res["host_us_per_step_fill_all"] = [r["host_us_per_step"] for r in fill_rounds]
+        res["prefix_rows_per_fill_round"] = statistics.median(r["prefix_rows"] for r in fill_rounds)
     res["steps_per_round"] = statistics.median(r["steps"] for r in on_rounds)
     res["host_us_per_step_on"] = statistics.median(r["host_us_per_step"] for r in on_rounds)
-    res["host_us_per_step_fill"] = statistics.median(r["host_us_per_step"] for r in fill_rounds)
-    res["prefix_rows_per_fill_round"] = statistics.median(r["prefix_rows"] for r in fill_rounds)
-    res["store_device_bytes"] = max(r["store_device_bytes"] for r in fill_rounds)
+    res["host_us_per_step_on_all"] = [r["host_us_per_step"] for r in on_rounds]
+    res["store_device_bytes"] = max(r["store_device_bytes"] for r in rounds if "store_device_bytes" in r)
     res["hook_us_per_step_on"] = statistics.median(r["hook_us_per_step"] for r in on_rounds)
     res["host_us_per_step_optout"] = med("optout", "host_us_per_step")
-    res["engine_cpu_us_per_step"] = {m: 1e6 * res[f"{m}_engine_cpu_s"] / res["steps_per_round"] for m in MODES}
+    res["engine_cpu_us_per_step"] = {m: 1e6 * res[f"{m}_engine_cpu_s"] / res["steps_per_round"] for m in modes}
     res["records_wait_s"] = statistics.median(r["records_wait_s"] for r in on_rounds)
     res["helpers_cpu_s_per_round"] = statistics.median(r["helpers_cpu_s"] for r in on_rounds)
     res["memory"] = {"device_cache_bytes": final["cache_device_bytes"],
@@ -610,15 +627,18 @@ def _print_summary(r: dict) -> None:
           f"{r['experts']} experts, top-{r['top_k']}, MoE intermediate {r['moe_intermediate']}), {r['dtype']}; "
           f"{r['requests']} requests x ({r['prompt_len']} prompt + {r['output_len']} output) tokens; "
           f"{r['rounds']} rounds per mode (medians)")
-    for m in MODES:
+    for m in r["modes"]:
         xs = r[f"{m}_output_tok_s_all"]
         print(f"  {m:7s}: {r[f'{m}_output_tok_s']:9.0f} output tok/s  (rounds {min(xs):.0f}..{max(xs):.0f})")
     print(f"  lost, on vs off: {r['loss_on_vs_off_pct']:.2f} %  (per round: "
           f"{', '.join(f'{x:.2f}' for x in r['loss_on_vs_off_pct_per_round'])}); on vs optout: "
           f"{r['loss_on_vs_optout_pct']:.2f} %; optout vs off: {r['loss_optout_vs_off_pct']:.2f} %")
-    print(f"  fill (prefix store on): lost vs off {r['loss_fill_vs_off_pct']:.2f} %, vs on {r['loss_fill_vs_on_pct']:.2f} %;"
-          f" host per step {r['host_us_per_step_fill']:.1f} us; {r['prefix_rows_per_fill_round']:.0f} prefix rows "
-          f"filled per round; store {r['store_device_bytes'] / 2**20:.1f} MiB on the device")
+    if "fill" in r["modes"]:
+        print(f"  fill (prefix store on): lost vs off {r['loss_fill_vs_off_pct']:.2f} %, vs on {r['loss_fill_vs_on_pct']:.2f} %;"
+              f" host per step {r['host_us_per_step_fill']:.1f} us; {r['prefix_rows_per_fill_round']:.0f} prefix "
+              f"rows filled per round")
+    print(f"  engine started with ROUTING_REPLAY_PREFIX_ROWS={r['prefix_rows']}: store "
+          f"{r['store_device_bytes'] / 2**20:.1f} MiB on the device, written inside the graphs in every mode but off")
     print(f"  host per step (engine thread, capture on): pre/post {r['host_us_per_step_on']:.1f} us + hooks "
           f"{r['hook_us_per_step_on']:.1f} us; opt-out {r['host_us_per_step_optout']:.1f} us; "
           f"{r['steps_per_round']:.0f} steps per round")

@@ -15,6 +15,10 @@ Two ways `record` writes (chosen at construction, `fused=`):
 - per-layer: `record(l, ids)` copies at once, one small kernel per layer (L launches per step instead of one;
   docs/PERFORMANCE.md has the measured cost of each).
 
+Prefix store (`attach_store`): the flush also scatters the step's rows into a PrefixStore at the step's KV slots
+(vLLM's persistent slot-mapping buffer, read on the device), so under CUDA graphs that write is replayed with the
+rest of the hook and costs the engine thread nothing.
+
 Graph safety: `record`, `flush` and `layer_view` allocate nothing, never read device values on the host and
 branch only on Python-side facts fixed at capture time (shapes, dtypes, the layer number). The same code runs
 eagerly, under `torch.cuda.graph` capture and on CPU.
@@ -48,6 +52,12 @@ class RoutingCache:
         self._views = [self.buffer[i] for i in range(num_layers)]
         self._held: list[torch.Tensor | None] = [None] * num_layers
         self._step_views: dict = {}
+        self._step_n: int | None = None          # rows of the step being recorded; None once flushed
+        self._recorded = 0                       # layers recorded since the last flush
+        self.incomplete_flushes = 0              # flushes (eager, or at graph capture) missing a layer
+        self._store = None                       # (PrefixStore, slot mapping (>= max_tokens,) int64) or None
+        self._store_views: dict = {}             # n -> (slots view, rows view) for the store write
+        self.store_writes = 0                    # store writes issued from Python (eager steps, graph captures)
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +72,25 @@ class RoutingCache:
                 self._step_views.clear()
             view = self._step_views[n] = self.buffer[:, :n]
         return view
+
+    def attach_store(self, store, slot_mapping: torch.Tensor) -> None:
+        """From now on every flush also writes the step's n rows into `store` (a PrefixStore) at
+        `slot_mapping[:n]` (the engine's persistent per-step slot buffer: token i of the step went to KV slot
+        slot_mapping[i], -1 for padding). Attach before CUDA graphs are captured: a graph replays what the flush
+        did at capture time."""
+        if slot_mapping.dim() != 1 or slot_mapping.device != self.device \
+                or slot_mapping.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"slot mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype} on "
+                             f"{slot_mapping.device}; expected a 1-d int64 tensor on {self.device}")
+        if tuple(store.rows.shape[1:]) != (self.num_layers, self.top_k) or store.table.device != self.device:
+            raise ValueError(f"prefix store rows {tuple(store.rows.shape)} on {store.table.device}; expected "
+                             f"(S, {self.num_layers}, {self.top_k}) on {self.device}")
+        self._store = (store, slot_mapping)
+        self._store_views = {}
+
+    def detach_store(self) -> None:
+        self._store = None
+        self._store_views = {}
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s (max_tokens, top_k) block; its first n rows are the current step's."""
@@ -83,6 +112,8 @@ class RoutingCache:
         layers). Graph-safe; with fused=True the write happens when the last layer records (or at flush())."""
         self._check(layer, topk_ids)
         n = topk_ids.shape[0]
+        self._step_n = n
+        self._recorded += 1
         if not self.fused or not topk_ids.is_contiguous():
             # A strided source would push the whole fused list off the multi-tensor fast path.
             self._views[layer][:n].copy_(topk_ids)
@@ -95,7 +126,14 @@ class RoutingCache:
     def flush(self) -> None:
         """Write every held top-k tensor into its layer view with one fused copy per source dtype, then drop
         the references. record() calls it on the last layer; call it yourself when a step ends elsewhere
-        (a pipeline stage that does not own the last layer). Graph-safe; a no-op when nothing is held."""
+        (a pipeline stage that does not own the last layer). Graph-safe; a no-op when no layer recorded since
+        the last flush. With a prefix store attached, the step's rows then go into it at their KV slots; if not
+        every layer recorded since the last flush, the step's slots get -1 instead (`incomplete_flushes`)."""
+        n = self._step_n
+        if n is None:
+            return
+        complete = self._recorded == self.num_layers
+        self._step_n, self._recorded = None, 0
         held = self._held
         by_dtype: dict = {}
         for layer, src in enumerate(held):
@@ -106,3 +144,25 @@ class RoutingCache:
                 held[layer] = None
         for dsts, srcs in by_dtype.values():
             torch._foreach_copy_(dsts, srcs)
+        if not complete:
+            self.incomplete_flushes += 1
+        if self._store is not None and not complete:
+            # a layer's hook did not run: its rows here are stale. The step's slots get -1 (under capture the
+            # graph records that, so every replay forgets its slots rather than store stale routing).
+            store, slot_mapping = self._store
+            store.forget(slot_mapping[:n])
+            self.store_writes += 1
+        elif self._store is not None:
+            views = self._store_views.get(n)
+            if views is None:
+                store, slot_mapping = self._store
+                rows = self.step_rows(n).transpose(0, 1)
+                if rows.dtype != torch.int16:
+                    rows = rows.to(torch.int16)     # int32/int64 caches: one cast (allocates; eager only)
+                views = (store, slot_mapping[:n], rows)
+                if self.dtype == torch.int16:
+                    if len(self._store_views) >= 4096:
+                        self._store_views.clear()
+                    self._store_views[n] = views
+            views[0].write(views[1], views[2])
+            self.store_writes += 1

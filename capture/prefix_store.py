@@ -4,11 +4,13 @@ vLLM's prefix cache hands a new request the KV blocks an earlier request compute
 those tokens is what produced the cached KV. `PrefixStore` keeps one (L, K) row per KV slot (block id x block
 size + offset, the engine's own `slot_mapping`), on the device that runs the model:
 
-- write (engine thread, right after each forward, every step with tokens, captured or not): one
-  `index_copy_` from the step's routing cache into the slots the step wrote KV to. Same stream as the forward;
-  nothing waits. Every KV write has a routing write beside it, so a slot's row always belongs to the KV the
-  slot holds: an evicted block that is refilled gets the new rows, and no hit can ever read the rows of a
-  block's previous occupant.
+- write (inside the forward, graph-safe): `RoutingCache.attach_store(store, slot_mapping)` makes the cache's
+  end-of-step flush (the last MoE layer's hook) also scatter the step's rows into the store at the step's slots,
+  one `index_put_` on the compute stream. Under CUDA graphs it is captured with the rest of the hook, so a
+  replayed step writes the store at no host cost at all. Every KV write has a routing write beside it, so a
+  slot's row always belongs to the KV the slot holds: an evicted block that is refilled gets the new rows, and
+  no hit can ever read the rows of a block's previous occupant. Padded tokens (CUDA-graph padding, dummy runs)
+  have slot -1 in vLLM's slot mapping; the table has one spare row at the end where they land.
 - gather (for a request scheduled with prefix hits): `AsyncCopier.submit_gather(store.rows, slots)` snapshots
   the hit positions' rows into the host ring like any step's rows (one `index_select`, then the asynchronous
   D2H copy).
@@ -16,8 +18,8 @@ size + offset, the engine's own `slot_mapping`), on the device that runs the mod
   wake-up: the KV cache's content came from other weights). A hit on an invalidated or never-written slot reads
   -1 rows, which the consumer reports as `prefix_not_found`: stale routing never reaches a record.
 
-Memory: (slots, L, K) int16 = L x K x 2 bytes per KV slot (Qwen3-30B-A3B: 768 B against ~96 KiB of KV per token,
-0.78%). Graph safety is not needed: write and gather run eagerly on the engine thread, outside any graph.
+Memory: (slots + 1, L, K) int16 = L x K x 2 bytes per KV slot (Qwen3-30B-A3B: 768 B against ~96 KiB of KV per
+token, 0.78%).
 """
 
 from __future__ import annotations
@@ -27,36 +29,36 @@ import torch
 
 
 class PrefixStore:
-    """Own the (num_slots, L, K) int16 device tensor of routing rows by KV slot."""
+    """Own the (num_slots + 1, L, K) int16 device table of routing rows by KV slot; row num_slots (index -1) is
+    the landing row of padded tokens, never read."""
 
     def __init__(self, num_slots: int, num_layers: int, top_k: int, device="cpu"):
         if num_slots < 1 or num_layers < 1 or top_k < 1:
             raise ValueError(f"num_slots={num_slots}, num_layers={num_layers}, top_k={top_k} must be >= 1")
         self.num_slots = int(num_slots)
-        self.rows = torch.full((num_slots, num_layers, top_k), -1, dtype=torch.int16, device=device)
-        self.writes = 0                # write() calls
+        self.table = torch.full((num_slots + 1, num_layers, top_k), -1, dtype=torch.int16, device=device)
+        self.rows = self.table[:num_slots]          # what gathers read: real slots only
+        self._minus_one = torch.full((), -1, dtype=torch.int16, device=device)   # on the device: graph-safe
         self.invalidations = 0
 
     @property
     def nbytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size()
+        return self.table.numel() * self.table.element_size()
 
     def write(self, slots: torch.Tensor, step_rows: torch.Tensor) -> None:
-        """Store the step's rows at their KV slots. slots: (n,) int64 on the store's device, every value in
-        [0, num_slots) (vLLM's slot_mapping for the step's n scheduled tokens); step_rows: (n, L, K) (a view of
-        the routing cache, any integer dtype)."""
-        if step_rows.dtype != torch.int16:
-            step_rows = step_rows.to(torch.int16)
-        self.rows.index_copy_(0, slots, step_rows)
-        self.writes += 1
+        """Store a step's rows at their KV slots. slots: (n,) int64 on the store's device, each in
+        [0, num_slots) or -1 (a padded token: lands in the spare row); step_rows: (n, L, K) int16 (any strides,
+        e.g. the routing cache's layer-major rows transposed). Graph-safe: one kernel, no host sync."""
+        self.table.index_put_((slots,), step_rows)
 
     def forget(self, slots: torch.Tensor) -> None:
-        """Mark these slots as holding no known routing (a step whose routing was not captured)."""
-        self.rows.index_fill_(0, slots, -1)
+        """Mark these slots as holding no known routing (a step whose routing was not fully recorded); -1
+        (padding) is allowed, as in write(). Graph-safe."""
+        self.table.index_put_((slots,), self._minus_one)
 
     def invalidate(self) -> None:
         """Every slot back to -1: nothing computed so far may be read as a hit's routing."""
-        self.rows.fill_(-1)
+        self.table.fill_(-1)
         self.invalidations += 1
 
 

@@ -284,7 +284,7 @@ def test_copier_rejects_bad_segments_in_long_lists():
 def test_prefix_store_keeps_rows_by_slot_and_the_copier_gathers_them():
     cache = RoutingCache(16, 3, 2)
     store = PrefixStore(64, 3, 2)
-    assert store.nbytes == 64 * 3 * 2 * 2 and bool((store.rows == -1).all())
+    assert store.nbytes == 65 * 3 * 2 * 2 and bool((store.table == -1).all()) and store.rows.shape == (64, 3, 2)
     cp = AsyncCopier(cache, num_slots=2, max_rows=16)
     # step 1: 10 tokens written to slots 20..29 (block 5 and block 6 of size 4, then 2 of block 7)
     want1 = _step(cache, 10, seed=1)
@@ -292,7 +292,6 @@ def test_prefix_store_keeps_rows_by_slot_and_the_copier_gathers_them():
     # step 2: 6 tokens overwrite slots 24..27 (block 6 evicted and refilled) and take 40, 41
     want2 = _step(cache, 6, seed=2)
     store.write(torch.tensor([24, 25, 26, 27, 40, 41]), cache.buffer[:, :6].transpose(0, 1))
-    assert store.writes == 2
     p = cp.submit_gather(store.rows, [20, 21, 24, 27, 41, 29, 0])
     got = p.result()
     np.testing.assert_array_equal(got[:6], np.stack([want1[0], want1[1], want2[0], want2[3], want2[5], want1[9]]))
@@ -303,13 +302,88 @@ def test_prefix_store_keeps_rows_by_slot_and_the_copier_gathers_them():
     assert (p.result()[0] == -1).all() and np.array_equal(p.result()[1], want1[1])
     p.release()
     store.invalidate()
-    assert bool((store.rows == -1).all()) and store.invalidations == 1
+    assert bool((store.table == -1).all()) and store.invalidations == 1
     assert cp.submit_gather(store.rows, []) is None
     with pytest.raises(ValueError, match=r"gather index outside \[0, 64\): 3..64"):
         cp.submit_gather(store.rows, [3, 64])
     with pytest.raises(ValueError, match=r"gather source \(64, 2, 2\)"):
         cp.submit_gather(torch.zeros((64, 2, 2), dtype=torch.int16), [1])
     assert cp.in_flight_rows == 0
+
+
+def test_padded_tokens_land_in_the_spare_row_only():
+    """Slot -1 (CUDA-graph padding, dummy runs) writes the spare row past the real slots and nothing else."""
+    cache = RoutingCache(8, 2, 2)
+    store = PrefixStore(16, 2, 2)
+    want = _step(cache, 5, seed=3)
+    store.write(torch.tensor([3, 9, -1, -1, 4]), cache.buffer[:, :5].transpose(0, 1))
+    t = store.table.numpy()
+    np.testing.assert_array_equal(t[[3, 9, 4]], want[[0, 1, 4]])
+    assert int((t[:16] != -1).any(axis=(1, 2)).sum()) == 3          # exactly the three real slots
+    assert t[16].tolist() in (want[2].tolist(), want[3].tolist())   # the spare row took a padded token's rows
+
+
+def _record_step(cache, n, seed):
+    """Every layer's hook records an (n, K) int64 top-k, as a router does; returns the rows as (n, L, K)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 100, (n, cache.top_k), generator=g) for _ in range(cache.num_layers)]
+    for layer, t in enumerate(ids):
+        cache.record(layer, t)
+    return torch.stack(ids, dim=1).to(torch.int16).numpy()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_flush_writes_the_attached_store_at_the_step_slots(fused):
+    """The last layer's hook writes the step into the store at slot_mapping[:n] (the in-forward write that CUDA
+    graphs replay); an explicit flush afterwards writes nothing again; detached, the store is left alone."""
+    cache = RoutingCache(8, 3, 2, fused=fused)
+    store = PrefixStore(32, 3, 2)
+    slot_mapping = torch.full((8,), -1, dtype=torch.int64)
+    cache.attach_store(store, slot_mapping)
+    slot_mapping[:4] = torch.tensor([7, 8, 30, 2])
+    want = _record_step(cache, 4, seed=1)
+    assert cache.store_writes == 1
+    np.testing.assert_array_equal(store.rows.numpy()[[7, 8, 30, 2]], want)
+    cache.flush()                                                  # post_step's flush: nothing recorded since
+    assert cache.store_writes == 1
+    slot_mapping[:6] = torch.tensor([8, 9, -1, -1, -1, -1])       # next step: 2 tokens, 4 padded
+    want2 = _record_step(cache, 6, seed=2)
+    np.testing.assert_array_equal(store.rows.numpy()[[7, 8, 9, 30, 2]],
+                                  np.stack([want[0], want2[0], want2[1], want[2], want[3]]))
+    assert int((store.rows.numpy() != -1).any(axis=(1, 2)).sum()) == 5
+    cache.detach_store()
+    _record_step(cache, 2, seed=3)
+    assert cache.store_writes == 2
+    np.testing.assert_array_equal(store.rows.numpy()[[8, 9]], want2[:2])
+    with pytest.raises(ValueError, match="slot mapping"):
+        cache.attach_store(store, torch.zeros((2, 8), dtype=torch.int64))
+    with pytest.raises(ValueError, match="prefix store rows"):
+        cache.attach_store(PrefixStore(32, 2, 2), slot_mapping)
+
+
+def test_a_step_missing_a_layer_forgets_its_slots_instead_of_storing_stale_rows():
+    """A step whose last layer's hook did not run: the explicit flush writes -1 at the step's slots (the
+    missing layer's rows in the cache are a previous step's); a middle layer missing does the same inside the
+    last layer's flush. Complete steps are stored as usual; incomplete_flushes counts the others."""
+    cache = RoutingCache(8, 3, 2)
+    store = PrefixStore(16, 3, 2)
+    slot_mapping = torch.tensor([5, 6, -1, -1, -1, -1, -1, -1])
+    cache.attach_store(store, slot_mapping)
+    want = _record_step(cache, 2, seed=1)                           # complete: stored at 5, 6
+    np.testing.assert_array_equal(store.rows.numpy()[[5, 6]], want)
+    slot_mapping[:2] = torch.tensor([6, 7])
+    cache.record(0, torch.tensor([[1, 2], [3, 4]]))
+    cache.record(1, torch.tensor([[1, 2], [3, 4]]))               # layer 2's hook is lost
+    assert cache.store_writes == 1
+    cache.flush()
+    assert cache.store_writes == 2 and cache.incomplete_flushes == 1
+    got = store.rows.numpy()
+    assert (got[[6, 7]] == -1).all() and np.array_equal(got[5], want[0])
+    slot_mapping[:2] = torch.tensor([5, 9])
+    cache.record(0, torch.tensor([[1, 2], [3, 4]]))
+    cache.record(2, torch.tensor([[5, 6], [7, 8]]))               # layer 1 lost, the last layer flushes
+    assert cache.incomplete_flushes == 2
+    assert (store.rows.numpy()[[5, 9]] == -1).all() and int((store.rows.numpy() != -1).any(axis=(1, 2)).sum()) == 0
 
 
 def test_hit_slots_follow_the_block_table():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay.capture import AsyncCopier, RoutingCache
+from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -32,13 +32,15 @@ class ToyRouters:
         self.p = [torch.randn(E, H, device="cuda", generator=g) * 0.05 for _ in range(L)]
         self.cache = cache
         self.ref = torch.zeros(L, max_tokens, K, dtype=torch.int64, device="cuda")
+        self.skip = None                # a layer whose hook is lost (never records)
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         for layer in range(L):
             logits = x @ self.w[layer]
             vals, ids = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
-            self.cache.record(layer, ids)
+            if layer != self.skip:
+                self.cache.record(layer, ids)
             self.ref[layer, :n].copy_(ids)
             x = x + torch.tanh(logits @ self.p[layer]) * vals[:, :1]
         return x
@@ -113,6 +115,48 @@ def test_graph_replay_rows_match_router_topk_across_batch_sizes(fused):
         checked += 1
     assert checked == copier.stats.submitted_steps and copier.stats.dropped_steps == 0 and checked > 50
     assert copier.in_flight_rows == 0
+
+
+@pytest.mark.parametrize("fused,skip", [(True, None), (False, None), (True, 2)])
+def test_prefix_store_write_is_replayed_from_graphs_at_each_steps_slots(fused, skip):
+    """The store attached before capture: each replay writes the step's rows at the slots the persistent slot
+    buffer holds for that step (padding -1 -> the spare row), with no host work and no sync; after 60 steps of
+    random slots (overwrites included) every slot holds the rows of the last step that wrote it, exactly.
+    skip: a layer's hook was lost when the graphs were captured: every replay writes -1 at its slots."""
+    max_tokens, num_slots = max(SIZES), 1024
+    cache = RoutingCache(max_tokens, L, K, device="cuda", fused=fused)
+    store = PrefixStore(num_slots, L, K, device="cuda")
+    slot_buf = torch.full((max_tokens,), -1, dtype=torch.int64, device="cuda")   # vLLM's persistent slot_mapping
+    cache.attach_store(store, slot_buf)
+    routers = ToyRouters(cache, max_tokens)
+    routers.skip = skip
+    x_static, graphs = _capture(routers, max_tokens)
+    writes_at_capture = cache.store_writes
+    assert cache.incomplete_flushes == (0 if skip is None else 2 * len(SIZES))    # warm-up + capture
+    store.invalidate()                                  # capture wrote rows at slot -1 / garbage: start clean
+    store.table[:num_slots] = 5                         # not -1: a replay that forgets must overwrite it
+    rng = np.random.default_rng(7)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    want = np.full((num_slots + 1, L, K), 5, dtype=np.int16)
+    for step in range(60):
+        n = int(rng.integers(1, max_tokens + 1))
+        size = min(s for s in SIZES if s >= n)
+        slots = rng.choice(num_slots, size=n, replace=False)          # a step never writes one slot twice
+        host = np.full(max_tokens, -1, dtype=np.int64)
+        host[:n] = slots
+        slot_buf.copy_(torch.from_numpy(host))                        # what vLLM's slot-mapping kernel does
+        x_static[:size].normal_(generator=gen)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphs[size].replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ref = routers.ref.transpose(0, 1).cpu().numpy().astype(np.int16)   # (max_tokens, L, K)
+        want[slots] = ref[:n] if skip is None else -1
+    assert cache.store_writes == writes_at_capture                   # replays ran no Python
+    got = store.table.cpu().numpy()
+    np.testing.assert_array_equal(got[:num_slots], want[:num_slots])
+    assert int((got[:num_slots] == -1).all(axis=(1, 2)).sum()) == int((want[:num_slots] == -1).all(axis=(1, 2)).sum())
 
 
 def test_eager_record_and_submit_do_not_sync_the_host():

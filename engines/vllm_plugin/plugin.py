@@ -8,7 +8,8 @@ without touching vLLM's files:
     load_model            after: bind the capture hooks, allocate the cache, start the producer (before
                           profiling and CUDA-graph capture, which come later in engine start-up)
     execute_model         before/after: WorkerCapture.pre_step / post_step
-    compile_or_warm_up_model  around: capture paused (Model Runner V2 warms up with fake requests)
+    compile_or_warm_up_model  around: the prefix store made (fill mode; before CUDA graphs are captured, so
+                          they hold its write), capture paused (Model Runner V2 warms up with fake requests)
     reload_weights, wake_up, finish_weight_update
                           after: re-bind the hooks (a reload may rebuild layers)
     shutdown              before: flush and close the producer (and the embedded pipeline)
@@ -82,9 +83,12 @@ def capture_of(worker):
 
 
 def _wrap_warm_up(cls) -> None:
-    """Pause capture while `cls.compile_or_warm_up_model` runs: Model Runner V2 warms its kernels by feeding fake
-    requests (`_warmup_*`, fake block ids) through Worker.execute_model; they must open no record and write no
-    prefix-store row."""
+    """Around `cls.compile_or_warm_up_model`: first make the prefix store (fill mode; the KV cache is sized by now
+    and no CUDA graph is captured yet, so every graph holds the store write), then pause capture while it runs:
+    Model Runner V2 warms its kernels by feeding fake requests (`_warmup_*`, fake block ids) through
+    Worker.execute_model; they must open no record. Their forwards do write store rows, at the fake requests'
+    slots, like their KV: harmless, as any later hit on a slot reads rows written by the real forward that
+    wrote the slot's KV."""
     orig = cls.__dict__.get("compile_or_warm_up_model")
     if orig is None or getattr(orig, "_routing_replay_wrapped", False):
         return
@@ -94,11 +98,16 @@ def _wrap_warm_up(cls) -> None:
         cap = self.__dict__.get(_ATTR)
         if cap is None:
             return orig(self, *args, **kwargs)
+        cap.prepare_store()             # fill mode: the store exists before any CUDA graph is captured
+        outer = not cap.warming         # a subclass's warm-up calling the base class's: both wrapped
         cap.warming = True
         try:
             return orig(self, *args, **kwargs)
         finally:
-            cap.warming = False
+            if outer:
+                cap.warming = False
+                cap.graphs_captured = True
+                cap.check_captured_store()
 
     compile_or_warm_up_model._routing_replay_wrapped = True
     cls.compile_or_warm_up_model = compile_or_warm_up_model

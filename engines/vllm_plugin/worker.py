@@ -25,13 +25,16 @@ Per step (`Worker.execute_model`, engine thread):
                       the copies, checks for -1 rows, sends, and releases them.
 Steps with no captured request do nothing beyond two dict/set checks: no copy, no message.
 
-Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every step with tokens, captured or not,
-also writes its routing into a PrefixStore by KV slot (the runner's slot_mapping, one index_copy_ after the
-forward; on CPU the hooks then record every step); a request opened with prefix hits gets rows
-[0, num_cached_tokens) gathered from the store (its block-table row -> slots) into the same host ring and
-delta as computed rows, after the step's own store write (a hit may point at blocks another request computed
-in this very step). A weight reload or wake-up invalidates the store; a step whose hooks did not all run
-writes -1 to its slots. Rows read as -1 reach the consumer as such and make the record `prefix_not_found`.
+Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every forward, captured or not, also
+writes its routing into a PrefixStore by KV slot, inside the forward: the cache's end-of-step flush (the last
+MoE layer's hook) scatters the step's rows to the runner's persistent slot-mapping buffer, so under CUDA graphs
+the write is part of the replayed graph and costs the engine thread nothing (the store is allocated and attached
+when vLLM starts its warm-up, after the KV cache is sized and before graphs are captured; on CPU the hooks then
+record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
+(its block-table row -> slots) into the same host ring and delta as computed rows, after the step's forward (a
+hit may point at blocks another request computed in this very step). A weight reload or wake-up invalidates the
+store; a step whose hooks did not all run writes -1 to its slots. Rows read as -1 reach the consumer as such and
+make the record `prefix_not_found`.
 
 Positions are absolute, so chunked prefill, preemption + recompute (a re-sent position overwrites) and
 speculative decoding (rows of rejected drafts are overwritten by the next step or lie beyond the final
@@ -252,10 +255,13 @@ class WorkerCapture:
         self.active = False
         self.storing = False                    # this step's routing goes into the prefix store (fill)
         self.fill = settings.prefix_rows == "fill"
-        self.store: PrefixStore | None = None   # made at the first step (the KV cache's size is known then)
+        self.store: PrefixStore | None = None   # made when warm-up starts (KV cache sized, graphs not captured)
+        self._slot_mapping = None               # the runner's persistent slot buffer the store write reads
+        self._owner = None                      # _slot_owner() when the store was attached
+        self._keepalive: list = []              # dropped stores that captured graphs may still write
+        self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
-        self._store_views: dict = {}            # (slot-mapping address, step size) -> (slots, rows) views
         self.binding = None
         self.sink = None
         self._warned_no_notes = False
@@ -331,16 +337,41 @@ class WorkerCapture:
     # ---- prefix store (fill mode) ------------------------------------------------------------------------------
 
     def set_prefix_rows(self, mode: str) -> None:
-        """Switch fill mode between steps (benchmarks compare both on one engine): `fill` starts with an empty
-        store at the next step (nothing computed before is known), `sentinel` frees it. Call only while no
-        captured request is in flight."""
+        """Switch fill mode between steps (benchmarks compare both on one engine); call only while no captured
+        request is in flight. Under CUDA graphs the store write is part of the captured graphs: `sentinel` then
+        stops the gathers but the store stays (and stays written), and `fill` needs an engine started with
+        ROUTING_REPLAY_PREFIX_ROWS=fill. Eager (CPU, enforce_eager): `sentinel` frees the store, `fill` starts an
+        empty one at the next step."""
         if mode not in ("fill", "sentinel"):
             raise ValueError(f"prefix rows mode {mode!r}: choose fill or sentinel")
+        gate = self.binding is not None and self.binding.gate
         if mode == "fill":
             _check_fill_supported(self.runner.vllm_config)
+            if self.store is None and self.graphs_captured and not gate:
+                raise ValueError("routing-replay: prefix rows `fill` under CUDA graphs needs the store in the "
+                                 "captured graphs: start the engine with ROUTING_REPLAY_PREFIX_ROWS=fill")
         self.fill = mode == "fill"
-        self.store = None
-        self._fills, self._fill_queue, self._store_views = [], deque(), {}
+        self._fills, self._fill_queue = [], deque()
+        if not self.fill and gate and self.store is not None:
+            self.cache.detach_store()
+            self.store = None
+
+    def prepare_store(self) -> None:
+        """Warm-up starts (the KV cache is sized, no CUDA graph is captured yet): make and attach the store, so
+        every graph captured from now on writes it."""
+        if self.fill and self.store is None and self.binding is not None:
+            self._make_store()
+
+    def check_captured_store(self) -> None:
+        """Warm-up is over (CUDA graphs captured). The graphs hold the store write only if our hooks were in place
+        while they were captured: otherwise drop the store (loudly) rather than let a replay skip a write."""
+        if self.store is None or self.binding is None or self.binding.gate:
+            return
+        if not self.binding.bound():
+            self._store_lost("capture hooks were not in place after CUDA graph capture")
+            return
+        log.info("routing-replay: prefix store write issued %d times during warm-up and graph capture "
+                 "(incomplete: %d)", self.cache.store_writes, self.cache.incomplete_flushes)
 
     def _make_store(self) -> None:
         """Allocate the PrefixStore for every KV slot of this worker's cache (first step: its size is known only
@@ -369,6 +400,7 @@ class WorkerCapture:
                                               "ranks")
             num_slots = int(kcc.num_blocks) * block_size
             store = PrefixStore(num_slots, self.cache.num_layers, self.cache.top_k, device=self.device)
+            self.cache.attach_store(store, slot_mapping)
             kv_bytes = sum(int(t.size) for t in getattr(kcc, "kv_cache_tensors", []) or [])
         except Exception as e:          # noqa: BLE001 -- degrade to the sentinel, loudly
             self.fill = False
@@ -376,6 +408,7 @@ class WorkerCapture:
                       "prompt rows stay -1 (num_prefix_filled=0)", type(e).__name__, e)
             return
         self.store, self._slot_mapping, self._block_size = store, slot_mapping, block_size
+        self._owner = self._slot_owner()
         log.info("routing-replay: prefix store %d slots (%d blocks x %d), %.1f MiB on %s (%.2f%% of the KV cache's "
                  "%.1f MiB; %d B per slot); capture total: device %.1f MiB, host %.1f MiB", num_slots,
                  int(kcc.num_blocks), block_size, store.nbytes / 2**20, self.device,
@@ -384,29 +417,30 @@ class WorkerCapture:
                  if self.device.type != "cpu" else 0.0,
                  (self.copier.host_bytes + (store.nbytes if self.device.type == "cpu" else 0)) / 2**20)
 
-    def _store_step(self, n: int, complete: bool) -> None:
-        """After the forward: this step's n rows into the store at their KV slots (-1 if not all recorded).
-        The (slot-mapping, cache) views per step size are kept (keyed by the slot-mapping tensor's address, so a
-        runner that reallocates it gets new views): the write is then one torch call on the engine thread."""
-        mapping = self._slot_mapping
-        key = (mapping.data_ptr(), n)
-        views = self._store_views.get(key)
-        if views is None:
-            if len(self._store_views) >= 1024:
-                self._store_views.clear()
-            views = self._store_views[key] = (mapping[:n], self.cache.step_rows(n).transpose(0, 1))
-        slots = views[0]
-        if complete:
-            self.store.write(slots, views[1])
-        else:
-            self.store.forget(slots)
-            self.stats.store_forgotten += n
-            log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV slots hold "
-                        "no prefix rows (store_forgotten=%d)", self.binding.calls, len(self.binding.layers), n,
-                        self.stats.store_forgotten)
+    def _slot_owner(self):
+        """The runner's persistent slot-mapping tensor (V1: group 0's buffer; V2: all groups' buffer), by
+        identity: a runner that replaced it no longer writes the buffer the store write reads."""
+        if self.kind == "v1":
+            return self.runner.input_batch.block_table[0].slot_mapping.gpu
+        return self.runner.block_tables.slot_mappings
+
+    def _store_lost(self, why: str) -> None:
+        """The store can no longer be trusted to follow the KV cache: drop it, loudly; prefix rows stay -1."""
+        self.store.invalidate()
+        self.cache.detach_store()
+        self._keepalive.append(self.store)      # captured graphs may still write it: never free it
+        self.store, self.fill, self._fills, self._fill_queue = None, False, [], deque()
+        log.error("routing-replay: prefix store dropped (%s); prefix-cached prompt rows stay -1 from now on "
+                  "(num_prefix_filled=0)", why)
+
+    def _forget_step(self, n: int) -> None:
+        """Eager step whose hooks did not all record: its n KV slots hold no prefix rows (the forward's store
+        write, if the last layer ran, stored stale rows for the missing layers)."""
+        self.store.forget(self._slot_mapping[:n])
+        self.stats.store_forgotten += n
 
     def _queue_fills(self) -> None:
-        """After the store write of their first step: the KV slots of rows [0, hits) of each request opened this
+        """After the forward of their first step (which wrote the store): the KV slots of rows [0, hits) of each request opened this
         step with prefix hits, queued for the gather (the request holds those blocks until it finishes or is
         preempted, so the slots keep their rows until then)."""
         fills, self._fills = self._fills, []
@@ -493,8 +527,11 @@ class WorkerCapture:
                 if key is not None:
                     self._close_request(rid, key, notes)
         n = so.total_num_scheduled_tokens
-        if self.fill and self.store is None and n:
-            self._make_store()
+        if self.store is None:
+            if self.fill and n and (self.binding.gate or not self.graphs_captured):
+                self._make_store()
+        elif self._slot_owner() is not self._owner:
+            self._store_lost("the runner replaced its slot-mapping buffer after the store was attached")
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
                 self._open_request(new)
@@ -503,11 +540,11 @@ class WorkerCapture:
         storing = self.storing = self.store is not None and n > 0
         b = self.binding
         b.active = active or storing or not b.gate
-        if active or storing:
-            if b.gate:                          # hooks run in Python: count the ones that cover the step
+        if b.gate:
+            if active or storing:               # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
-            else:                               # replayed from graphs: rows no router writes stay -1
-                self.cache.step_rows(so.total_num_scheduled_tokens).fill_(-1)
+        elif active:                            # replayed from graphs: rows no router writes stay -1 (the
+            self.cache.step_rows(n).fill_(-1)   # store needs no fill: its write checks the layers at capture)
         if t0:
             self.stats.host_ns += time.thread_time_ns() - t0
 
@@ -524,9 +561,9 @@ class WorkerCapture:
                 prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
                 prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
                 self.producer.open(key, prompt_len=prompt_len, num_cached_tokens=int(new.num_computed_tokens),
-                                   prompt_token_ids=prompt, prefix_filled=self.store is not None)
+                                   prompt_token_ids=prompt, prefix_filled=self.fill and self.store is not None)
                 self.stats.opened += 1
-            if self.store is not None and new.num_computed_tokens:
+            if self.fill and self.store is not None and new.num_computed_tokens:
                 # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
                 # runners append to their block tables); slot = block x block size + offset
                 self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
@@ -610,9 +647,13 @@ class WorkerCapture:
                                     f"all {b.min_rows} tokens of this step; hooks bound: {b.bound()}. Refusing to "
                                     "publish stale routing.")
         else:
-            self.cache.flush()                  # no-op unless the last layer's hook did not run
+            self.cache.flush()                  # no-op unless an eager step's last hook did not run
         if storing:
-            self._store_step(so.total_num_scheduled_tokens, complete)
+            if not complete:
+                self._forget_step(so.total_num_scheduled_tokens)
+                log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV slots "
+                            "hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
+                            so.total_num_scheduled_tokens, self.stats.store_forgotten)
             if self._fills:
                 self._queue_fills()
             if self._fill_queue:
