@@ -56,7 +56,7 @@ class RoutingCache:
         self._recorded = 0                       # layers recorded since the last flush
         self.incomplete_flushes = 0              # flushes (eager, or at graph capture) missing a layer
         self._store = None                       # (PrefixStore, slot mapping (>= max_tokens,) int64) or None
-        self._store_views: dict = {}             # n -> (slots view, rows view) for the store write
+        self._store_views: dict = {}             # n -> (slots view, int16 rows view) for the store write
         self.store_writes = 0                    # store writes issued from Python (eager steps, graph captures)
 
     @property
@@ -146,23 +146,20 @@ class RoutingCache:
             torch._foreach_copy_(dsts, srcs)
         if not complete:
             self.incomplete_flushes += 1
-        if self._store is not None and not complete:
+        if self._store is None:
+            return
+        store, slot_mapping = self._store
+        if not complete:
             # a layer's hook did not run: its rows here are stale. The step's slots get -1 (under capture the
             # graph records that, so every replay forgets its slots rather than store stale routing).
-            store, slot_mapping = self._store
             store.forget(slot_mapping[:n])
-            self.store_writes += 1
-        elif self._store is not None:
+        elif self.dtype != torch.int16:             # int32/int64 caches: one cast per step (allocates)
+            store.write(slot_mapping[:n], self.step_rows(n).transpose(0, 1).to(torch.int16))
+        else:
             views = self._store_views.get(n)
             if views is None:
-                store, slot_mapping = self._store
-                rows = self.step_rows(n).transpose(0, 1)
-                if rows.dtype != torch.int16:
-                    rows = rows.to(torch.int16)     # int32/int64 caches: one cast (allocates; eager only)
-                views = (store, slot_mapping[:n], rows)
-                if self.dtype == torch.int16:
-                    if len(self._store_views) >= 4096:
-                        self._store_views.clear()
-                    self._store_views[n] = views
-            views[0].write(views[1], views[2])
-            self.store_writes += 1
+                if len(self._store_views) >= 4096:
+                    self._store_views.clear()
+                views = self._store_views[n] = (slot_mapping[:n], self.step_rows(n).transpose(0, 1))
+            store.write(*views)
+        self.store_writes += 1

@@ -207,6 +207,29 @@ def test_step_without_recorded_routing_is_never_read_as_a_hit(mixed):
     assert v.ok and v.rows == (len(o.prompt_token_ids) - 256 + len(c.token_ids) - 1) * 3
 
 
+def test_lost_last_layer_hook_does_not_spoil_later_steps(mixed):
+    """The last MoE layer's hook is gone for one request (its slots are forgotten); once it is back, the next
+    request's rows are stored and a third request that hits them gets every prefix row, exact."""
+    eng = mixed
+    rnd = random.Random(8)
+    router = eng.cap.binding.layers[-1].router
+    hook = router.capture_fn
+    forgotten = eng.cap.stats.store_forgotten
+    router.set_capture_fn(None)
+    try:
+        eng.generate([_tokens(rnd, 140)], SamplingParams(max_tokens=1, temperature=0,
+                                                          extra_args={"return_routed_experts": False}))
+    finally:
+        router.set_capture_fn(hook)
+    assert eng.cap.stats.store_forgotten - forgotten == 140
+    prompt = _tokens(rnd, 260)
+    eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0, extra_args={"return_routed_experts": False}))
+    assert eng.cap.stats.store_forgotten - forgotten == 140
+    outs = eng.generate([prompt + _tokens(rnd, 5)], SamplingParams(max_tokens=4, temperature=0))
+    (r, o, c), = eng.check(outs).values()
+    assert r.num_cached_tokens == 256 and r.num_prefix_filled == 256 and r.complete
+
+
 def test_weight_reload_invalidates_stored_rows(mixed):
     """Last in the module (vLLM 0.32's CPU reload changes the prepacked expert weights: no oracle after it)."""
     eng = mixed

@@ -440,9 +440,9 @@ class WorkerCapture:
         self.stats.store_forgotten += n
 
     def _queue_fills(self) -> None:
-        """After the forward of their first step (which wrote the store): the KV slots of rows [0, hits) of each request opened this
-        step with prefix hits, queued for the gather (the request holds those blocks until it finishes or is
-        preempted, so the slots keep their rows until then)."""
+        """After the forward of their first step (which wrote the store): the KV slots of rows [0, hits) of each
+        request opened this step with prefix hits, queued for the gather (the request holds those blocks until it
+        finishes or is preempted, so the slots keep their rows until then)."""
         fills, self._fills = self._fills, []
         bs = self._block_size
         for rid, key, hits, blocks in fills:
@@ -639,6 +639,9 @@ class WorkerCapture:
         t0 = time.thread_time_ns() if self.timing else 0
         self.active = self.storing = False
         b = self.binding
+        # ends the step: a no-op unless an eager step's last hook did not run (then it resets the cache's
+        # per-step count, so the next step is judged on its own, and forgets this step's slots)
+        self.cache.flush()
         complete = True
         if b.gate:
             complete = b.calls == len(b.layers)
@@ -646,8 +649,6 @@ class WorkerCapture:
                 raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded the routing of "
                                     f"all {b.min_rows} tokens of this step; hooks bound: {b.bound()}. Refusing to "
                                     "publish stale routing.")
-        else:
-            self.cache.flush()                  # no-op unless an eager step's last hook did not run
         if storing:
             if not complete:
                 self._forget_step(so.total_num_scheduled_tokens)
