@@ -36,6 +36,21 @@ ROW = L * K * 2
 IDLE_S = 1.0
 
 
+def _self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of a child process, alive or exited but not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -101,13 +116,14 @@ def raw_sender(ep, workload, n_steps, q):
     s.setsockopt(zmq.SNDHWM, 1000)
     s.connect(ep)
     q.get()  # go
+    c0 = _self_cpu()
     t0 = time.monotonic()
     for i, st in enumerate(steps):
         head = wire.pack_header("delta", "raw", 0, i, st.ids, wire.delta_body(st.starts, st.counts, L, K))
         s.send_multipart([head, payload], copy=False)
-    q.put(("sent", t0))
     s.close(linger=-1)
     ctx.term()
+    q.put(("sent", t0, _self_cpu() - c0))
 
 
 def raw_receiver(ep, bind, q):
@@ -207,6 +223,7 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes):
         p.open(rid, prompt_len=prompt_len)
     p.wait_acked(60)
     q.get()  # go
+    c0 = _self_cpu()
     send_times = {}
     t0 = time.monotonic()
     step_s = tok / rate_tokens_s if rate_tokens_s else 0
@@ -226,7 +243,7 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes):
     p.flush(600)
     stats = p.stats
     p.close()
-    q.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times))
+    q.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times, _self_cpu() - c0))
 
 
 def _wait(q, kind, n, timeout=300):
@@ -249,6 +266,35 @@ def _port() -> str:
     return f"tcp://127.0.0.1:{_next_port[0]}"
 
 
+def _profiled(target, name, profile_dir, *args):
+    """Run one role under cProfile; its stats and CPU seconds (user, sys) go to profile_dir/<name>-<pid>.*"""
+    if os.environ.get("BENCH_PYSPY"):
+        sys.path.insert(0, "/tmp"); import spy_wrap; sp = spy_wrap.spy(name, profile_dir)
+        try:
+            return target(*args)
+        finally:
+            time.sleep(0.5); import signal; sp.send_signal(signal.SIGINT); sp.wait()
+    import cProfile
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(target, *args)
+    finally:
+        t = os.times()
+        base = os.path.join(profile_dir, f"{name}-{os.getpid()}")
+        prof.dump_stats(base + ".prof")
+        with open(base + ".cpu", "w") as f:
+            f.write(f"{t.user:.3f} {t.system:.3f}\n")
+
+
+PROFILE_DIR = [None]
+
+
+def _proc(ctx, target, args, name):
+    if PROFILE_DIR[0]:
+        return ctx.Process(target=_profiled, args=(target, name, PROFILE_DIR[0]) + tuple(args))
+    return ctx.Process(target=target, args=args)
+
+
 def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()          # from workers
@@ -263,7 +309,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
         procs.append(ctx.Process(target=proxy_proc, args=(fe, be, q)))
         n_cons = 2
     else:
-        procs.append(ctx.Process(target=broker_proc, args=(fe, be, q, stop)))
+        procs.append(_proc(ctx, broker_proc, (fe, be, q, stop), "broker"))
         n_cons = 2
     procs[0].start()
     _wait(q, "ready", 1)
@@ -272,19 +318,21 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
             if chain == "proxy":
                 p = ctx.Process(target=raw_receiver, args=(be, False, q))
             else:
-                p = ctx.Process(target=consumer_proc, args=(be, q, bool(rate)))
+                p = _proc(ctx, consumer_proc, (be, q, bool(rate)), "consumer")
             p.start()
             procs.append(p)
         _wait(q, "ready", n_cons)
         time.sleep(0.5)       # let the consumers' hello reach the broker (bench only)
     if chain == "ours":
-        sender = ctx.Process(target=producer_proc, args=(fe, workload, n_steps, go, rate, coalesce_bytes))
+        sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes), "producer")
     else:
         sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go))
     sender.start()
+    cpu0 = [_cpu(p.pid) for p in procs]
     go.put("go")
     done = _wait(q, "done", n_cons, 900)
     sent = go.get(timeout=60)
+    cpu1 = [_cpu(p.pid) for p in procs]
     sender.join()
     if chain == "ours":
         stop.put("stop")
@@ -300,6 +348,11 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
     res = {"chain": chain, "workload": workload, "steps": n_steps, "tokens": tokens, "seconds": dt,
            "tokens_per_s": tokens / dt, "MB_per_s": tokens * ROW / dt / 1e6,
            "consumer_rss_mb": [round(d[3], 1) for d in done]}
+    # CPU seconds each process spent from the start signal to the end of the run (the sender: its own count)
+    roles = (["receiver"] if chain == "raw" else ["proxy" if chain == "proxy" else "broker"] + ["consumer"] * n_cons)
+    res["cpu_s"] = {"sender": round(sent[-1], 2)}
+    for role, a, b in zip(roles, cpu0, cpu1):
+        res["cpu_s"].setdefault(role, []).append(round(b - a, 2))
     if chain == "ours":
         res["records"] = sum(d[1] for d in done)
         res["held_peak_mb"] = [round(d[4] / 1e6, 1) for d in done]
@@ -337,7 +390,13 @@ def main(argv=None) -> int:
     ap.add_argument("--coalesce-bytes", type=int, default=None,
                     help="Producer coalesce_max_bytes (default: the Producer's; 0: one message per publish call)")
     ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="run the producer, broker and consumers of 'ours' under cProfile; stats and CPU seconds "
+                         "per process go to DIR (slows them; not for the ratios)")
     a = ap.parse_args(argv)
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
+        PROFILE_DIR[0] = os.path.abspath(a.profile)
     results = []
     for workload in a.workloads.split(","):
         steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
@@ -345,7 +404,7 @@ def main(argv=None) -> int:
             r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes)
             results.append(r)
             print(f"{workload:8s} {chain:6s} tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
-                  f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']}"
+                  f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']}"
                   + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
                      f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
                      if chain == "ours" else ""),

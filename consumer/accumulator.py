@@ -101,6 +101,13 @@ class _Rows:
             out.append([max(n, lo), hi])
         return _merge(out)
 
+    def lease(self, m: int, shape: tuple):
+        """Positions [0, m) as a lease numpy can wrap as an int16 array of `shape` (no copy; room made first)."""
+        a = self.arena
+        if m > a.cap[self.h]:
+            a._grow(self.h, m)
+        return a.lease(self.h, m, shape)
+
     def copy_into(self, arr: np.ndarray, lo: int, hi: int, upto: int) -> None:
         """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) int16)."""
         m = min(self.n, upto)
@@ -174,7 +181,7 @@ class _Request:
 
     __slots__ = ("rid", "opened", "prompt_len", "num_cached", "prefix_filled", "num_layers", "top_k", "layer_ids",
                  "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "shapes",
-                 "seen_n", "key", "damaged")
+                 "seen_n", "key", "damaged", "lease")
 
     def __init__(self, rid: str, now: float):
         self.rid = rid
@@ -196,6 +203,7 @@ class _Request:
         self.seen_n = 0
         self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
         self.damaged = False        # a message for it could not be read: its record can never be complete
+        self.lease = None           # (rows, lease) when the last build's arrays are a view of its rows
 
 
 class Accumulator:
@@ -372,7 +380,8 @@ class Accumulator:
             if key in st.ranges:
                 continue
             made.append(st)
-        for st, h in zip(made, sh.arena.new_handles(len(made))):     # one block allocation for all of them
+        hint = max((st.prompt_len or 0 for st in made), default=0)
+        for st, h in zip(made, sh.arena.new_handles(len(made), hint)):
             st.ranges[key] = _Rows(sh.arena, h)
             sh.handle[st.rid] = h
             st.shapes.append(shape)
@@ -631,6 +640,8 @@ class Accumulator:
     def poll(self, now: float) -> list[wire.Record]:
         """Emit what waited out its grace period, and time out silent requests. Call about once a second."""
         out = self._ready(now) if self.pending_finish else []
+        for sh in self._shapes.values():
+            sh.arena.reclaim()              # regions of records whose views are gone: reused, or pages returned
         cutoff = now - self.request_timeout_s
         for st in [s for s in self.requests.values() if s.last_seen < cutoff and s.finish is None]:
             n = sum(r.n for r in st.ranges.values())
@@ -649,6 +660,13 @@ class Accumulator:
         return out
 
     def _emit_done(self, st: _Request, rec: wire.Record) -> None:
+        if st.lease is not None:            # the record is a view of its rows: their region goes with it
+            rows, lease = st.lease
+            st.lease = None
+            for k, r in list(st.ranges.items()):
+                if r is rows:
+                    del st.ranges[k]
+                    self.bytes_held -= rows.arena.detach(rows.h, lease)
         self._drop(st)
         self.requests.pop(st.rid, None)
         self._finished_ids[st.rid] = st.key
@@ -682,15 +700,24 @@ class Accumulator:
         need_hi = P + G - 1 if G > 0 else P        # the last output token is never fed to the model
         keys = sorted(st.ranges)
         disjoint = all(a[1] <= b[0] for a, b in zip(keys, keys[1:]))
-        # disjoint layer ranges (the normal case) write each byte once: copy what is held, -1 only for the rest
-        if disjoint:
+        st.lease = None
+        in_place = L and total and keys == [(0, L)]
+        # one range of every layer (the normal case): the record is a view of the request's rows, -1 written
+        # where nothing was; disjoint ranges write each byte once: copy what is held, -1 only for the rest
+        if in_place:
+            rows = st.ranges[(0, L)]
+            lease = rows.lease(total, (total, L, K))
+            st.lease = (rows, lease)
+            arr = np.asarray(lease)
+        elif disjoint:
             arr = np.empty((total, L, K), dtype=wire.ROW_DTYPE)
         else:
             arr = np.full((total, L, K), -1, dtype=wire.ROW_DTYPE)
         missing: list[list[int]] = []
         covered = np.zeros(L, dtype=bool)
         for (lo, hi), rows in st.ranges.items():
-            rows.copy_into(arr, lo, hi, total)
+            if not in_place:
+                rows.copy_into(arr, lo, hi, total)
             if disjoint and rows.n < total:
                 arr[rows.n:, lo:hi] = -1            # never written (holes below n are -1 in the blocks already)
             covered[lo:hi] = True

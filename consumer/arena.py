@@ -1,37 +1,37 @@
-"""Paged row storage for the consumer's in-flight requests, like a KV cache: fixed-size blocks in a few large
-chunks, a block table per request, and appends of a whole message as a few numpy scatters (socket-free).
+"""Row storage for the consumer's in-flight requests: one contiguous region per request in a large reservation of
+virtual memory, so that a finished request's record is a view of its rows (no copy) and a whole message is
+appended with a few numpy scatters (socket-free).
 
-One `Arena` per row shape (its row is `row_bytes` bytes). A request's rows for that shape live under an integer
-handle: `n[h]` positions are held, `bt[h, :nblk[h]]` are its blocks, and position p is row `p % B` of block
-`bt[h, p // B]`. Blocks come from a free stack (the blocks of finished requests are reused first); chunks are
-anonymous mappings of CHUNK_BYTES with their pages populated at once (MAP_POPULATE, small pages: about twice as
-cheap per byte as faulting them in row by row on the 2-vCPU VM of docs/PERFORMANCE.md, and no 2 MiB fault or
-compaction stall in the middle of a message); they are never returned to the system.
+One `Arena` per row shape (its row is `row_bytes` bytes). Addresses: a *space* is an anonymous private mapping
+reserved without commit (MAP_NORESERVE; 1 TiB where the OS allows, smaller where it does not), and rows are
+numbered across spaces (`flat`). A request's rows live under an integer handle `h`: position p is row
+`base[h] + p`, `cap[h]` rows are reserved for it (a power of two, at least `min_region_rows`), `n[h]` positions
+are held. Only the pages rows are written to take memory; a region too small for a write is replaced by one
+twice as large (its rows copied once).
 
-Memory: each request holds at most B rows it does not use (B = BLOCK_ROWS), plus 4 bytes per
-block-table entry: the table is (handles, widest request's blocks) int32, so one request of 1M positions makes
-the table 256 KiB per handle slot (1,024 slots: 256 MiB; fine for thousands of requests of up to ~64k positions,
-costly when a few requests run to the default max_positions of 2M: docs/PERFORMANCE.md).
+Records: `lease(h, m)` hands positions [0, m) of handle h out as an object numpy arrays can wrap
+(`__array_interface__`; every view keeps it alive). `detach(h)` gives the handle back but leaves its region with
+the lease: once the last view of the record is gone (any thread), the region returns to the free list. Freed
+regions keep their pages (the next request reuses them without page faults) up to `keep_bytes` in all; beyond
+that their pages go back to the OS (MADV_DONTNEED).
+
+Memory: what a request's rows take, rounded up to a page, plus 8 x 6 bytes of bookkeeping per handle.
 """
 
 from __future__ import annotations
 
+import collections
 import mmap
+import sys
 
 import numpy as np
 
-BLOCK_ROWS = 16
-CHUNK_BYTES = 2 << 20            # one mapping per this many bytes of blocks (populated at once: ~1 ms here)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-def _map_chunk(nbytes: int) -> mmap.mmap:
-    """An anonymous private mapping of `nbytes`, populated where the OS can (Linux), small pages."""
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-    m = mmap.mmap(-1, nbytes, flags=flags | _POPULATE)
-    if hasattr(m, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
-        m.madvise(mmap.MADV_NOHUGEPAGE)      # a 2 MiB fault (zeroing, compaction) would stall one message
-    return m
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+_PAGE = mmap.PAGESIZE
+SPACE_BYTES = (1 << 40, 1 << 36, 1 << 33, 1 << 30)   # reservation sizes tried in turn (strict overcommit: smaller)
+MIN_REGION_BYTES = 32 << 20                         # virtual: costs nothing until written
+KEEP_BYTES = 256 << 20                               # pages of freed regions kept for reuse
+_GAP = 1                                             # rows between spaces' numbers, so no run crosses two
 
 
 def void_rows(buf, row_bytes: int) -> np.ndarray:
@@ -39,220 +39,297 @@ def void_rows(buf, row_bytes: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.dtype((np.void, row_bytes)))
 
 
-class Arena:
-    """Own the blocks of every request of one row shape, their block tables and fill counts.
+class _Space:
+    """One reservation: `rows` is its (size,) void-row view; rows [first, first + size) in arena numbering."""
 
-    Invariant: every live handle has room for its next row: `cur[h]` is the arena row of position n[h] and
-    `left[h] >= 1` rows are free in that block, so a decode step (one row per request) is one gather of `cur`,
-    one scatter of the rows and three in-place updates, whatever the number of requests.
+    __slots__ = ("mm", "rows", "first", "size", "top", "addr")
+
+    def __init__(self, nbytes: int, row_bytes: int, first: int):
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+        self.mm = mmap.mmap(-1, nbytes, flags=flags | _NORESERVE)
+        if hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self.mm.madvise(mmap.MADV_NOHUGEPAGE)     # a 2 MiB page per request's last rows would double memory
+        self.size = nbytes // row_bytes
+        self.rows = np.frombuffer(self.mm, dtype=np.dtype((np.void, row_bytes)), count=self.size)
+        self.addr = self.rows.ctypes.data
+        self.first = first
+        self.top = 0                                  # rows [0, top) handed out to regions so far
+
+
+class _Lease:
+    """Positions [0, m) of one region, for numpy to wrap; the region is freed when this goes, if armed."""
+
+    __slots__ = ("__array_interface__", "_space", "_freed", "_region", "armed", "__weakref__")
+
+    def __init__(self, space: _Space, freed: collections.deque, region: tuple, shape: tuple, addr: int):
+        self.__array_interface__ = {"shape": shape, "typestr": "<i2", "data": (addr, False), "version": 3}
+        self._space = space                           # keeps the mapping alive while a view exists
+        self._freed = freed
+        self._region = region
+        self.armed = False
+
+    def __del__(self):
+        if self.armed:
+            try:
+                self._freed.append(self._region)      # deque.append: safe from any thread
+            except Exception:                         # interpreter shutdown
+                pass
+
+
+class Arena:
+    """Own the regions of every request of one row shape, their sizes and fill counts.
+
+    A decode step (one row per request) is one gather of `base + n`, one scatter of the rows and two in-place
+    updates, whatever the number of requests. `live_blocks * block_bytes` is the bytes of positions held (each
+    handle's high-water position; block_bytes is one row).
     """
 
-    def __init__(self, row_bytes: int, block_rows: int = BLOCK_ROWS, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, row_bytes: int, min_region_bytes: int = MIN_REGION_BYTES, keep_bytes: int = KEEP_BYTES,
+                 space_bytes: tuple = SPACE_BYTES):
         self.row_bytes = row_bytes
-        self.B = block_rows
-        self.block_bytes = block_rows * row_bytes
-        self.bpc = max(1, chunk_bytes // self.block_bytes)      # blocks per chunk
-        self.crows = self.bpc * block_rows                       # rows per chunk
+        self.block_bytes = row_bytes
         self.vdt = np.dtype((np.void, row_bytes))
-        self.chunks: list[np.ndarray] = []                       # (crows,) void rows each
-        self.free = np.empty(0, dtype=np.int64)                  # stack of free block ids: free[:nfree]
-        self.nfree = 0
-        self.n = np.zeros(16, dtype=np.int64)                    # positions held per handle
-        self.nblk = np.zeros(16, dtype=np.int64)                 # blocks per handle
-        self.cur = np.zeros(16, dtype=np.int64)                  # arena row of position n[h]
-        self.left = np.zeros(16, dtype=np.int64)                 # free rows in that block (>= 1)
-        self.bt = np.zeros((16, 8), dtype=np.int32)              # block table (block ids < 2**31)
+        self.min_region_rows = 1 << max(4, (max(1, min_region_bytes // row_bytes) - 1).bit_length())
+        self.keep_bytes = keep_bytes
+        self.space_bytes = space_bytes
+        self.spaces: list[_Space] = []
+        self._firsts = np.zeros(0, dtype=np.int64)
+        self.free: dict[int, list] = {}                 # cap -> [(space index, flat start, cap, hw)], LIFO
+        self.kept_bytes = 0                              # pages of freed regions not given back (their hw rows)
+        self._freed: collections.deque = collections.deque()   # regions whose record views are all gone
+        self.n = np.zeros(16, dtype=np.int64)            # positions held per handle
+        self.base = np.zeros(16, dtype=np.int64)         # flat row of position 0
+        self.cap = np.zeros(16, dtype=np.int64)          # rows reserved
+        self.alloc = np.zeros(16, dtype=np.int64)        # positions accounted (high-water)
+        self.hw = np.zeros(16, dtype=np.int64)           # rows of the region ever written (by anyone before)
+        self.sp = np.zeros(16, dtype=np.int64)           # space index
         self._free_handles: list[int] = []
         self._next_handle = 0
         self.live_blocks = 0
+        self.regions_grown = 0
+        self.regions_returned = 0
 
     # ---- handles ------------------------------------------------------------------------------------------------
 
-    def new_handle(self) -> int:
-        return self.new_handles(1)[0]
+    def new_handle(self, hint: int = 0) -> int:
+        return self.new_handles(1, hint)[0]
 
-    def new_handles(self, k: int) -> list:
-        """k handles with no rows yet (each with room for its first row), made with one block allocation."""
+    def new_handles(self, k: int, hint: int = 0) -> list:
+        """k handles with no rows yet, each with a region of at least max(hint, min_region_rows) rows."""
+        self._reclaim()
         hs = []
         for _ in range(k):
             if self._free_handles:
-                hs.append(self._free_handles.pop())
-                continue
-            h = self._next_handle
-            self._next_handle += 1
-            if h >= len(self.n):
-                cap = 2 * len(self.n)
-                for name in ("n", "nblk", "cur", "left"):
-                    setattr(self, name, np.resize(getattr(self, name), cap))
-                bt = np.zeros((cap, self.bt.shape[1]), dtype=np.int32)
-                bt[:len(self.bt)] = self.bt
-                self.bt = bt
+                h = self._free_handles.pop()
+            else:
+                h = self._next_handle
+                self._next_handle += 1
+                if h >= len(self.n):
+                    cap = 2 * len(self.n)
+                    for name in ("n", "base", "cap", "alloc", "hw", "sp"):
+                        setattr(self, name, np.resize(getattr(self, name), cap))
+            self._give_region(h, self._region_rows(hint))
+            self.n[h] = 0
+            self.alloc[h] = 0
             hs.append(h)
-        if hs:
-            arr = np.array(hs, dtype=np.int64)
-            self.n[arr] = 0
-            self.nblk[arr] = 0
-            self.fix(arr)
         return hs
 
     def release(self, h: int) -> int:
-        """Give handle `h` and its blocks back; returns the bytes freed."""
-        k = int(self.nblk[h])
-        if k:
-            self._push(self.bt[h, :k][::-1])
-            self.live_blocks -= k
-        self.nblk[h] = 0
+        """Give handle `h` and its region back; returns the bytes freed."""
+        freed = int(self.alloc[h]) * self.row_bytes
+        self._free_region((int(self.sp[h]), int(self.base[h]), int(self.cap[h]), max(int(self.hw[h]),
+                                                                                        int(self.n[h]))))
+        self._drop_handle(h)
+        return freed
+
+    def detach(self, h: int, lease: _Lease) -> int:
+        """Give handle `h` back; its region now belongs to `lease` (freed when its last view goes). Returns the
+        bytes no longer held for in-flight requests."""
+        freed = int(self.alloc[h]) * self.row_bytes
+        lease.armed = True
+        self._drop_handle(h)
+        return freed
+
+    def _drop_handle(self, h: int) -> None:
+        self.live_blocks -= int(self.alloc[h])
         self.n[h] = 0
+        self.alloc[h] = 0
+        self.cap[h] = 0
         self._free_handles.append(h)
-        return k * self.block_bytes
 
     def allocated(self, h: int) -> int:
-        return int(self.nblk[h]) * self.block_bytes
+        return int(self.alloc[h]) * self.row_bytes
 
     @property
     def held_bytes(self) -> int:
-        return self.live_blocks * self.block_bytes
+        return self.live_blocks * self.row_bytes
 
-    # ---- blocks -------------------------------------------------------------------------------------------------
+    # ---- regions ------------------------------------------------------------------------------------------------
 
-    def _push(self, ids: np.ndarray) -> None:
-        k = len(ids)
-        if self.nfree + k > len(self.free):
-            self.free = np.resize(self.free, max(2 * len(self.free), self.nfree + k))
-        self.free[self.nfree:self.nfree + k] = ids
-        self.nfree += k
+    def _region_rows(self, want: int) -> int:
+        return max(self.min_region_rows, 1 << max(0, int(want) - 1).bit_length())
 
-    def _alloc(self, k: int) -> np.ndarray:
-        while self.nfree < k:
-            c = len(self.chunks)
-            self.chunks.append(np.frombuffer(_map_chunk(self.crows * self.row_bytes), dtype=self.vdt))
-            self._push(np.arange((c + 1) * self.bpc - 1, c * self.bpc - 1, -1, dtype=np.int64))
-        self.nfree -= k
-        return self.free[self.nfree:self.nfree + k][::-1].copy()
+    def _give_region(self, h: int, cap: int) -> None:
+        lst = self.free.get(cap)
+        if lst:
+            si, flat, cap, hw = lst.pop()
+            self.kept_bytes -= hw * self.row_bytes
+        else:
+            si, flat = self._carve(cap)
+            hw = 0
+        self.sp[h], self.base[h], self.cap[h], self.hw[h] = si, flat, cap, hw
+
+    def _carve(self, cap: int) -> tuple:
+        """Fresh rows [flat, flat + cap) at the top of a space (a new space if none has room)."""
+        for si in range(len(self.spaces) - 1, -1, -1):
+            s = self.spaces[si]
+            if s.size - s.top >= cap:
+                s.top += cap
+                return si, s.first + s.top - cap
+        first = self.spaces[-1].first + self.spaces[-1].size + _GAP if self.spaces else 0
+        err = None
+        for nbytes in self.space_bytes:
+            nbytes = max(nbytes, cap * self.row_bytes)
+            try:
+                s = _Space(nbytes, self.row_bytes, first)
+                break
+            except (OSError, OverflowError, ValueError) as e:      # strict overcommit, address-space limits
+                err = e
+        else:
+            raise MemoryError(f"consumer arena: cannot reserve {cap * self.row_bytes} bytes of address space: {err}")
+        self.spaces.append(s)
+        self._firsts = np.array([x.first for x in self.spaces], dtype=np.int64)
+        s.top = cap
+        return len(self.spaces) - 1, first
+
+    def _free_region(self, region: tuple) -> None:
+        si, flat, cap, hw = region
+        if hw and self.kept_bytes + hw * self.row_bytes > self.keep_bytes:
+            self._give_back(si, flat, hw)
+            hw = 0
+        self.kept_bytes += hw * self.row_bytes
+        self.free.setdefault(cap, []).append((si, flat, cap, hw))
+
+    def _give_back(self, si: int, flat: int, rows: int) -> None:
+        """Return the whole pages of rows [flat, flat + rows) to the OS (they read as zeros afterwards)."""
+        s = self.spaces[si]
+        a = (flat - s.first) * self.row_bytes
+        b = a + rows * self.row_bytes
+        a = -(-a // _PAGE) * _PAGE
+        b = b // _PAGE * _PAGE
+        if b > a and hasattr(s.mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            s.mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+            self.regions_returned += 1
+
+    def reclaim(self) -> None:
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Put the regions of records whose views are all gone back on the free lists."""
+        q = self._freed
+        while q:
+            self._free_region(q.popleft())
+
+    def _grow(self, h: int, need: int) -> None:
+        """Move handle h to a region of at least `need` rows, copying its positions [0, n)."""
+        self._reclaim()
+        old = (int(self.sp[h]), int(self.base[h]), int(self.cap[h]), max(int(self.hw[h]), int(self.n[h])))
+        m = int(self.n[h])
+        self._give_region(h, self._region_rows(max(need, 2 * old[2])))
+        if m:
+            so, sn = self.spaces[old[0]], self.spaces[int(self.sp[h])]
+            o, b = old[1] - so.first, int(self.base[h]) - sn.first
+            sn.rows[b:b + m] = so.rows[o:o + m]
+        self._free_region(old)
+        self.regions_grown += 1
 
     def ensure(self, hs: np.ndarray, upto: np.ndarray) -> None:
-        """Give each handle hs[i] (distinct) blocks for positions [0, upto[i])."""
-        want = (upto + self.B - 1) // self.B
-        need = want - self.nblk[hs]
-        grow = need > 0
-        if not grow.any():
-            return
-        hs, need, want = hs[grow], need[grow], want[grow]
-        total = int(need.sum())
-        wmax = int(want.max())
-        if wmax > self.bt.shape[1]:
-            w = max(wmax, 2 * self.bt.shape[1])
-            bt = np.zeros((len(self.bt), w), dtype=np.int32)
-            bt[:, :self.bt.shape[1]] = self.bt
-            self.bt = bt
-        ids = self._alloc(total)
-        first = np.cumsum(need) - need
-        rep = np.repeat(hs, need)
-        col = np.repeat(self.nblk[hs] - first, need) + np.arange(total)
-        self.bt[rep, col] = ids
-        self.nblk[hs] += need
-        self.live_blocks += total
+        """Make room for positions [0, upto[i]) of each handle hs[i] (distinct) and count them as held."""
+        over = upto > self.cap[hs]
+        if over.any():
+            for h, u in zip(hs[over].tolist(), upto[over].tolist()):
+                self._grow(h, u)
+        inc = upto - self.alloc[hs]
+        up = inc > 0
+        if up.any():
+            self.alloc[hs[up]] = upto[up]
+            self.live_blocks += int(inc[up].sum())
 
     def fix(self, hs: np.ndarray) -> None:
-        """Restore the invariant for handles hs (distinct) after n moved: room for the next row, cur and left."""
-        v = self.n[hs]
-        self.ensure(hs, v + 1)
-        self.cur[hs] = self.bt[hs, v // self.B].astype(np.int64) * self.B + v % self.B
-        self.left[hs] = self.nblk[hs] * self.B - v
+        """Kept for the accumulator's call sites: regions need no per-row upkeep after n moved."""
 
     def append_one(self, hd: np.ndarray) -> np.ndarray:
-        """One row for each of the distinct handles hd at its position n: returns the arena row of each, and
-        moves n on (allocating blocks for those whose block is now full)."""
-        flat = self.cur[hd]
-        self.cur[hd] = flat + 1
-        left = self.left[hd] - 1
-        self.left[hd] = left
-        self.n[hd] += 1
-        if not left.all():
-            self.fix(hd[left == 0])
-        return flat
+        """One row for each of the distinct handles hd at its position n: returns the flat row of each, and moves
+        n on (a region that is full moves to a larger one first)."""
+        v = self.n[hd]
+        self.ensure(hd, v + 1)
+        self.n[hd] = v + 1
+        return self.base[hd] + v
 
     def rows_at(self, rh: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """The arena-wide row index of position pos[i] of handle rh[i] (its block must exist)."""
-        return self.bt[rh, pos // self.B].astype(np.int64) * self.B + pos % self.B
+        """The flat row of position pos[i] of handle rh[i] (room must be ensured)."""
+        return self.base[rh] + pos
 
     def scatter(self, flat: np.ndarray, src: np.ndarray) -> None:
-        """Write src[i] (void rows) to arena row flat[i]. Where the target rows run on consecutively (a long entry
-        whose blocks were allocated together: prefill chunks) each run is one slice copy; short runs (decode: one
-        row per request) go row by row in one fancy assignment."""
+        """Write src[i] (void rows) to flat row flat[i]. Long runs of consecutive rows (prefill) are one slice copy
+        each; short runs (decode: one row per request) one fancy assignment per space."""
         n = len(flat)
         if not n:
             return
         if n >= 64:
-            brk = np.flatnonzero((np.diff(flat) != 1) | (flat[1:] % self.crows == 0)) + 1
+            brk = np.flatnonzero(np.diff(flat) != 1) + 1
             if len(brk) * 32 < n:
-                cr = self.crows
                 for a, b in zip([0, *brk.tolist()], [*brk.tolist(), n]):
                     f0 = int(flat[a])
-                    c = f0 // cr
-                    self.chunks[c][f0 - c * cr:f0 - c * cr + b - a] = src[a:b]
+                    s = self._space_of(f0)
+                    s.rows[f0 - s.first:f0 - s.first + b - a] = src[a:b]
                 return
-        self._put_rows(flat, src)
+        if len(self.spaces) == 1:
+            self.spaces[0].rows[flat] = src
+            return
+        si = np.searchsorted(self._firsts, flat, side="right") - 1
+        for i in np.unique(si).tolist():
+            m = si == i
+            s = self.spaces[i]
+            s.rows[flat[m] - s.first] = src[m]
 
-    def _put_rows(self, flat: np.ndarray, src: np.ndarray) -> None:
-        if len(self.chunks) == 1:
-            self.chunks[0][flat] = src
-            return
-        c = flat // self.crows
-        c0, c1 = int(c.min()), int(c.max())
-        if c0 == c1:
-            self.chunks[c0][flat - c0 * self.crows] = src
-            return
-        for ci in np.unique(c).tolist():
-            m = c == ci
-            self.chunks[ci][flat[m] - ci * self.crows] = src[m]
+    def _space_of(self, flat: int) -> _Space:
+        if len(self.spaces) == 1:
+            return self.spaces[0]
+        return self.spaces[int(np.searchsorted(self._firsts, flat, side="right")) - 1]
+
+    def view(self, h: int, m: int) -> np.ndarray:
+        """Positions [0, m) of handle h as (m,) void rows, a view of its region (m <= cap)."""
+        s = self.spaces[int(self.sp[h])]
+        b = int(self.base[h]) - s.first
+        return s.rows[b:b + m]
 
     def gather(self, h: int, m: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Positions [0, m) of handle h as (m,) void rows, copied into `out` (or a new array): runs of consecutive
-        blocks as one slice each, scattered blocks a block at a time."""
+        """Positions [0, m) of handle h as (m,) void rows, copied into `out` (or a new array)."""
         if out is None:
             out = np.empty(max(m, 0), dtype=self.vdt)
-        if m <= 0:
-            return out
-        B = self.B
-        nb = (m + B - 1) // B
-        blocks = self.bt[h, :nb]
-        brk = np.flatnonzero((np.diff(blocks) != 1) | (blocks[1:] % self.bpc == 0)) + 1
-        if len(brk) * 8 < nb:                       # long runs: one slice copy each
-            cr = self.crows
-            for a, b in zip([0, *brk.tolist()], [*brk.tolist(), nb]):
-                f0 = int(blocks[a]) * B
-                c = f0 // cr
-                lo, hi = a * B, min(b * B, m)
-                out[lo:hi] = self.chunks[c][f0 - c * cr:f0 - c * cr + hi - lo]
-            return out
-        full = m // B
-        dst = out[:full * B].reshape(full, B)
-        if len(self.chunks) == 1:
-            src = self.chunks[0].reshape(self.bpc, B)
-            np.take(src, blocks[:full], axis=0, out=dst, mode="clip")
-            if full < nb:
-                out[full * B:m] = src[blocks[full], :m - full * B]
-            return out
-        c = blocks // self.bpc
-        local = blocks - c * self.bpc
-        for ci in np.unique(c[:full]).tolist():
-            sel = c[:full] == ci
-            dst[sel] = self.chunks[ci].reshape(self.bpc, B)[local[:full][sel]]
-        if full < nb:
-            out[full * B:m] = self.chunks[int(c[full])].reshape(self.bpc, B)[local[full], :m - full * B]
+        if m > 0:
+            out[:m] = self.view(h, m)
         return out
 
+    def lease(self, h: int, m: int, shape: tuple) -> _Lease:
+        """Positions [0, m) of handle h (room ensured) for numpy to wrap as an int16 array of `shape`; armed by
+        `detach`."""
+        si = int(self.sp[h])
+        s = self.spaces[si]
+        region = (si, int(self.base[h]), int(self.cap[h]), max(int(self.hw[h]), int(self.n[h]), m))
+        return _Lease(s, self._freed, region, shape, s.addr + (int(self.base[h]) - s.first) * self.row_bytes)
+
     def write(self, h: int, start: int, src: np.ndarray) -> None:
-        """Write void rows `src` at positions [start, start + len(src)) of handle h (allocating blocks); n[h]
-        becomes at least start + len(src)."""
+        """Write void rows `src` at positions [start, start + len(src)) of handle h; n[h] becomes at least
+        start + len(src)."""
         k = len(src)
         if not k:
             return
         hs = np.array([h], dtype=np.int64)
         self.ensure(hs, np.array([start + k], dtype=np.int64))
-        self.scatter(self.rows_at(np.full(k, h, dtype=np.int64), np.arange(start, start + k, dtype=np.int64)),
-                     src)
+        s = self.spaces[int(self.sp[h])]
+        b = int(self.base[h]) - s.first + start
+        s.rows[b:b + k] = src
         if start + k > self.n[h]:
             self.n[h] = start + k
-            self.fix(hs)

@@ -465,13 +465,15 @@ def test_one_message_mixing_appends_new_requests_overwrites_and_holes():
     assert f.acc.bytes_held == 0
 
 
-def test_rows_spread_over_many_arena_chunks(monkeypatch):
-    """Chunks of a few blocks: a message's rows land in several chunks, a record gathers from several."""
+def test_rows_spread_over_many_spaces_and_grown_regions(monkeypatch):
+    """Regions of 16 rows in spaces of 64: requests outgrow their regions (rows copied to larger ones, several
+    times each) and land in several spaces; a message's rows go to several spaces; every record is exact."""
     from routing_replay.consumer import accumulator, arena
-    monkeypatch.setattr(accumulator, "Arena", lambda rb: arena.Arena(rb, chunk_bytes=3 * arena.BLOCK_ROWS * rb))
+    monkeypatch.setattr(accumulator, "Arena",
+                        lambda rb: arena.Arena(rb, min_region_bytes=16 * rb, space_bytes=(64 * rb,)))
     f = Feed()
     specs = {f"r{i}": 30 + i for i in range(7)}
-    P, G = 45, 60                   # prefill rows go a whole block at a time, decode rows one by one
+    P, G = 45, 60                   # prefill rows go a region at a time, decode rows one by one
     for rid, seed in specs.items():
         f.open(rid, P)
         f.delta([(rid, 0, rows(seed, 0, P))])
@@ -481,7 +483,7 @@ def test_rows_spread_over_many_arena_chunks(monkeypatch):
         for rid in specs:
             start_of[rid] += 1
     (a,) = {id(st.ranges[(0, L)].arena): st.ranges[(0, L)].arena for st in f.acc.requests.values()}.values()
-    assert len(a.chunks) >= 10
+    assert len(a.spaces) >= 4 and a.regions_grown >= 7
     for rid in specs:
         f.finish(rid, G)
     for rid, seed in specs.items():
@@ -489,7 +491,34 @@ def test_rows_spread_over_many_arena_chunks(monkeypatch):
     assert f.acc.bytes_held == 0 and a.live_blocks == 0
 
 
-def test_blocks_of_finished_requests_are_reused():
+def test_records_are_views_and_their_regions_are_reused_only_once_dropped():
+    """A record's arrays are views of the request's rows; while any view of it lives its region is not handed
+    to another request (the record stays bit-exact through later traffic); once all are gone it is reused."""
+    f = Feed()
+    f.open("a", 40)
+    f.delta([("a", 0, rows(1, 0, 40))])
+    f.finish("a", 1)
+    keep = f.out.pop("a").prompt_routed_experts[5:9]          # a view of a view: keeps the region
+    (sh,) = f.acc._shapes.values()
+    a = sh.arena
+    region = a.min_region_rows
+    for i in range(3):
+        rid = f"b{i}"
+        f.open(rid, 40)
+        f.delta([(rid, 0, rows(7 + i, 0, 40))])
+        f.finish(rid, 1)
+        check(f.out.pop(rid), 7 + i, 40, 1, 0)
+        np.testing.assert_array_equal(keep, rows(1, 5, 9))
+    assert a.spaces[0].top == 2 * region           # "a" still leased; the b's reused one region
+    del keep
+    for i in range(3):
+        f.open(f"c{i}", 40)
+        f.delta([(f"c{i}", 0, rows(9, 0, 4))])
+    assert a.spaces[0].top == 3 * region           # a's region came back: two free ones, one new
+    assert f.acc.bytes_held == 3 * 4 * L * K * 2
+
+
+def test_regions_of_finished_requests_are_reused():
     f = Feed()
     for round_ in range(3):
         for i in range(4):
@@ -497,9 +526,39 @@ def test_blocks_of_finished_requests_are_reused():
             f.open(rid, 40)
             f.delta([(rid, 0, rows(i, 0, 40))])
             f.finish(rid, 1)
-            check(f.out[rid], i, 40, 1, 0)
+            check(f.out.pop(rid), i, 40, 1, 0)
     (sh,) = f.acc._shapes.values()
-    assert len(sh.arena.chunks) == 1 and sh.arena.live_blocks == 0 and f.acc.bytes_held == 0
+    assert len(sh.arena.spaces) == 1 and sh.arena.spaces[0].top == sh.arena.min_region_rows
+    assert sh.arena.live_blocks == 0 and f.acc.bytes_held == 0
+
+
+def test_freed_pages_beyond_keep_bytes_go_back_to_the_os(monkeypatch):
+    """Freed regions keep their pages up to keep_bytes; beyond it, the pages of a freed region are returned
+    (MADV_DONTNEED) and the region reads as zeros; records written there afterwards are still exact."""
+    from routing_replay.consumer import accumulator, arena
+    rb = L * K * 2
+    monkeypatch.setattr(accumulator, "Arena", lambda rb: arena.Arena(rb, min_region_bytes=1 << 16,
+                                                                     keep_bytes=3 << 14))
+    f = Feed()
+    P = (1 << 16) // rb - 1                       # each request fills its 64 KiB region
+    for i in range(4):
+        f.open(f"r{i}", P)
+        f.delta([(f"r{i}", 0, rows(i, 0, P))])
+    for i in range(4):
+        f.finish(f"r{i}", 1)
+        check(f.out.pop(f"r{i}"), i, P, 1, 0)
+    f.tick(0.0)                                   # the consumer's poll takes the freed regions back
+    (sh,) = f.acc._shapes.values()
+    a = sh.arena
+    assert a.regions_returned == 4 and a.kept_bytes == 0          # each region's rows (64 KiB) > keep_bytes
+    monkeypatch.setattr(a, "keep_bytes", 1 << 20)
+    for i in range(4):
+        f.open(f"s{i}", 100)
+        f.delta([(f"s{i}", 0, rows(20 + i, 0, 100))])
+        f.finish(f"s{i}", 1)
+        check(f.out.pop(f"s{i}"), 20 + i, 100, 1, 0)
+    f.tick(0.0)
+    assert a.regions_returned == 4 and a.kept_bytes == 101 * rb and a.spaces[0].top == 4 * a.min_region_rows
 
 
 @pytest.mark.parametrize("seed", range(6))
