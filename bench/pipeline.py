@@ -163,6 +163,8 @@ def broker_proc(front, back, q, stop):
     import logging
     logging.basicConfig(level=logging.INFO)
     from routing_replay.broker import Broker
+    if os.environ.get("BENCH_GATHER_PROBE"):
+        sys.path.insert(0, "/tmp"); import gather_probe  # noqa
     b = Broker(front, back, stats_interval_s=2)
     b.bind()
     q.put(("ready", os.getpid()))
@@ -266,24 +268,51 @@ def _port() -> str:
     return f"tcp://127.0.0.1:{_next_port[0]}"
 
 
-def _profiled(target, name, profile_dir, *args):
-    """Run one role under cProfile; its stats and CPU seconds (user, sys) go to profile_dir/<name>-<pid>.*"""
-    if os.environ.get("BENCH_PYSPY"):
-        sys.path.insert(0, "/tmp"); import spy_wrap; sp = spy_wrap.spy(name, profile_dir)
+def _thread_cpu() -> dict:
+    """{thread id: (name, CPU seconds)} of this process's live threads."""
+    out = {}
+    for task in os.listdir("/proc/self/task"):
         try:
-            return target(*args)
-        finally:
-            time.sleep(0.5); import signal; sp.send_signal(signal.SIGINT); sp.wait()
-    import cProfile
-    prof = cProfile.Profile()
+            with open(f"/proc/self/task/{task}/stat") as st:
+                head, rest = st.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fs = rest.split()
+        out[task] = (head.split("(", 1)[1], (int(fs[11]) + int(fs[12])) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
+def _profiled(target, name, profile_dir, *args):
+    """Run one role with its CPU seconds per thread (sampled every 0.1 s, so threads that end are counted) in
+    profile_dir/<name>-<pid>.cpu, and under cProfile (main thread) unless BENCH_PROFILE=threads."""
+    import threading
+    seen = {}
+    done = threading.Event()
+
+    def sample():
+        while True:
+            seen.update(_thread_cpu())
+            if done.wait(0.1):
+                return
+
+    threading.Thread(target=sample, daemon=True, name="bench-sampler").start()
+    prof = None
+    if os.environ.get("BENCH_PROFILE") != "threads":
+        import cProfile
+        prof = cProfile.Profile()
     try:
-        prof.runcall(target, *args)
+        prof.runcall(target, *args) if prof else target(*args)
     finally:
-        t = os.times()
+        seen.update(_thread_cpu())
+        done.set()
         base = os.path.join(profile_dir, f"{name}-{os.getpid()}")
-        prof.dump_stats(base + ".prof")
+        if prof:
+            prof.dump_stats(base + ".prof")
+        by_name: dict = {}
+        for tname, cpu in seen.values():
+            by_name[tname] = by_name.get(tname, 0.0) + cpu
         with open(base + ".cpu", "w") as f:
-            f.write(f"{t.user:.3f} {t.system:.3f}\n")
+            f.write(" ".join(f"{k}={v:.2f}" for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])) + "\n")
 
 
 PROFILE_DIR = [None]

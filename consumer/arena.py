@@ -188,7 +188,7 @@ class Arena:
                 return si, s.first + s.top - cap
         first = self.spaces[-1].first + self.spaces[-1].size + _GAP if self.spaces else 0
         err = None
-        for nbytes in self.space_bytes:
+        for i, nbytes in enumerate(self.space_bytes):
             nbytes = max(nbytes, cap * self.row_bytes)
             try:
                 s = _Space(nbytes, self.row_bytes, first)
@@ -197,6 +197,9 @@ class Arena:
                 err = e
         else:
             raise MemoryError(f"consumer arena: cannot reserve {cap * self.row_bytes} bytes of address space: {err}")
+        if i:       # a smaller reservation than asked for (it may count against a strict commit limit): regions
+            # shrink so that one space still holds a few hundred requests (longer ones move to larger regions)
+            self.min_region_rows = min(self.min_region_rows, max(16, 1 << max(0, (s.size // 256).bit_length() - 1)))
         self.spaces.append(s)
         self._firsts = np.array([x.first for x in self.spaces], dtype=np.int64)
         s.top = cap

@@ -518,6 +518,24 @@ def test_records_are_views_and_their_regions_are_reused_only_once_dropped():
     assert f.acc.bytes_held == 3 * 4 * L * K * 2
 
 
+def test_arena_falls_back_to_a_smaller_reservation_and_smaller_regions():
+    """An address-space reservation the OS refuses (here: larger than any address space) falls back to the next
+    size, and regions shrink so that the space holds a few hundred of them; rows and records stay exact."""
+    from routing_replay.consumer import arena
+    rb = L * K * 2
+    a = arena.Arena(rb, min_region_bytes=1 << 16, space_bytes=(1 << 62, 1 << 20))
+    first = a.min_region_rows
+    (h,) = a.new_handles(1)
+    assert len(a.spaces) == 1 and a.spaces[0].size == (1 << 20) // rb
+    assert a.min_region_rows < first and a.min_region_rows == 256 and a.cap[h] == first
+    (h2,) = a.new_handles(1)
+    assert a.cap[h2] == 256
+    src = arena.void_rows(rows(3, 0, 300).tobytes(), rb)
+    a.write(h2, 0, src)                           # outgrows its 256-row region: moved to a 512-row one
+    assert a.cap[h2] == 512 and a.regions_grown == 1
+    np.testing.assert_array_equal(a.gather(h2, 300).view(np.int16).reshape(300, L, K), rows(3, 0, 300))
+
+
 def test_regions_of_finished_requests_are_reused():
     f = Feed()
     for round_ in range(3):
@@ -614,3 +632,46 @@ def test_whole_message_append_equals_entry_by_entry_on_random_traffic(seed):
         assert fast.out[rid].equals(slow.out[rid]), rid
     assert fast.acc.bytes_held == slow.acc.bytes_held == 0
     assert fast.acc.stats == slow.acc.stats
+
+
+def test_records_dropped_on_another_thread_free_their_regions_safely():
+    """A trainer thread checks and drops records while the accumulator keeps writing new requests: every record
+    is exact when checked (no region was reused under it), and the regions come back (a bounded number made)."""
+    import queue
+    import threading
+    f = Feed()
+    q: queue.Queue = queue.Queue()
+    bad = []
+
+    def trainer():
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            seed, r = item
+            try:
+                check(r, seed, 30, 5, 0)
+            except AssertionError as e:
+                bad.append(e)
+            del r, item
+            q.task_done()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    for i in range(300):
+        rid = f"t{i}"
+        f.open(rid, 30)
+        f.delta([(rid, 0, rows(i, 0, 30))])
+        for p in range(30, 34):
+            f.delta([(rid, p, rows(i, p, p + 1))])
+        f.finish(rid, 5)
+        q.put((i, f.out.pop(rid)))
+        if i % 10 == 9:
+            q.join()                # the trainer dropped them (while this thread went on writing the next ten)
+    q.put(None)
+    t.join()
+    f.tick(0.0)
+    (sh,) = f.acc._shapes.values()
+    assert not bad and f.acc.bytes_held == 0
+    assert sh.arena.spaces[0].top <= 11 * sh.arena.min_region_rows
+    assert sum(len(v) for v in sh.arena.free.values()) * sh.arena.min_region_rows == sh.arena.spaces[0].top

@@ -287,6 +287,8 @@ def test_dropped_step_is_reported_lost_in_finish(models, router):
             prod.close()
     f, _ = finishes["full"]
     assert f.lost == [(0, 6)] and f.num_output == 3
-    assert [(d[0], d[1], d[2]) for d in deltas] == [(["full"], [6], [1]), (["full"], [7], [1])]
+    # the two decode steps, whether they left as two deltas or as one (the producer coalesces queued steps)
+    assert [(r, int(s), int(c)) for d in deltas for r, s, c in zip(d[0], d[1], d[2])] == [("full", 6, 1),
+                                                                                         ("full", 7, 1)]
     for h in hold.held:
         h[3].release()
