@@ -11,10 +11,13 @@ Chains (each role a separate process, loopback tcp):
   proxy   : PUSH -> zmq.proxy(PULL, PUSH) -> 2 x PULL counting bytes (libzmq's C forwarder: one hop's limit)
   ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
 Then latency: ours at an offered load of 100k tokens/s (decode steps), p50/p99 from publish() to applied.
-Peak RSS of broker and consumers is reported. The producer coalesces steps that queue up behind its thread
-(Producer coalesce_max_bytes; --coalesce-bytes 0: one message per publish call, as before issue #16).
+Peak RSS of broker and consumers is reported, and the CPU seconds (user + system, all threads) each process
+spent from the start signal to the end of the run (`cpu_s`: the sender's own count, the others' from
+/proc/PID/stat). The producer coalesces steps that queue up behind its thread (Producer coalesce_max_bytes;
+--coalesce-bytes 0: one message per publish call, as before issue #16). --profile DIR: each process's CPU per
+thread, and cProfile stats of its main thread, in DIR (BENCH_PROFILE=threads: the thread CPU only).
 Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
-       [--coalesce-bytes N]
+       [--coalesce-bytes N] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -163,8 +166,6 @@ def broker_proc(front, back, q, stop):
     import logging
     logging.basicConfig(level=logging.INFO)
     from routing_replay.broker import Broker
-    if os.environ.get("BENCH_GATHER_PROBE"):
-        sys.path.insert(0, "/tmp"); import gather_probe  # noqa
     b = Broker(front, back, stats_interval_s=2)
     b.bind()
     q.put(("ready", os.getpid()))

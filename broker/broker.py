@@ -37,7 +37,7 @@ from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFligh
 from routing_replay.broker.ownership import OpenMsg, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
 from routing_replay.protocol import memory, security, wire
-from routing_replay.protocol.loop import ServiceThread, guarded
+from routing_replay.protocol.loop import ServiceThread, guarded, start_zero_copy_collector
 
 log = logging.getLogger("routing_replay.broker")
 
@@ -194,6 +194,7 @@ class Broker(ServiceThread):
     def serve(self) -> None:
         front, back = self._front, self._back
         memory.keep_freed_memory()
+        start_zero_copy_collector()
         try:
             poller = zmq.Poller()
             poller.register(front, zmq.POLLIN)

@@ -1,8 +1,9 @@
 """Accumulate routing rows per request from decoded messages and turn finished requests into Records.
 
 No sockets here: `Accumulator.apply(header, payload_frames, now)` takes one validated message and returns the
-records it finished. Rows live in a paged arena per row shape (consumer/arena.py: blocks, a block table per
-request); a delta's entries that continue their request's rows are appended as a few numpy scatters for the whole
+records it finished. Rows live in an arena per row shape (consumer/arena.py: one contiguous region per request),
+and a record of one full layer range is a view of its request's region (no copy; the region is reused once every
+view of the record is gone); a delta's entries that continue their request's rows are appended as a few numpy scatters for the whole
 message, the others (a new request, an overwrite, a hole) one by one. Positions are absolute, so a re-sent
 position overwrites and a jump leaves a hole that is filled with -1 and reported as missing unless a later delta
 fills it.

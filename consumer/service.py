@@ -27,7 +27,7 @@ from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
 from routing_replay.protocol import memory, security, wire
-from routing_replay.protocol.loop import ServiceThread, guarded
+from routing_replay.protocol.loop import ServiceThread, guarded, start_zero_copy_collector
 from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
@@ -191,6 +191,7 @@ class Consumer(ServiceThread):
     def run(self) -> None:
         """Serve until stop() (or SIGINT in the CLI). Owns and closes its sockets."""
         memory.keep_freed_memory()
+        start_zero_copy_collector()
         socks = self._open_sockets()
         try:
             poll_all, poll_trainers = zmq.Poller(), zmq.Poller()

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import zmq
 
 from routing_replay.protocol import security, wire
+from routing_replay.protocol.loop import start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, encode_announce,
                                               encode_step, encode_steps, escaped_id, step_rows, with_lost)
@@ -83,6 +84,7 @@ class Sender:
 
     def _run(self) -> None:
         sock = mon = None
+        start_zero_copy_collector()     # not inside the first step's send
         try:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, self.cfg.linger_ms)

@@ -65,3 +65,16 @@ class ServiceThread:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+
+def start_zero_copy_collector() -> bool:
+    """Start pyzmq's zero-copy release thread now, at start-up, instead of inside the first zero-copy send (a
+    thread, a context and an inproc socket pair: milliseconds on the first message). False where this pyzmq has
+    no such thread."""
+    try:
+        from zmq.utils.garbage import gc
+        if not gc.is_alive():
+            gc.start()
+        return True
+    except Exception:  # noqa: BLE001 -- an optimisation only; pyzmq versions differ
+        return False

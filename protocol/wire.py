@@ -618,7 +618,10 @@ def parse_subscribe(h: Header) -> str | None:
 
 @dataclass
 class Record:
-    """One finished request's routing: prompt part and generation part, one row per token."""
+    """One finished request's routing: prompt part and generation part, one row per token.
+
+    From a Consumer, both arrays are views of the request's rows in the consumer's arena (no copy): the memory
+    goes back to the consumer once every view of them is gone, so keeping a small slice keeps the whole record."""
 
     request_id: str
     prompt_routed_experts: np.ndarray          # (P, L, K) int16, -1 where never computed (and, unless

@@ -132,3 +132,25 @@ def test_ownership_is_sticky_when_a_consumer_joins(net):
         assert not c3.poll(100)
     finally:
         c3.close(0)
+
+
+def test_zero_copy_release_thread_starts_with_the_service_not_inside_the_first_send():
+    """pyzmq's zero-copy release thread (started inside the first zero-copy send otherwise: milliseconds on the
+    first step's message) is running once a broker serves, in a fresh process."""
+    import subprocess
+    import sys
+    code = ("import threading, time\n"
+            "from zmq.utils.garbage import gc\n"
+            "from routing_replay.broker import Broker\n"
+            "assert not gc.is_alive()\n"
+            "b = Broker('tcp://127.0.0.1:0', 'tcp://127.0.0.1:0')\n"
+            "b.bind()\n"
+            "t = threading.Thread(target=b.serve, daemon=True); t.start()\n"
+            "deadline = time.monotonic() + 10\n"
+            "while not gc.is_alive() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.01)\n"
+            "print('alive' if gc.is_alive() else 'not started')\n"
+            "b.stop(); t.join(10)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["alive"]
