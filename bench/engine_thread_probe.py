@@ -5,7 +5,8 @@ RoutingCache and AsyncCopier on the GPU and a consumer thread that launches the 
 (the producer thread's part), and times each piece with the thread's CPU clock (time.thread_time_ns), 2,000 steps.
 --contend N adds N Python threads that keep busy (pure-Python work, as vLLM's output and input threads and the
 producer's thread do between steps): the same pieces then also pay for sharing the GIL and the cores.
-Usage: python bench/engine_thread_probe.py [--requests 256] [--layers 16] [--steps 2000] [--contend N] [--json FILE]
+Usage: python bench/engine_thread_probe.py [--requests 256] [--layers 16] [--steps 2000] [--contend N]
+       [--event-per-step] [--json FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--contend", type=int, default=0, help="busy pure-Python threads beside the engine thread")
+    ap.add_argument("--event-per-step", action="store_true",
+                    help="submit() records an event every step (before session 15) instead of one per 16-step batch")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     stop = threading.Event()
@@ -86,10 +89,11 @@ def main(argv=None) -> int:
         segments = [(int(first[0]), sum(counts))]
         starts = computed.tolist()
         t2 = time.thread_time_ns()
-        pending = copier.submit(segments)
+        pending = copier.submit(segments, mark=a.event_per_step)
         t3 = time.thread_time_ns()
         batch.append(pending)
         if len(batch) == 16:
+            copier.mark_batch(batch)          # the worker's _flush: one event for the batch
             q.put(batch)
             batch = []
         t4 = time.thread_time_ns()
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
             pieces["submit"] += t3 - t2
             pieces["batch"] += t4 - t3
         del kk, starts
+    copier.mark_batch(batch)
     q.put(batch)
     # single calls for reference
     src = cache.step_rows(n)
@@ -125,7 +130,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     res = {k: round(v / a.steps / 1e3, 2) for k, v in {**pieces, **other}.items()}
     res["total_per_step_us"] = round(sum(pieces.values()) / a.steps / 1e3, 2)
-    res.update(requests=n, layers=L, steps=a.steps, contend=a.contend, device=torch.cuda.get_device_name(), torch=torch.__version__)
+    res.update(requests=n, layers=L, steps=a.steps, contend=a.contend, event_per_step=a.event_per_step, device=torch.cuda.get_device_name(), torch=torch.__version__)
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -58,7 +58,7 @@ class PendingRows:
     on (in the consumer's thread) and the ring range to free."""
 
     __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released",
-                 "_staged", "_seq")
+                 "_staged", "_seq", "_shared")
 
     def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False,
                  staged=None, seq: int = 0):
@@ -73,6 +73,7 @@ class PendingRows:
         self._seq = seq                 # submission order (the newest snapshot of a batch is waited on)
         self._waited = event is None and staged is None
         self._released = dropped
+        self._shared = False            # _staged is one event for a whole batch (mark_batch): never pooled
 
     @property
     def nbytes(self) -> int:
@@ -107,13 +108,16 @@ class PendingRows:
             return
         self._released = True
         if self._staged is not None:    # never launched: nothing is in flight into the host ring
-            self._copier._snap_pool.append(self._staged)
+            if not self._shared and self._staged is not _UNMARKED:
+                self._copier._snap_pool.append(self._staged)
             self._staged = None
         self._copier._release(self._handle, self._event, self._waited or self._event is None)
 
 
 # torch.cuda.Event.record without its Python frame (which looks the current stream up again); None on CPU builds
 _record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
+# the snapshot of a step submitted with mark=False, until mark_batch() records the batch's one event
+_UNMARKED = object()
 
 
 def launch_rows(parts) -> None:
@@ -222,12 +226,14 @@ class AsyncCopier:
                 runs.append([off, off + n])
         return runs, total
 
-    def submit(self, segments: Sequence[tuple[int, int]] | np.ndarray) -> PendingRows | None:
+    def submit(self, segments: Sequence[tuple[int, int]] | np.ndarray, mark: bool = True) -> PendingRows | None:
         """Start copying this step's rows: segments are (token_offset_in_batch, n_rows) in request order
         (a list of pairs, or an (m, 2) integer array).
 
         Call on the engine thread right after the forward, on the stream that ran it. Returns None (and
         copies nothing) when the segments hold no rows, a PendingRows with dropped=True when the ring is full.
+        mark=False (CUDA): no event for this step; the caller hands steps over in batches and calls
+        mark_batch(parts) on this thread first (one event for the batch: one torch call less per step).
         """
         runs, n = self._runs(segments)
         got = self._take(n)
@@ -246,7 +252,23 @@ class AsyncCopier:
         else:
             dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
             self._snapshot(runs, dst, lo, n)
+        if not mark and self._cuda:
+            shape = (n, self.cache.num_layers, self.cache.top_k)
+            return PendingRows(self, shape, lo, handle, None, staged=_UNMARKED)
         return self._send(lo, n, handle)
+
+    def mark_batch(self, parts) -> None:
+        """Record one event on the current stream after the snapshots of `parts` submitted with mark=False (on
+        the thread and stream that submitted them, before they are handed to the thread that launches the host
+        copies); parts already marked are left alone. One torch call per batch instead of one per step."""
+        todo = [p for p in parts if getattr(p, "_staged", None) is _UNMARKED and not p._released]
+        if not todo or not self._cuda:
+            return
+        event = torch.cuda.Event()
+        _record(event, self._current_stream())
+        self._seq += 1
+        for p in todo:
+            p._staged, p._shared, p._seq = event, True, self._seq
 
     def submit_gather(self, source: torch.Tensor, index, *, may_drop: bool = True) -> PendingRows | None:
         """Start copying rows `index` ((n,) integers, in output order) of `source`, an (S, L, K) int16 tensor on
@@ -327,6 +349,9 @@ class AsyncCopier:
             todo = sorted((p for p in parts if p._staged is not None and not p._released), key=lambda p: p._lo)
             if not todo:
                 return
+            if any(p._staged is _UNMARKED for p in todo):
+                raise RuntimeError("rows submitted with mark=False were handed over before mark_batch(): their "
+                                   "snapshot has no event to wait on")
             side = self._stream
             newest = max(todo, key=lambda p: p._seq)
             side.wait_event(newest._staged)   # the compute stream ran every older snapshot of `todo` before it
@@ -347,7 +372,8 @@ class AsyncCopier:
                         p._event = event
                     i = j + 1
                 for p in todo:                    # the wait above is enqueued: the events can be recorded again
-                    self._snap_pool.append(p._staged)
+                    if not p._shared:             # (a batch's one event is not reused: dropped with its parts)
+                        self._snap_pool.append(p._staged)
                     p._staged = None
             finally:
                 torch.cuda.set_stream(prev)

@@ -338,3 +338,83 @@ def test_batched_launch_on_the_consumer_thread_is_exact_and_one_copy_per_run():
     assert len(results) == 16 and all(ok for _, ok in results), results
     assert sum(copies for copies, _ in results) < 16 * 4 / 2, results      # adjacent steps share one copy
     assert copier.in_flight_rows == 0 and copier.stats.dropped_steps == 0
+
+
+def test_steps_submitted_unmarked_share_one_event_per_batch_and_stay_exact():
+    """submit(mark=False) records no event (one torch call less per step on the engine thread); mark_batch()
+    records one for the whole batch after its last snapshot. The consumer thread's host copies wait on it: every
+    row of 8 batches x 16 steps is exact while the engine goes on replaying, never waiting for the host; handing
+    over an unmarked step is refused with a clear error instead of copying rows whose snapshot may not have run;
+    submit(mark=False) and mark_batch() never sync the host."""
+    from routing_replay.capture.copier import _UNMARKED, launch_rows
+
+    max_tokens = max(SIZES)
+    cache = RoutingCache(max_tokens, L, K, device="cuda")
+    copier = AsyncCopier(cache, num_slots=64)      # 16 steps of up to max_tokens rows each, twice, and wrap-around
+    routers = ToyRouters(cache, max_tokens, seed=5)
+    x_static, graphs = _capture(routers, max_tokens)
+    rng = np.random.default_rng(6)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    work: queue.Queue = queue.Queue()
+    results: list = []
+    errors: list = []
+
+    def consumer():
+        while True:
+            batch = work.get(timeout=120)
+            if batch is None:
+                return
+            try:
+                launch_rows([p for p, _ in batch])
+                results.append(all(np.array_equal(p.result(), w.cpu().numpy()) for p, w in batch))
+                for p, _ in batch:
+                    p.release()
+            except Exception as e:      # noqa: BLE001 -- reported by the test thread
+                errors.append(repr(e))
+                return
+
+    def step(batch):
+        n = int(rng.integers(1, max_tokens + 1))
+        size = min(s for s in SIZES if s >= n)
+        x_static[:size].normal_(generator=gen)
+        graphs[size].replay()
+        p = copier.submit([(0, n)], mark=False)
+        want = routers.ref[:, :n].transpose(0, 1).to(torch.int16)     # a device copy: no host sync
+        assert not p.dropped and p._staged is _UNMARKED and p._event is None
+        batch.append((p, want))
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    refused = None
+    try:
+        for b in range(8):
+            batch: list = []
+            for _ in range(16):
+                step(batch)
+            if b == 0:
+                try:
+                    copier.launch([batch[0][0]])
+                except RuntimeError as e:
+                    refused = str(e)
+            copier.mark_batch([p for p, _ in batch])
+            assert len({id(p._staged) for p, _ in batch}) == 1 and batch[0][0]._staged is not _UNMARKED
+            work.put(batch)                 # the next batch's replays queue up while these copies run
+            while copier.free_rows < 32 * max_tokens and t.is_alive():
+                time.sleep(0.001)
+        while len(results) < 8 and t.is_alive():
+            time.sleep(0.01)
+        last: list = []                     # the consumer is idle now: the sync check cannot catch its syncs
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(last)
+            copier.mark_batch([p for p, _ in last])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        work.put(last)
+    finally:
+        work.put(None)
+        t.join(120)
+    assert not errors, errors
+    assert refused is not None and "mark_batch" in refused
+    assert len(results) == 9 and all(results), results
+    assert copier.in_flight_rows == 0 and copier.stats.dropped_steps == 0

@@ -19,10 +19,11 @@ Per step (`Worker.execute_model`, engine thread):
                       `input_batch.req_ids` owns batch tokens query_start_loc[i]..query_start_loc[i+1], the
                       first at absolute position `input_batch.num_computed_tokens_cpu[i]` (read after
                       execute_model, i.e. after vLLM's deferred spec-decode corrections); one non-blocking
-                      `AsyncCopier.submit(segments)` snapshots them. Up to MAX_BATCH_STEPS consecutive steps
-                      are then handed to `Producer.publish_rows` as one delta (flushed earlier before any
-                      finish/abort, and when half the copier's ring is used): the producer's thread waits for
-                      the copies, checks for -1 rows, sends, and releases them.
+                      `AsyncCopier.submit(segments, mark=False)` snapshots them (no event per step). Up to
+                      MAX_BATCH_STEPS consecutive steps are then handed to `Producer.publish_rows` as one delta
+                      (flushed earlier before any finish/abort, and when half the copier's ring is used), after
+                      one event recorded for the whole batch (`mark_batch`): the producer's thread launches
+                      the copies after it, waits for them, checks for -1 rows, sends, and releases them.
 Steps with no captured request do nothing beyond two dict/set checks: no copy, no message.
 
 Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every forward, captured or not, also
@@ -690,7 +691,7 @@ class WorkerCapture:
             segments = [(int(first[0]), sum(counts))]           # one contiguous run: the common case
         else:
             segments = list(zip(first.tolist(), counts))
-        pending = self.copier.submit(segments)
+        pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
         starts = computed.tolist()
         if pending.dropped:                                  # host ring full: publish as lost, keep order
             self._flush()
@@ -705,8 +706,10 @@ class WorkerCapture:
             self.stats.host_ns += time.thread_time_ns() - t0
 
     def _flush(self) -> None:
-        """Hand the batched steps to the producer as one delta (no-op when nothing is batched)."""
+        """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
+        thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         if self.batch.parts:
+            self.copier.mark_batch(self.batch.parts)
             self.producer.publish_rows(*self.batch.take())
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -723,7 +726,9 @@ class WorkerCapture:
                      st.derived_keys, st.skipped, st.rebinds, st.prefix_requests, st.prefix_rows,
                      st.store_forgotten)
             try:
-                self._flush()
+                if self.batch.parts and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)     # close may run off the engine thread and its stream:
+                self._flush()                               # every snapshot is done before the batch's event
             finally:
                 self.sink.close()
                 self.sink = None
