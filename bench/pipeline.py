@@ -44,12 +44,18 @@ def _self_cpu() -> float:
     return t.user + t.system
 
 
+def _stat(path: str) -> tuple:
+    """(name, CPU seconds: user + system) from a /proc .../stat file."""
+    with open(path) as f:
+        head, rest = f.read().rsplit(")", 1)
+    fields = rest.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) of a child process, alive or exited but not yet reaped."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat(f"/proc/{pid}/stat")[1]
     except (OSError, IndexError, ValueError):
         return float("nan")
 
@@ -274,12 +280,9 @@ def _thread_cpu() -> dict:
     out = {}
     for task in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{task}/stat") as st:
-                head, rest = st.read().rsplit(")", 1)
+            out[task] = _stat(f"/proc/self/task/{task}/stat")
         except OSError:
             continue
-        fs = rest.split()
-        out[task] = (head.split("(", 1)[1], (int(fs[11]) + int(fs[12])) / os.sysconf("SC_CLK_TCK"))
     return out
 
 

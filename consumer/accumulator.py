@@ -81,7 +81,7 @@ class _Rows:
         return self.arena.allocated(self.h)
 
     def write(self, start: int, count: int, chunk) -> None:
-        """Write `count` rows (bytes-like `chunk`) at `start` (the arena counts the blocks it allocates)."""
+        """Write `count` rows (bytes-like `chunk`) at `start` (the arena counts the positions it holds)."""
         if count == 0:                                  # an entry with no rows says nothing (found by atheris)
             return
         a, h = self.arena, self.h
@@ -102,13 +102,6 @@ class _Rows:
             out.append([max(n, lo), hi])
         return _merge(out)
 
-    def lease(self, m: int, shape: tuple):
-        """Positions [0, m) as a lease numpy can wrap as an int16 array of `shape` (no copy; room made first)."""
-        a = self.arena
-        if m > a.cap[self.h]:
-            a._grow(self.h, m)
-        return a.lease(self.h, m, shape)
-
     def copy_into(self, arr: np.ndarray, lo: int, hi: int, upto: int) -> None:
         """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) int16)."""
         m = min(self.n, upto)
@@ -121,7 +114,7 @@ class _Rows:
         arr[:m, lo:hi] = self.arena.gather(self.h, m).view(wire.ROW_DTYPE).reshape(m, hi - lo, K)
 
     def release(self) -> int:
-        """Give the blocks back; returns the bytes freed."""
+        """Give the region back; returns the bytes freed."""
         return self.arena.release(self.h)
 
 
@@ -204,7 +197,7 @@ class _Request:
         self.seen_n = 0
         self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
         self.damaged = False        # a message for it could not be read: its record can never be complete
-        self.lease = None           # (rows, lease) when the last build's arrays are a view of its rows
+        self.lease = None           # (layer range, lease) when the last build's arrays are a view of its rows
 
 
 class Accumulator:
@@ -401,7 +394,7 @@ class Accumulator:
         fresh = self._new_rows(set(itertools.compress(ids, hd < 0)), sh, d, now) if int(hd.min()) < 0 else ()
         if fresh:
             hd = np.fromiter(map(sh.handle.get, ids, itertools.repeat(-1)), dtype=np.int64, count=n)
-            self.bytes_held += (a.live_blocks - before) * a.block_bytes     # their first blocks
+            self.bytes_held += (a.live_blocks - before) * a.block_bytes     # their first rows
             before = a.live_blocks
         c, s = d.counts, d.starts
         if d.total_rows == n and int(c.min()) == 1 and len(set(ids)) == n:
@@ -473,7 +466,6 @@ class Accumulator:
                             a.scatter(flat[sel], void_rows(b, rb)[src[sel] - r0])
                     r0 += k
         a.n[u] = new_n
-        a.fix(u)
         self.bytes_held += (a.live_blocks - before) * a.block_bytes
         self._seen(fresh)
         return slow
@@ -662,12 +654,10 @@ class Accumulator:
 
     def _emit_done(self, st: _Request, rec: wire.Record) -> None:
         if st.lease is not None:            # the record is a view of its rows: their region goes with it
-            rows, lease = st.lease
+            key, lease = st.lease
             st.lease = None
-            for k, r in list(st.ranges.items()):
-                if r is rows:
-                    del st.ranges[k]
-                    self.bytes_held -= rows.arena.detach(rows.h, lease)
+            rows = st.ranges.pop(key)
+            self.bytes_held -= rows.arena.detach(rows.h, lease)
         self._drop(st)
         self.requests.pop(st.rid, None)
         self._finished_ids[st.rid] = st.key
@@ -707,8 +697,8 @@ class Accumulator:
         # where nothing was; disjoint ranges write each byte once: copy what is held, -1 only for the rest
         if in_place:
             rows = st.ranges[(0, L)]
-            lease = rows.lease(total, (total, L, K))
-            st.lease = (rows, lease)
+            lease = rows.arena.lease(rows.h, total, (total, L, K))
+            st.lease = ((0, L), lease)
             arr = np.asarray(lease)
         elif disjoint:
             arr = np.empty((total, L, K), dtype=wire.ROW_DTYPE)
@@ -720,7 +710,7 @@ class Accumulator:
             if not in_place:
                 rows.copy_into(arr, lo, hi, total)
             if disjoint and rows.n < total:
-                arr[rows.n:, lo:hi] = -1            # never written (holes below n are -1 in the blocks already)
+                arr[rows.n:, lo:hi] = -1            # never written (holes below n are -1 in the region already)
             covered[lo:hi] = True
             missing += rows.missing(floor, need_hi)
         if disjoint and L and not covered.all():

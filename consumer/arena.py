@@ -116,7 +116,7 @@ class Arena:
 
     def new_handles(self, k: int, hint: int = 0) -> list:
         """k handles with no rows yet, each with a region of at least max(hint, min_region_rows) rows."""
-        self._reclaim()
+        self.reclaim()
         hs = []
         for _ in range(k):
             if self._free_handles:
@@ -137,8 +137,7 @@ class Arena:
     def release(self, h: int) -> int:
         """Give handle `h` and its region back; returns the bytes freed."""
         freed = int(self.alloc[h]) * self.row_bytes
-        self._free_region((int(self.sp[h]), int(self.base[h]), int(self.cap[h]), max(int(self.hw[h]),
-                                                                                        int(self.n[h]))))
+        self._free_region(self._region(h))
         self._drop_handle(h)
         return freed
 
@@ -165,6 +164,11 @@ class Arena:
         return self.live_blocks * self.row_bytes
 
     # ---- regions ------------------------------------------------------------------------------------------------
+
+    def _region(self, h: int, written: int = 0) -> tuple:
+        """Handle h's region as the free lists keep it: (space index, flat start, cap, rows ever written)."""
+        return (int(self.sp[h]), int(self.base[h]), int(self.cap[h]),
+                max(int(self.hw[h]), int(self.n[h]), written))
 
     def _region_rows(self, want: int) -> int:
         return max(self.min_region_rows, 1 << max(0, int(want) - 1).bit_length())
@@ -225,9 +229,6 @@ class Arena:
             self.regions_returned += 1
 
     def reclaim(self) -> None:
-        self._reclaim()
-
-    def _reclaim(self) -> None:
         """Put the regions of records whose views are all gone back on the free lists."""
         q = self._freed
         while q:
@@ -235,8 +236,8 @@ class Arena:
 
     def _grow(self, h: int, need: int) -> None:
         """Move handle h to a region of at least `need` rows, copying its positions [0, n)."""
-        self._reclaim()
-        old = (int(self.sp[h]), int(self.base[h]), int(self.cap[h]), max(int(self.hw[h]), int(self.n[h])))
+        self.reclaim()
+        old = self._region(h)
         m = int(self.n[h])
         self._give_region(h, self._region_rows(max(need, 2 * old[2])))
         if m:
@@ -257,9 +258,6 @@ class Arena:
         if up.any():
             self.alloc[hs[up]] = upto[up]
             self.live_blocks += int(inc[up].sum())
-
-    def fix(self, hs: np.ndarray) -> None:
-        """Kept for the accumulator's call sites: regions need no per-row upkeep after n moved."""
 
     def append_one(self, hd: np.ndarray) -> np.ndarray:
         """One row for each of the distinct handles hd at its position n: returns the flat row of each, and moves
@@ -316,12 +314,13 @@ class Arena:
         return out
 
     def lease(self, h: int, m: int, shape: tuple) -> _Lease:
-        """Positions [0, m) of handle h (room ensured) for numpy to wrap as an int16 array of `shape`; armed by
-        `detach`."""
-        si = int(self.sp[h])
-        s = self.spaces[si]
-        region = (si, int(self.base[h]), int(self.cap[h]), max(int(self.hw[h]), int(self.n[h]), m))
-        return _Lease(s, self._freed, region, shape, s.addr + (int(self.base[h]) - s.first) * self.row_bytes)
+        """Positions [0, m) of handle h (its region grown first if it is smaller) for numpy to wrap as an int16
+        array of `shape` (no copy); armed by `detach`."""
+        if m > self.cap[h]:
+            self._grow(h, m)
+        s = self.spaces[int(self.sp[h])]
+        return _Lease(s, self._freed, self._region(h, m), shape,
+                      s.addr + (int(self.base[h]) - s.first) * self.row_bytes)
 
     def write(self, h: int, start: int, src: np.ndarray) -> None:
         """Write void rows `src` at positions [start, start + len(src)) of handle h; n[h] becomes at least
