@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from routing_replay.capture import cudriver
+
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -58,6 +60,10 @@ class RoutingCache:
         self._store = None                       # (PrefixStore, slot mapping (>= max_tokens,) int64) or None
         self._store_views: dict = {}             # n -> (slots view, int16 rows view) for the store write
         self.store_writes = 0                    # store writes issued from Python (eager steps, graph captures)
+        # fill_step on CUDA: one driver memset with the GIL held (capture/cudriver.py), checked once per device
+        self._driver = cudriver.check(self.device) if self.device.type == "cuda" else None
+        self._dev_index = self.device.index if self.device.type == "cuda" else None
+        self._row_bytes = top_k * self.buffer.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +78,20 @@ class RoutingCache:
                 self._step_views.clear()
             view = self._step_views[n] = self.buffer[:, :n]
         return view
+
+    def fill_step(self, n: int) -> None:
+        """Set rows [0, n) of every layer to -1 (rows no router writes in the coming step then read -1), with one
+        launch on the current stream: on CUDA a driver memset made with the GIL held, else `fill_`. Not for use
+        under graph capture."""
+        if not 0 <= n <= self.max_tokens:
+            raise ValueError(f"fill_step({n}) outside [0, {self.max_tokens}]")
+        if self._driver is not None:
+            if n:
+                self._driver.memset_2d(self.buffer.data_ptr(), self.max_tokens * self._row_bytes, 0xFF,
+                                       n * self._row_bytes, self.num_layers,
+                                       cudriver.current_stream(self._dev_index))
+        else:
+            self.step_rows(n).fill_(-1)
 
     def attach_store(self, store, slot_mapping: torch.Tensor) -> None:
         """From now on every flush also writes the step's n rows into `store` (a PrefixStore) at

@@ -1,14 +1,18 @@
 """Move each step's routing rows from the device cache to a pinned host ring without stalling the engine.
 
-Per `submit(segments)` (engine thread, right after the forward), two torch calls on the engine thread:
-  1. compute stream: one kernel snapshots the step's rows out of the cache into a device staging ring, as
-     (n, L, K) int16 in request order (transpose and narrowing happen in this copy). The snapshot is what lets
-     the next step overwrite the cache at once: copying straight from the cache on a side stream would race
-     with the next step's router writes unless the compute stream waited for the D2H (vLLM's aux-output
-     connector snapshots on the main stream for the same reason). Segments that are not one contiguous run
-     are gathered with `index_select` through an index uploaded from the pinned index ring. The (staging,
-     cache) views of a step's size and ring position are kept, so this is one call.
-  2. an event (from a pool) is recorded on the compute stream after the snapshot.
+Per `submit(segments)` (engine thread, right after the forward), one launch on the engine thread:
+  1. compute stream: one copy snapshots the step's rows out of the cache into a device staging ring. The
+     snapshot is what lets the next step overwrite the cache at once: copying straight from the cache on a side
+     stream would race with the next step's router writes unless the compute stream waited for the D2H (vLLM's
+     aux-output connector snapshots on the main stream for the same reason). A step that is one contiguous run
+     of the batch (the common case) is copied layer-major, (L, n, K): on CUDA with an int16 cache by one driver
+     2-D copy made with the GIL held (capture/cudriver.py: a torch call gives the GIL away, and beside a busy
+     Python thread getting it back costs the engine thread milliseconds), else by one `copy_` of kept views;
+     result() transposes the view. Segments that are not one contiguous run are gathered in request order,
+     (n, L, K), with `index_select` through an index uploaded from the pinned index ring.
+  2. submit(mark=True): an event (from a pool) is recorded on the compute stream after the snapshot;
+     submit(mark=False) + mark_batch(parts): one event for a batch of steps (a driver call too, once torch
+     has created the event).
   3. returns a `PendingRows`. Everything else happens on the thread that consumes the rows (the producer's):
      `launch(parts)` makes a side stream wait on the newest of their snapshot events (the compute stream ran
      the older snapshots before it) and copies staging -> pinned host ring, one non_blocking copy per
@@ -38,6 +42,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from routing_replay.capture import cudriver
 from routing_replay.capture.cache import RoutingCache
 from routing_replay.capture.ring import RowRing
 
@@ -58,10 +63,10 @@ class PendingRows:
     on (in the consumer's thread) and the ring range to free."""
 
     __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released",
-                 "_staged", "_seq", "_shared")
+                 "_staged", "_seq", "_shared", "_lm")
 
     def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False,
-                 staged=None, seq: int = 0):
+                 staged=None, seq: int = 0, layer_major: bool = False):
         self.shape = shape
         self.dtype = ROW_DTYPE
         self.dropped = dropped
@@ -73,7 +78,8 @@ class PendingRows:
         self._seq = seq                 # submission order (the newest snapshot of a batch is waited on)
         self._waited = event is None and staged is None
         self._released = dropped
-        self._shared = False            # _staged is one event for a whole batch (mark_batch): never pooled
+        self._shared = None             # a _BatchEvent: _staged is one event for a whole batch (mark_batch)
+        self._lm = layer_major          # the ring holds the rows as (L, n, K); result() transposes the view
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +92,9 @@ class PendingRows:
         return self._event is not None and self._event.query()
 
     def result(self) -> np.ndarray:
-        """Wait for the copy (in the calling thread) and return the rows: a read-only view into the host ring,
-        valid until release()."""
+        """Wait for the copy (in the calling thread) and return the (n, L, K) rows: a read-only view into the host
+        ring, valid until release(). A step submitted as one run sits in the ring layer-major (one 2-D copy), so
+        its view is transposed, not C-contiguous: np.ascontiguousarray / np.concatenate make the wire layout."""
         if self.dropped:
             raise RuntimeError(f"step of {self.shape[0]} rows was dropped: the host ring was full")
         if self._released:
@@ -97,7 +104,12 @@ class PendingRows:
                 self._copier.launch([self])
             self._event.synchronize()
             self._waited = True
-        view = self._copier._host_np[self._lo:self._lo + self.shape[0]]
+        if self._lm:
+            n, L, K = self.shape
+            flat = self._copier._host_flat[self._lo * L * K:(self._lo + n) * L * K]
+            view = flat.reshape(L, n, K).transpose(1, 0, 2)
+        else:
+            view = self._copier._host_np[self._lo:self._lo + self.shape[0]]
         view.flags.writeable = False
         return view
 
@@ -108,8 +120,8 @@ class PendingRows:
             return
         self._released = True
         if self._staged is not None:    # never launched: nothing is in flight into the host ring
-            if not self._shared and self._staged is not _UNMARKED:
-                self._copier._snap_pool.append(self._staged)
+            if self._staged is not _UNMARKED:
+                self._copier._unstage(self)
             self._staged = None
         self._copier._release(self._handle, self._event, self._waited or self._event is None)
 
@@ -118,6 +130,16 @@ class PendingRows:
 _record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
 # the snapshot of a step submitted with mark=False, until mark_batch() records the batch's one event
 _UNMARKED = object()
+
+
+class _BatchEvent:
+    """One snapshot event shared by the steps of a batch (mark_batch), back in the pool once every step's copy was
+    launched or the step released."""
+
+    __slots__ = ("event", "users")
+
+    def __init__(self, event, users: int):
+        self.event, self.users = event, users
 
 
 def launch_rows(parts) -> None:
@@ -163,15 +185,26 @@ class AsyncCopier:
             self._seq = 0
             self._events: list = []
             self._launch_lock = threading.Lock()
+            self._batch_pool: list = []         # created events for mark_batch, recorded again by the driver
+            # one-run snapshots as one driver 2-D copy with the GIL held (int16 caches; capture/cudriver.py)
+            self._drv = cudriver.check(dev) if cache.dtype == torch.int16 else None
+            if self._drv is not None:
+                self._m = self._drv.copy_desc()
+                self._m.srcPitch = cache.max_tokens * K * 2
+                self._m.Height = L
+                self._src_ptr = cache.buffer.data_ptr()
+                self._stage_ptr = self._stage.data_ptr()
         else:
+            self._drv = None
             self._stage = None
             self._host = torch.empty((cap, L, K), dtype=torch.int16)
             self._idx_host = torch.empty(cap, dtype=torch.int64)
             self._idx_dev = self._idx_host
             self._stream = None
         self._host_np = self._host.numpy()
+        self._host_flat = self._host_np.reshape(-1)
         self._idx_np = self._idx_host.numpy()
-        self._views: dict = {}          # (lo, a, b) -> (staging or host rows [lo, lo + b - a), cache rows [a, b))
+        self._views: dict = {}          # (lo, a, b) -> ((L, n, K) view of ring rows [lo, lo + n), cache rows [a, b))
 
     @property
     def host_bytes(self) -> int:
@@ -240,22 +273,33 @@ class AsyncCopier:
         if not isinstance(got, tuple):
             return got
         lo, handle = got
-        if len(runs) == 1:                      # one contiguous run (the common case): one call, views kept
+        lm = len(runs) == 1
+        if lm:                                  # one contiguous run (the common case): one call, layer-major
             a, b = int(runs[0][0]), int(runs[0][1])
-            views = self._views.get((lo, a, b))
-            if views is None:
-                if len(self._views) >= 4096:
-                    self._views.clear()
-                dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
-                views = self._views[(lo, a, b)] = (dst, self._src[a:b])
-            views[0].copy_(views[1])
+            if self._drv is not None:           # the rows [a, b) of each layer, one after the other: a 2-D copy
+                L, K = self.cache.num_layers, self.cache.top_k
+                m = self._m
+                m.srcDevice = self._src_ptr + a * K * 2
+                m.dstDevice = self._stage_ptr + lo * L * K * 2
+                m.dstPitch = m.WidthInBytes = n * K * 2
+                self._drv.copy_2d(m, cudriver.current_stream(self._dev_index))
+            else:
+                views = self._views.get((lo, a, b))
+                if views is None:
+                    if len(self._views) >= 4096:
+                        self._views.clear()
+                    ring = self._host if not self._cuda else self._stage
+                    L, K = self.cache.num_layers, self.cache.top_k
+                    dst = ring.view(-1)[lo * L * K:(lo + n) * L * K].view(L, n, K)
+                    views = self._views[(lo, a, b)] = (dst, self.cache.buffer[:, a:b])
+                views[0].copy_(views[1])
         else:
             dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
             self._snapshot(runs, dst, lo, n)
         if not mark and self._cuda:
             shape = (n, self.cache.num_layers, self.cache.top_k)
-            return PendingRows(self, shape, lo, handle, None, staged=_UNMARKED)
-        return self._send(lo, n, handle)
+            return PendingRows(self, shape, lo, handle, None, staged=_UNMARKED, layer_major=lm)
+        return self._send(lo, n, handle, lm)
 
     def mark_batch(self, parts) -> None:
         """Record one event on the current stream after the snapshots of `parts` submitted with mark=False (on
@@ -264,11 +308,30 @@ class AsyncCopier:
         todo = [p for p in parts if getattr(p, "_staged", None) is _UNMARKED and not p._released]
         if not todo or not self._cuda:
             return
-        event = torch.cuda.Event()
-        _record(event, self._current_stream())
+        box = _BatchEvent(self._batch_pool.pop() if self._batch_pool else torch.cuda.Event(), len(todo))
+        self._record_now(box.event)
         self._seq += 1
         for p in todo:
-            p._staged, p._shared, p._seq = event, True, self._seq
+            p._staged, p._shared, p._seq = box.event, box, self._seq
+
+    def _record_now(self, event) -> None:
+        """Record `event` on this thread's current stream: a driver call with the GIL held once torch created it."""
+        if self._drv is not None and event.cuda_event:
+            self._drv.event_record(event.cuda_event, cudriver.current_stream(self._dev_index))
+        else:
+            _record(event, self._current_stream())
+
+    def _unstage(self, p: PendingRows) -> None:
+        """p's snapshot event is no longer needed by p (its copy was launched after a wait on it, or p was released
+        unlaunched): back to its pool (a batch's shared event once no step of the batch needs it)."""
+        box = p._shared
+        if box is None:
+            self._snap_pool.append(p._staged)
+            return
+        with self._launch_lock:
+            box.users -= 1
+            if box.users == 0:
+                self._batch_pool.append(box.event)
 
     def submit_gather(self, source: torch.Tensor, index, *, may_drop: bool = True) -> PendingRows | None:
         """Start copying rows `index` ((n,) integers, in output order) of `source`, an (S, L, K) int16 tensor on
@@ -315,17 +378,17 @@ class AsyncCopier:
         self.stats.submitted_rows += n
         return got
 
-    def _send(self, lo: int, n: int, handle) -> PendingRows:
+    def _send(self, lo: int, n: int, handle, layer_major: bool = False) -> PendingRows:
         """The rows [lo, lo + n) are in the staging ring (CUDA) or already in the host ring (CPU). CUDA: mark the
         snapshot's place on the compute stream (one reused event); the D2H copy is launched by `launch()` on the
         thread that consumes the rows."""
         shape = (n, self.cache.num_layers, self.cache.top_k)
         if not self._cuda:
-            return PendingRows(self, shape, lo, handle, None)
+            return PendingRows(self, shape, lo, handle, None, layer_major=layer_major)
         snap = self._snap_pool.pop() if self._snap_pool else torch.cuda.Event()
-        _record(snap, self._current_stream())  # the stream that ran the snapshot
+        self._record_now(snap)                  # on the stream that ran the snapshot
         self._seq += 1
-        return PendingRows(self, shape, lo, handle, None, staged=snap, seq=self._seq)
+        return PendingRows(self, shape, lo, handle, None, staged=snap, seq=self._seq, layer_major=layer_major)
 
     def _current_stream(self):
         """This thread's current stream on the cache's device. `torch.cuda.current_stream()` resolves the device in
@@ -372,8 +435,13 @@ class AsyncCopier:
                         p._event = event
                     i = j + 1
                 for p in todo:                    # the wait above is enqueued: the events can be recorded again
-                    if not p._shared:             # (a batch's one event is not reused: dropped with its parts)
+                    box = p._shared
+                    if box is None:
                         self._snap_pool.append(p._staged)
+                    else:                         # a batch's one event: once no step of the batch needs it
+                        box.users -= 1
+                        if box.users == 0:
+                            self._batch_pool.append(box.event)
                     p._staged = None
             finally:
                 torch.cuda.set_stream(prev)

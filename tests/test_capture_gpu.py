@@ -418,3 +418,40 @@ def test_steps_submitted_unmarked_share_one_event_per_batch_and_stay_exact():
     assert refused is not None and "mark_batch" in refused
     assert len(results) == 9 and all(results), results
     assert copier.in_flight_rows == 0 and copier.stats.dropped_steps == 0
+    # the snapshots were driver copies and the batch events went back to their pool and were recorded again
+    assert copier._drv is not None and 1 <= len(copier._batch_pool) <= 2
+
+
+def test_driver_fill_and_layer_major_snapshot_equal_torch_and_keep_the_gil():
+    """The engine thread's per-step launches made as CUDA driver calls with the GIL held (capture/cudriver.py):
+    fill_step sets exactly rows [0, n) of every layer to -1; a one-run snapshot lands layer-major and reads back
+    as the step's (n, L, K) rows; both equal what the torch calls give (the fallback, forced on a second cache),
+    for several sizes and offsets. (What the held GIL saves is measured by bench/engine_thread_probe.py, not here.)"""
+    from routing_replay.capture import cudriver
+
+    T = 512
+    cache = RoutingCache(T, L, K, device="cuda")
+    ref_cache = RoutingCache(T, L, K, device="cuda")
+    ref_cache._driver = None                       # the torch path
+    cp, ref_cp = AsyncCopier(cache, num_slots=4, max_rows=T), AsyncCopier(ref_cache, num_slots=4, max_rows=T)
+    ref_cp._drv = None
+    assert cache._driver is not None and cp._drv is not None and cudriver.check(cache.device) is cache._driver
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for n, a in ((1, 0), (7, 3), (200, 0), (300, 212), (512, 0)):
+        ids = [torch.randint(0, E, (T, K), device="cuda", generator=gen) for _ in range(L)]
+        for c in (cache, ref_cache):
+            for layer in range(L):
+                c.record(layer, ids[layer])
+        assert torch.equal(cache.buffer, ref_cache.buffer)
+        want = cache.buffer[:, a:a + n].transpose(0, 1).cpu().numpy()
+        p, q = cp.submit([(a, n)]), ref_cp.submit([(a, n)])
+        assert p._lm and q._lm
+        got, ref = p.result(), q.result()
+        assert got.shape == (n, L, K) and np.array_equal(got, want) and np.array_equal(ref, want)
+        p.release(), q.release()
+        before = cache.buffer.clone()
+        cache.fill_step(n)
+        ref_cache.fill_step(n)
+        torch.cuda.synchronize()
+        before[:, :n] = -1
+        assert torch.equal(cache.buffer, before) and torch.equal(ref_cache.buffer, before)

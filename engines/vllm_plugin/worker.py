@@ -545,7 +545,7 @@ class WorkerCapture:
             if active or storing:               # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
         elif active:                            # replayed from graphs: rows no router writes stay -1 (the
-            self.cache.step_rows(n).fill_(-1)   # store needs no fill: its write checks the layers at capture)
+            self.cache.fill_step(n)             # store needs no fill: its write checks the layers at capture)
         if t0:
             self.stats.host_ns += time.thread_time_ns() - t0
 
