@@ -178,6 +178,7 @@ def _rpc_stats(worker) -> dict:
     st, cop, prod = cap.stats, cap.copier.stats, cap.producer.stats
     cfg = worker.vllm_config
     d.update(capture=True, steps=st.steps, active_steps=st.active_steps, rows=st.rows, host_ns=st.host_ns,
+             host_wall_ns=st.host_wall_ns,
              prefix_rows=st.prefix_rows, prefix_requests=st.prefix_requests,
              store_device_bytes=cap.store.nbytes if cap.store is not None else 0,
              store_slots=cap.store.num_slots if cap.store is not None else 0,
@@ -525,6 +526,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
             steps = s1["steps"] - s0["steps"]
             r.update(steps=steps, active_steps=s1["active_steps"] - s0["active_steps"],
                      host_us_per_step=(s1["host_ns"] - s0["host_ns"]) / steps / 1e3,
+                     host_wall_us_per_step=(s1["host_wall_ns"] - s0["host_wall_ns"]) / steps / 1e3,
                      hook_us_per_step=(s1["hook_ns"] - s0["hook_ns"]) / steps / 1e3,
                      engine_cpu_us_per_step=(c1 - c0) / steps * 1e6,
                      sent_msgs=s1["sent_msgs"] - s0["sent_msgs"], sent_bytes=s1["sent_bytes"] - s0["sent_bytes"])
@@ -592,10 +594,13 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         res["loss_fill_vs_on_pct"] = 100 * (1 - res["fill_output_tok_s"] / res["on_output_tok_s"])
         res["host_us_per_step_fill"] = statistics.median(r["host_us_per_step"] for r in fill_rounds)
         res["host_us_per_step_fill_all"] = [r["host_us_per_step"] for r in fill_rounds]
+        res["host_wall_us_per_step_fill"] = statistics.median(r["host_wall_us_per_step"] for r in fill_rounds)
         res["prefix_rows_per_fill_round"] = statistics.median(r["prefix_rows"] for r in fill_rounds)
     res["steps_per_round"] = statistics.median(r["steps"] for r in on_rounds)
     res["host_us_per_step_on"] = statistics.median(r["host_us_per_step"] for r in on_rounds)
     res["host_us_per_step_on_all"] = [r["host_us_per_step"] for r in on_rounds]
+    res["host_wall_us_per_step_on"] = statistics.median(r["host_wall_us_per_step"] for r in on_rounds)
+    res["host_wall_us_per_step_optout"] = med("optout", "host_wall_us_per_step")
     res["store_device_bytes"] = max(r["store_device_bytes"] for r in rounds if "store_device_bytes" in r)
     res["hook_us_per_step_on"] = statistics.median(r["hook_us_per_step"] for r in on_rounds)
     res["host_us_per_step_optout"] = med("optout", "host_us_per_step")
@@ -640,7 +645,8 @@ def _print_summary(r: dict) -> None:
     print(f"  engine started with ROUTING_REPLAY_PREFIX_ROWS={r['prefix_rows']}: store "
           f"{r['store_device_bytes'] / 2**20:.1f} MiB on the device, written inside the graphs in every mode but off")
     print(f"  host per step (engine thread, capture on): pre/post {r['host_us_per_step_on']:.1f} us + hooks "
-          f"{r['hook_us_per_step_on']:.1f} us; opt-out {r['host_us_per_step_optout']:.1f} us; "
+          f"{r['hook_us_per_step_on']:.1f} us (wall: pre/post {r['host_wall_us_per_step_on']:.1f} us, opt-out "
+          f"{r['host_wall_us_per_step_optout']:.1f} us); opt-out {r['host_us_per_step_optout']:.1f} us; "
           f"{r['steps_per_round']:.0f} steps per round")
     print("  engine-core CPU per step: " + ", ".join(f"{m} {v:.0f} us" for m, v in r["engine_cpu_us_per_step"].items()))
     for n, g in r["gpu_cost"].items():

@@ -82,6 +82,7 @@ class WorkerStats:
     preempted: int = 0              # preemptions vLLM reported (any request)
     spec_steps: int = 0             # steps that verified speculative draft tokens
     host_ns: int = 0                # engine-thread CPU time in pre_step + post_step (only while `timing`)
+    host_wall_ns: int = 0           # their wall time (GIL waits included; only while `timing`)
     rebinds: int = 0
     prefix_requests: int = 0        # requests opened with prefix hits whose rows came from the prefix store
     prefix_rows: int = 0            # rows gathered from the prefix store
@@ -509,6 +510,7 @@ class WorkerCapture:
             self.active = self.storing = False
             return
         t0 = time.thread_time_ns() if self.timing else 0
+        w0 = time.perf_counter_ns() if t0 else 0
         self.stats.steps += 1
         if so.preempted_req_ids:
             self.stats.preempted += len(so.preempted_req_ids)
@@ -547,7 +549,7 @@ class WorkerCapture:
         elif active:                            # replayed from graphs: rows no router writes stay -1 (the
             self.cache.fill_step(n)             # store needs no fill: its write checks the layers at capture)
         if t0:
-            self.stats.host_ns += time.thread_time_ns() - t0
+            self._count_host(t0, w0)
 
     # ---- per request: nothing here raises into vLLM's step for one request's sake ------------------------------
 
@@ -638,6 +640,7 @@ class WorkerCapture:
         if not active and not storing:
             return
         t0 = time.thread_time_ns() if self.timing else 0
+        w0 = time.perf_counter_ns() if t0 else 0
         self.active = self.storing = False
         b = self.binding
         # ends the step: a no-op unless an eager step's last hook did not run (then it resets the cache's
@@ -662,12 +665,12 @@ class WorkerCapture:
                 self._pump_fills()
         if not active:
             if t0:
-                self.stats.host_ns += time.thread_time_ns() - t0
+                self._count_host(t0, w0)
             return
         layout = step_layout(self.runner, self.kind)
         if layout is None:
             if t0:
-                self.stats.host_ns += time.thread_time_ns() - t0
+                self._count_host(t0, w0)
             return
         req_ids, qsl, computed = layout
         last_ids, last_gen, keys, uncaptured = self._last_keys
@@ -684,7 +687,7 @@ class WorkerCapture:
             first, count, computed = first[sel], count[sel], computed[sel]
         if not keys:
             if t0:
-                self.stats.host_ns += time.thread_time_ns() - t0
+                self._count_host(t0, w0)
             return
         counts = count.tolist()
         if int(first[-1]) + counts[-1] - int(first[0]) == sum(counts):
@@ -703,7 +706,11 @@ class WorkerCapture:
         self.stats.active_steps += 1
         self.stats.rows += pending.shape[0]
         if t0:
-            self.stats.host_ns += time.thread_time_ns() - t0
+            self._count_host(t0, w0)
+
+    def _count_host(self, t0: int, w0: int) -> None:
+        self.stats.host_ns += time.thread_time_ns() - t0
+        self.stats.host_wall_ns += time.perf_counter_ns() - w0
 
     def _flush(self) -> None:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
