@@ -1,9 +1,19 @@
-"""Probe: engine-thread CPU of one torch launch vs the same work through the CUDA driver API called with the GIL
-held (ctypes.PyDLL), alone and beside busy Python threads. Also checks the driver-call results bit-exact."""
-import ctypes, sys, threading, time
+"""Engine-thread CPU and wall time of one torch launch vs the same work through the CUDA driver API called with the
+GIL held (ctypes.PyDLL), alone and beside busy Python threads; checks the driver calls' results bit-exact.
+Bare CUDA host, torch only. Figures: docs/PERFORMANCE.md, "Engine thread: driver calls with the GIL held".
+
+    python bench/gil_probe.py [BUSY_THREADS]      (default 0)
+"""
+import argparse
+import ctypes
+import threading
+import time
+
 import torch
 
-contend = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+_ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+_ap.add_argument("busy_threads", nargs="?", type=int, default=0, help="busy pure-Python threads beside this one")
+contend = _ap.parse_args().busy_threads
 stop = threading.Event()
 def busy():
     x = {}

@@ -86,12 +86,15 @@ class RoutingCache:
         if not 0 <= n <= self.max_tokens:
             raise ValueError(f"fill_step({n}) outside [0, {self.max_tokens}]")
         if self._driver is not None:
-            if n:
-                self._driver.memset_2d(self.buffer.data_ptr(), self.max_tokens * self._row_bytes, 0xFF,
-                                       n * self._row_bytes, self.num_layers,
-                                       cudriver.current_stream(self._dev_index))
-        else:
-            self.step_rows(n).fill_(-1)
+            try:
+                if n:
+                    self._driver.memset_2d(self.buffer.data_ptr(), self.max_tokens * self._row_bytes, 0xFF,
+                                           n * self._row_bytes, self.num_layers,
+                                           cudriver.current_stream(self._dev_index))
+                return
+            except cudriver.DriverError as e:       # refused at launch (nothing ran): torch calls from now on
+                self._driver = cudriver.give_up(e)
+        self.step_rows(n).fill_(-1)
 
     def attach_store(self, store, slot_mapping: torch.Tensor) -> None:
         """From now on every flush also writes the step's n rows into `store` (a PrefixStore) at

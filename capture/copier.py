@@ -282,8 +282,11 @@ class AsyncCopier:
                 m.srcDevice = self._src_ptr + a * K * 2
                 m.dstDevice = self._stage_ptr + lo * L * K * 2
                 m.dstPitch = m.WidthInBytes = n * K * 2
-                self._drv.copy_2d(m, cudriver.current_stream(self._dev_index))
-            else:
+                try:
+                    self._drv.copy_2d(m, cudriver.current_stream(self._dev_index))
+                except cudriver.DriverError as e:   # refused at launch (nothing ran): torch calls from now on
+                    self._drv = cudriver.give_up(e)
+            if self._drv is None:
                 views = self._views.get((lo, a, b))
                 if views is None:
                     if len(self._views) >= 4096:
@@ -317,9 +320,12 @@ class AsyncCopier:
     def _record_now(self, event) -> None:
         """Record `event` on this thread's current stream: a driver call with the GIL held once torch created it."""
         if self._drv is not None and event.cuda_event:
-            self._drv.event_record(event.cuda_event, cudriver.current_stream(self._dev_index))
-        else:
-            _record(event, self._current_stream())
+            try:
+                self._drv.event_record(event.cuda_event, cudriver.current_stream(self._dev_index))
+                return
+            except cudriver.DriverError as e:       # refused at launch (nothing ran): torch calls from now on
+                self._drv = cudriver.give_up(e)
+        _record(event, self._current_stream())
 
     def _unstage(self, p: PendingRows) -> None:
         """p's snapshot event is no longer needed by p (its copy was launched after a wait on it, or p was released

@@ -138,6 +138,13 @@ def check(device) -> Driver | None:
     return ok
 
 
+def give_up(error: Exception) -> None:
+    """A driver call was refused at launch (e.g. the calling thread's current device is not the cache's): log it
+    once per caller and return None, so the caller uses torch calls from now on (nothing was launched)."""
+    log.warning("routing-replay: CUDA driver call refused (%s); this capture uses torch calls from now on", error)
+    return None
+
+
 _STREAMS: dict = {}
 
 

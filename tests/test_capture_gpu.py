@@ -455,3 +455,12 @@ def test_driver_fill_and_layer_major_snapshot_equal_torch_and_keep_the_gil():
         torch.cuda.synchronize()
         before[:, :n] = -1
         assert torch.equal(cache.buffer, before) and torch.equal(ref_cache.buffer, before)
+    # a driver call the driver refuses at launch (here a 2-D copy whose source pitch is below its width: a real
+    # CUDA_ERROR_INVALID_VALUE) launches nothing: the copier logs it, uses torch calls from then on, rows exact
+    cp._m.srcPitch = 2
+    ids = [torch.randint(0, E, (T, K), device="cuda", generator=gen) for _ in range(L)]
+    for layer in range(L):
+        cache.record(layer, ids[layer])
+    p = cp.submit([(5, 40)])
+    assert cp._drv is None and np.array_equal(p.result(), cache.buffer[:, 5:45].transpose(0, 1).cpu().numpy())
+    p.release()
