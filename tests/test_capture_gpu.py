@@ -422,11 +422,11 @@ def test_steps_submitted_unmarked_share_one_event_per_batch_and_stay_exact():
     assert copier._drv is not None and 1 <= len(copier._batch_pool) <= 2
 
 
-def test_driver_fill_and_layer_major_snapshot_equal_torch_and_keep_the_gil():
+def test_driver_fill_and_layer_major_snapshot_equal_torch_and_fall_back_when_refused():
     """The engine thread's per-step launches made as CUDA driver calls with the GIL held (capture/cudriver.py):
     fill_step sets exactly rows [0, n) of every layer to -1; a one-run snapshot lands layer-major and reads back
     as the step's (n, L, K) rows; both equal what the torch calls give (the fallback, forced on a second cache),
-    for several sizes and offsets. (What the held GIL saves is measured by bench/engine_thread_probe.py, not here.)"""
+    for several sizes and offsets; a call the driver refuses falls back to torch. (What the held GIL saves is measured by bench/engine_thread_probe.py, not here.)"""
     from routing_replay.capture import cudriver
 
     T = 512
