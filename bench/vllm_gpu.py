@@ -178,7 +178,8 @@ def _rpc_stats(worker) -> dict:
     st, cop, prod = cap.stats, cap.copier.stats, cap.producer.stats
     cfg = worker.vllm_config
     d.update(capture=True, steps=st.steps, active_steps=st.active_steps, rows=st.rows, host_ns=st.host_ns,
-             host_wall_ns=st.host_wall_ns,
+             host_wall_ns=st.host_wall_ns, clock_ns=st.clock_ns, clock_wall_ns=st.clock_wall_ns,
+             timed_sections=st.timed_sections,
              prefix_rows=st.prefix_rows, prefix_requests=st.prefix_requests,
              store_device_bytes=cap.store.nbytes if cap.store is not None else 0,
              store_slots=cap.store.num_slots if cap.store is not None else 0,
@@ -527,6 +528,9 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
             r.update(steps=steps, active_steps=s1["active_steps"] - s0["active_steps"],
                      host_us_per_step=(s1["host_ns"] - s0["host_ns"]) / steps / 1e3,
                      host_wall_us_per_step=(s1["host_wall_ns"] - s0["host_wall_ns"]) / steps / 1e3,
+                     clock_us_per_step=(s1["clock_ns"] - s0["clock_ns"]) / steps / 1e3,
+                     clock_wall_us_per_step=(s1["clock_wall_ns"] - s0["clock_wall_ns"]) / steps / 1e3,
+                     timed_sections_per_step=(s1["timed_sections"] - s0["timed_sections"]) / steps,
                      hook_us_per_step=(s1["hook_ns"] - s0["hook_ns"]) / steps / 1e3,
                      engine_cpu_us_per_step=(c1 - c0) / steps * 1e6,
                      sent_msgs=s1["sent_msgs"] - s0["sent_msgs"], sent_bytes=s1["sent_bytes"] - s0["sent_bytes"])
@@ -604,6 +608,15 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     res["store_device_bytes"] = max(r["store_device_bytes"] for r in rounds if "store_device_bytes" in r)
     res["hook_us_per_step_on"] = statistics.median(r["hook_us_per_step"] for r in on_rounds)
     res["host_us_per_step_optout"] = med("optout", "host_us_per_step")
+    # the timing clocks' own cost (one read pair per timed section, measured in place): the plugin without them
+    for m in modes:
+        if m == "off":
+            continue
+        res[f"clock_us_per_step_{m}"] = med(m, "clock_us_per_step")
+        res[f"clock_wall_us_per_step_{m}"] = med(m, "clock_wall_us_per_step")
+        res[f"timed_sections_per_step_{m}"] = med(m, "timed_sections_per_step")
+        res[f"host_net_us_per_step_{m}"] = med(m, "host_us_per_step") - res[f"clock_us_per_step_{m}"]
+        res[f"host_wall_net_us_per_step_{m}"] = med(m, "host_wall_us_per_step") - res[f"clock_wall_us_per_step_{m}"]
     res["engine_cpu_us_per_step"] = {m: 1e6 * res[f"{m}_engine_cpu_s"] / res["steps_per_round"] for m in modes}
     res["records_wait_s"] = statistics.median(r["records_wait_s"] for r in on_rounds)
     res["helpers_cpu_s_per_round"] = statistics.median(r["helpers_cpu_s"] for r in on_rounds)
@@ -648,6 +661,11 @@ def _print_summary(r: dict) -> None:
           f"{r['hook_us_per_step_on']:.1f} us (wall: pre/post {r['host_wall_us_per_step_on']:.1f} us, opt-out "
           f"{r['host_wall_us_per_step_optout']:.1f} us); opt-out {r['host_us_per_step_optout']:.1f} us; "
           f"{r['steps_per_round']:.0f} steps per round")
+    print("  the same without the timing clocks' own cost (one thread-clock + wall-clock read pair per timed "
+          "section, measured in place), CPU / wall: " + ", ".join(
+              f"{m} {r[f'host_net_us_per_step_{m}']:.1f} / {r[f'host_wall_net_us_per_step_{m}']:.1f} us (clocks "
+              f"{r[f'clock_us_per_step_{m}']:.1f} / {r[f'clock_wall_us_per_step_{m}']:.1f} us, "
+              f"{r[f'timed_sections_per_step_{m}']:.2f} sections per step)" for m in r["modes"] if m != "off"))
     print("  engine-core CPU per step: " + ", ".join(f"{m} {v:.0f} us" for m, v in r["engine_cpu_us_per_step"].items()))
     for n, g in r["gpu_cost"].items():
         if isinstance(g, dict):

@@ -169,6 +169,35 @@ def test_opted_out_requests_cost_no_copy_and_no_message(eng):
     assert not ({o.request_id for o in outs} | {mixed[0].request_id}) & have.keys()
 
 
+def test_timing_counts_each_section_once_and_its_clocks_apart(eng):
+    """Benchmarks read WorkerStats.host_ns per step: pre_step is timed on every step, post_step only on steps that
+    publish rows (sentinel mode: nothing else to do), and the clocks' own cost is counted apart, inside it."""
+    rnd = random.Random(13)
+    st = eng.cap.stats
+    eng.cap.timing = True
+    try:
+        def counters():
+            return (st.steps, st.active_steps, st.rows, st.timed_sections, st.host_ns, st.clock_ns, st.host_wall_ns,
+                    st.clock_wall_ns)
+
+        c0 = counters()
+        eng.generate([_tokens(rnd, 40)], SamplingParams(max_tokens=10, extra_args={"return_routed_experts": False}))
+        c1 = counters()
+        out = eng.generate([_tokens(rnd, 40)], SamplingParams(max_tokens=10, ignore_eos=True))
+        c2 = counters()
+    finally:
+        eng.cap.timing = False
+    eng.check(out)
+    d_out = [b - a for a, b in zip(c0, c1)]
+    d_on = [b - a for a, b in zip(c1, c2)]
+    steps, active, rows, sections, host, clock, wall, clock_wall = d_out
+    assert steps >= 10 and (active, rows) == (0, 0) and sections == steps          # opted out: pre_step only
+    assert 0 < clock < host and 0 < clock_wall < wall
+    steps, active, rows, sections, host, clock, wall, clock_wall = d_on
+    assert (active, rows) == (10, 40 + 9) and sections == steps + active           # one prefill + 9 decode steps
+    assert 0 < clock < host and 0 < clock_wall < wall
+
+
 def test_user_request_ids_and_aborts(eng):
     rnd = random.Random(6)
     eng_ = eng.llm.llm_engine

@@ -83,6 +83,9 @@ class WorkerStats:
     spec_steps: int = 0             # steps that verified speculative draft tokens
     host_ns: int = 0                # engine-thread CPU time in pre_step + post_step (only while `timing`)
     host_wall_ns: int = 0           # their wall time (GIL waits included; only while `timing`)
+    clock_ns: int = 0               # of host_ns: the timing clocks' own cost, one read pair per timed section,
+    clock_wall_ns: int = 0          # measured in place (a second pair read right after the first); same for wall
+    timed_sections: int = 0         # pre_step / post_step runs that were timed
     rebinds: int = 0
     prefix_requests: int = 0        # requests opened with prefix hits whose rows came from the prefix store
     prefix_rows: int = 0            # rows gathered from the prefix store
@@ -709,8 +712,16 @@ class WorkerCapture:
             self._count_host(t0, w0)
 
     def _count_host(self, t0: int, w0: int) -> None:
-        self.stats.host_ns += time.thread_time_ns() - t0
-        self.stats.host_wall_ns += time.perf_counter_ns() - w0
+        t1 = time.thread_time_ns()
+        w1 = time.perf_counter_ns()
+        t2 = time.thread_time_ns()          # the clocks measured by themselves, here and now: what one read pair
+        w2 = time.perf_counter_ns()         # added to this section (the thread clock is a system call, ~0.4 us
+        st = self.stats                     # on a quiet VM, more inside a busy engine process)
+        st.host_ns += t1 - t0
+        st.host_wall_ns += w1 - w0
+        st.clock_ns += t2 - t1
+        st.clock_wall_ns += w2 - w1
+        st.timed_sections += 1
 
     def _flush(self) -> None:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
