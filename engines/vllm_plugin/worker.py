@@ -244,34 +244,12 @@ class WorkerCapture:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         runner = worker.model_runner
-        self.kind = runner_kind(runner)
-        self.runner = runner
-        self.settings = settings
-        self.stats = WorkerStats()
-        self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
+        self._init_state(runner, runner_kind(runner), settings)
         vc = worker.vllm_config
         pc = vc.parallel_config
         tp, pp = get_tp_group(), get_pp_group()
         self.publisher = tp.rank_in_group == 0
         self.announces = pp.rank_in_group == 0
-        self.tracked: dict[str, str] = {}       # engine request id -> record key
-        self._tracked_gen = 0                   # bumped on every change of `tracked`
-        self._last_keys = (None, -1, None, True)  # (request ids, _tracked_gen, their keys, any None) of the last step
-        self.active = False
-        self.storing = False                    # this step's routing goes into the prefix store (fill)
-        self.fill = settings.prefix_rows == "fill"
-        self.store: PrefixStore | None = None   # made when warm-up starts (KV cache sized, graphs not captured)
-        self._slot_mapping = None               # the runner's persistent slot buffer the store write reads
-        self._owner = None                      # _slot_owner() when the store was attached
-        self._keepalive: list = []              # dropped stores that captured graphs may still write
-        self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
-        self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
-        self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
-        self.binding = None
-        self.sink = None
-        self._warned_no_notes = False
-        self.producer = None
-        self.warming = False                    # Worker.compile_or_warm_up_model runs: V2 feeds it fake requests
         if not self.publisher:
             return
         _check_runner_supported(runner, self.kind, vc)
@@ -318,6 +296,34 @@ class WorkerCapture:
                  "host ring %.1f MiB, requests=%s, prefix_rows=%s, model runner %s", len(layers), local_ids,
                  global_ids, top_k, max_tokens, (self.cache.nbytes + self.copier.device_bytes) / 2**20, self.device,
                  self.copier.host_bytes / 2**20, settings.requests, settings.prefix_rows, self.kind.upper())
+
+    def _init_state(self, runner, kind: str, settings: Settings) -> None:
+        """The per-worker state every rank starts with (no hooks, no cache, no producer yet); bench/
+        worker_step_probe.py starts from it too."""
+        self.kind = kind
+        self.runner = runner
+        self.settings = settings
+        self.publisher = self.announces = True
+        self.stats = WorkerStats()
+        self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
+        self.tracked: dict[str, str] = {}       # engine request id -> record key
+        self._tracked_gen = 0                   # bumped on every change of `tracked`
+        self._last_keys = (None, -1, None, True)  # (request ids, _tracked_gen, their keys, any None) of the last step
+        self.active = False
+        self.storing = False                    # this step's routing goes into the prefix store (fill)
+        self.fill = settings.prefix_rows == "fill"
+        self.store: PrefixStore | None = None   # made when warm-up starts (KV cache sized, graphs not captured)
+        self._slot_mapping = None               # the runner's persistent slot buffer the store write reads
+        self._owner = None                      # _slot_owner() when the store was attached
+        self._keepalive: list = []              # dropped stores that captured graphs may still write
+        self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
+        self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
+        self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
+        self.binding = None
+        self.sink = None
+        self._warned_no_notes = False
+        self.producer = None
+        self.warming = False                    # Worker.compile_or_warm_up_model runs: V2 feeds it fake requests
 
     # ---- binding -----------------------------------------------------------------------------------------------
 

@@ -1,0 +1,184 @@
+"""The plugin's real per-step engine-thread work (WorkerCapture.pre_step/post_step), without vLLM and without a GPU.
+
+Drives the worker's own pre_step/post_step with scheduler outputs and a Model Runner V1 batch shaped like vLLM's
+(the fields the worker reads), over the real RoutingCache, AsyncCopier and Producer (publishing to an endpoint
+nobody binds: its thread still takes, copies and encodes every delta; nothing leaves). Between steps the "routers"
+write every layer's top-k (the forward; not timed) and, with --evict-mib, the probe walks a buffer that size and a
+few thousand Python objects, so that each step starts with the caches as a forward left them: inside vLLM the same
+Python runs several times slower than in a warm loop (docs/PERFORMANCE.md), and a warm loop would hide what a
+change saves there. Timing: the pre_step/post_step calls as a whole, timed from outside (`calls_us`, CPU; `calls_wall_us`: early exits
+and call overhead included, the clocks' own cost measured in place and subtracted); compare changes on these,
+which nothing can move out of view. --worker-timing adds the worker's own figures (WorkerStats.host_ns, what
+bench/vllm_gpu.py reads inside vLLM; `net_us` without its clocks), whose clocks then also count in `calls_us`.
+
+Modes: `on` (every request captured), `optout` (every request opted out), `optout-fill` (opted out, in an engine
+whose prefix store exists: ROUTING_REPLAY_PREFIX_ROWS=fill). Graph mode (hooks replayed from CUDA graphs: the -1
+fill in pre_step) unless --eager.
+
+    python bench/worker_step_probe.py [--mode on] [--requests 256] [--layers 16] [--steps 1000] [--evict-mib 64]
+                                      [--device cpu|cuda] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from routing_replay.capture import AsyncCopier, RoutingCache  # noqa: E402
+from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
+from routing_replay.engines.vllm_plugin.worker import MAX_BATCH_STEPS, WorkerCapture, _StepBatch  # noqa: E402
+from routing_replay.producer import Producer  # noqa: E402
+
+MODES = ("on", "optout", "optout-fill")
+
+
+class _Runner:
+    """What the worker reads of a Model Runner V1 after execute_model: the persistent batch and query_start_loc."""
+
+    def __init__(self, n: int, max_tokens: int, device):
+        self.input_batch = SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(n, np.int32),
+                                           block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(
+                                               gpu=torch.zeros(max_tokens, dtype=torch.int64, device=device)))])
+        self.query_start_loc = SimpleNamespace(np=np.zeros(n + 1, np.int32))
+
+
+def _so(new, scheduled: dict, total: int):
+    return SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=total,
+                           finished_req_ids=set(), preempted_req_ids=set(), scheduled_spec_decode_tokens={})
+
+
+def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
+        worker_timing: bool = False, prompt_len: int = 16) -> dict:
+    dev = torch.device(device)
+    max_tokens = max(8192, n * prompt_len)
+    settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode == "optout-fill" else "sentinel")
+    runner = _Runner(n, max_tokens, dev)
+    cap = WorkerCapture.__new__(WorkerCapture)
+    cap._init_state(runner, "v1", settings)
+    cap.device = dev
+    cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev)
+    cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
+    cap.batch = _StepBatch()
+    cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
+    cap.binding = SimpleNamespace(gate=eager, active=False, calls=0, min_rows=0, layers=[None] * layers)
+    cap.layer_ids, cap.randomized = list(range(layers)), False
+    where = tempfile.mkdtemp(prefix="rr-probe-")
+    cap.producer = Producer(f"ipc://{where}/nobody", num_layers=layers, top_k=top_k, max_queue_bytes=1 << 30,
+                            replay_max_bytes=1 << 30)
+    if cap.fill:                                    # a store as a fill engine has one (graph mode: written inside
+        from routing_replay.capture.prefix_store import PrefixStore          # the forward, nothing on the host)
+        cap.store = PrefixStore(4 * max_tokens, layers, top_k, device=dev)
+        cap._slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu
+        cap._owner = cap._slot_owner()
+        cap._block_size = 16
+    captured = mode == "on"
+    sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
+    ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
+    new = [SimpleNamespace(req_id=r, sampling_params=sp, prompt_token_ids=list(range(prompt_len)),
+                           prompt_embeds=None, num_computed_tokens=0, block_ids=([i],)) for i, r in enumerate(ids)]
+    topk = torch.randint(0, 128, (max_tokens, top_k), device=dev, dtype=torch.int32)
+    ib, qsl = runner.input_batch, runner.query_start_loc.np
+    big = np.ones(max(1, evict_mib) * 2**20 // 8) if evict_mib else None
+    junk = [{"a": i} for i in range(20000)] if evict_mib else []
+    cap.timing = worker_timing
+    warm = min(100, steps // 4)
+    t_run = time.perf_counter()
+    s0 = None
+    outer = [0, 0]                                  # the calls as the engine sees them (early exits included)
+    _tt, _pc = time.thread_time_ns, time.perf_counter_ns
+    for step in range(steps + warm):
+        if step == warm:
+            st = cap.stats
+            s0 = (st.steps, st.host_ns, st.clock_ns, st.host_wall_ns, st.clock_wall_ns, st.timed_sections)
+            outer = [0, 0]
+        first = step == 0
+        q = prompt_len if first else 1
+        so = _so(new if first else [], {r: q for r in ids}, n * q)
+        t0, w0 = _tt(), _pc()
+        cap.pre_step(so)
+        t1, w1 = _tt(), _pc()
+        t2, w2 = _tt(), _pc()
+        outer[0] += (t1 - t0) - (t2 - t1)
+        outer[1] += (w1 - w0) - (w2 - w1)
+        # the runner's batch for this step, then the forward: every router writes its top-k
+        ib.num_reqs, ib.req_ids = n, ids
+        ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
+        qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
+        rows = n * q
+        for layer in range(layers):
+            cap.cache.record(layer, topk[:rows])
+        t0, w0 = _tt(), _pc()
+        cap.post_step(so)
+        t1, w1 = _tt(), _pc()
+        t2, w2 = _tt(), _pc()
+        outer[0] += (t1 - t0) - (t2 - t1)
+        outer[1] += (w1 - w0) - (w2 - w1)
+        if big is not None:
+            big += 1.0
+            for d in junk[::3]:
+                d.get("a")
+    cap._flush()
+    deadline = time.monotonic() + 60               # the producer's thread took (copied, encoded) every delta
+    while cap.producer.queued_msgs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ok = cap.producer.queued_msgs == 0
+    wall_s = time.perf_counter() - t_run
+    st = cap.stats
+    d = [b - a for a, b in zip(s0, (st.steps, st.host_ns, st.clock_ns, st.host_wall_ns, st.clock_wall_ns,
+                                     st.timed_sections))]
+    k = d[0]
+    res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
+           "device": device, "graph_mode": not eager,
+           "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
+           "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
+           "producer_drained": ok, "run_s": round(wall_s, 1)}
+    if worker_timing:
+        res.update(pre_post_us=round(d[1] / k / 1e3, 2), clocks_us=round(d[2] / k / 1e3, 2),
+                   net_us=round((d[1] - d[2]) / k / 1e3, 2), wall_us=round(d[3] / k / 1e3, 2),
+                   net_wall_us=round((d[3] - d[4]) / k / 1e3, 2), sections_per_step=round(d[5] / k, 3))
+    cap.producer.close(0.1)                         # nobody listens: what it holds goes with it
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=MODES + ("all",), default="all")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--evict-mib", type=int, default=64, help="buffer walked between steps (0: warm caches)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--eager", action="store_true", help="hooks run in Python every step (CPU / enforce_eager)")
+    ap.add_argument("--worker-timing", action="store_true",
+                    help="also the worker's own timing (WorkerStats.host_ns, as bench/vllm_gpu.py reads it in vLLM); "
+                         "its clocks then add to calls_us")
+    ap.add_argument("--json", help="write the results here too")
+    a = ap.parse_args(argv)
+    logging.disable(logging.WARNING)                # the producer reports, every few seconds, that nobody listens
+    out = []
+    for m in (MODES if a.mode == "all" else (a.mode,)):
+        r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing)
+        out.append(r)
+        print(json.dumps(r), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    bad = [r for r in out if not r["producer_drained"] or (r["mode"] == "on" and r["active_steps"] != r["steps"] +
+                                                           min(100, a.steps // 4))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
