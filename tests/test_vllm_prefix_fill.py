@@ -262,5 +262,17 @@ def test_mixtral_shared_prefix_and_n(tmp_path):
         # every sample hits the 2 prefix blocks; siblings of the 503-token prompt also hit its third block
         assert {k: r.num_prefix_filled for k, (r, _, _) in recs.items()} == {
             "0_1": 256, "1_1": 256, "2_1": 256, "0_2": 256, "1_2": 384, "2_2": 384}
+        # The runner's slot-mapping buffer is checked before a request opens with rows from the store and before
+        # rows leave it, not every step: a request that hits after the buffer was replaced (here: the worker's
+        # record of it no longer matches) drops the whole store first, and opens as in sentinel mode.
+        store = eng.cap.store
+        eng.cap._owner = object()
+        outs = eng.generate([prefix + _tokens(rnd, 7)], SamplingParams(max_tokens=3, temperature=0))
+        assert eng.cap.store is None and not eng.cap.fill and store.invalidations == 1
+        (r, o, c), = eng.records(outs).values()
+        assert (r.num_cached_tokens, r.num_prefix_filled, r.complete, r.reason, r.missing) == (256, 0, True, "", [])
+        assert (r.prompt_routed_experts[:256] == -1).all() and (r.prompt_routed_experts[256:] >= 0).all()
+        v = eng.oracle.check(r)
+        assert v.ok and v.rows == (len(o.prompt_token_ids) - 256 + len(c.token_ids) - 1) * r.routed_experts.shape[1]
     finally:
         eng.close()

@@ -392,6 +392,25 @@ def test_step_batch_concatenates_in_order_and_releases_all():
     assert batch.parts == [] and batch.rows == 0
 
 
+def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
+    """Decode steps hand the same key list and their positions as arrays; take() gives flat lists of ints."""
+    keys = ["x", "y", "z"]
+    parts = [FakePending(np.full((3, 3, 2), i, dtype=np.int16)) for i in range(3)]
+    batch = _StepBatch()
+    batch.add(parts[0], keys, np.array([5, 9, 0], np.int32), np.array([1, 1, 1], np.int32))
+    batch.add(parts[1], keys, np.array([6, 10, 1], np.int32), np.array([1, 1, 1], np.int32))
+    batch.add(parts[2], ["w"], [0], [3], strict=False)            # a prefix gather: lists
+    assert batch.keys[0] is batch.keys[1] is keys and batch.rows == 9
+    ks, starts, counts, rows = batch.take()
+    assert (ks, starts, counts) == (["x", "y", "z", "x", "y", "z", "w"], [5, 9, 0, 6, 10, 1, 0], [1] * 6 + [3])
+    assert all(type(v) is int for v in starts + counts)
+    assert np.array_equal(rows.result(), np.concatenate([p.rows for p in parts]))
+    one = _StepBatch()
+    one.add(parts[0], keys, np.array([5, 9, 0], np.int32), np.array([1, 1, 1], np.int32))
+    ks, starts, counts, _ = one.take()
+    assert ks is keys and (starts, counts) == ([5, 9, 0], [1, 1, 1]) and all(type(v) is int for v in starts)
+
+
 def test_step_batch_refuses_unwritten_rows():
     r = np.zeros((2, 3, 2), np.int16)
     r[1, 2] = -1

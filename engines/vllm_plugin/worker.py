@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,32 +145,44 @@ class _StepBatch:
 
     Batching leaves the records' timing unchanged (a record is emitted at its request's finish, and a finish
     flushes the batch first) and divides the per-message cost of producer, broker and consumer by the number
-    of steps batched."""
+    of steps batched. Per step it keeps references only (the step's key list, which decode steps share, and its
+    starts and counts as arrays): nothing per request is touched on the engine thread until `take`, where each
+    key is touched once per batch instead of once per step."""
 
     __slots__ = ("parts", "strict", "keys", "starts", "counts", "rows")
 
     def __init__(self):
         self.parts: list = []
         self.strict: list = []
-        self.keys: list = []
-        self.starts: list = []
+        self.keys: list = []            # per step: its list of record keys (never modified afterwards)
+        self.starts: list = []          # per step: 1-D integer array or list
         self.counts: list = []
         self.rows = 0
 
-    def add(self, pending, keys: list, starts: list, counts: list, strict: bool = True) -> None:
-        """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is."""
+    def add(self, pending, keys: list, starts, counts, strict: bool = True) -> None:
+        """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
+        not be modified afterwards; `starts` and `counts` (lists or 1-D integer arrays) must not be either."""
         self.parts.append(pending)
         self.strict.append(strict)
-        self.keys += keys
-        self.starts += starts
-        self.counts += counts
+        self.keys.append(keys)
+        self.starts.append(starts)
+        self.counts.append(counts)
         self.rows += pending.shape[0]
 
     def take(self):
-        """The batched steps as publish_rows arguments; the batch is empty afterwards."""
-        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts, self.strict))
+        """The batched steps as publish_rows arguments (flat lists); the batch is empty afterwards."""
+        keys = self.keys[0] if len(self.keys) == 1 else list(chain.from_iterable(self.keys))
+        out = (keys, _flat(self.starts), _flat(self.counts), _BatchedRows(self.parts, self.strict))
         self.parts, self.strict, self.keys, self.starts, self.counts, self.rows = [], [], [], [], [], 0
         return out
+
+
+def _flat(parts: list) -> list:
+    """Per-step integer arrays or lists as one list of ints (one C loop for arrays)."""
+    if len(parts) == 1:
+        p = parts[0]
+        return p.tolist() if isinstance(p, np.ndarray) else list(p)
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]).tolist()
 
 
 def show_id(request_id: str, limit: int = 64) -> str:
@@ -213,13 +226,15 @@ def step_layout(runner, kind: str):
     if kind == "v1":
         ib = runner.input_batch
         n = ib.num_reqs
-        return ib.req_ids[:n], runner.query_start_loc.np[:n + 1], ib.num_computed_tokens_cpu[:n]
+        ids = ib.req_ids                            # the runner's own list: read, never kept or modified
+        return (ids if len(ids) == n else ids[:n]), runner.query_start_loc.np[:n + 1], ib.num_computed_tokens_cpu[:n]
     st = runner.execute_model_state
     if st is None:
         return None
     ib = st.input_batch
     n = ib.num_reqs
-    return ib.req_ids[:n], ib.query_start_loc_np[:n + 1], ib.num_computed_tokens_np[:n]
+    ids = ib.req_ids
+    return (ids if len(ids) == n else ids[:n]), ib.query_start_loc_np[:n + 1], ib.num_computed_tokens_np[:n]
 
 
 def _check_runner_supported(runner, kind: str, vc) -> None:
@@ -435,6 +450,15 @@ class WorkerCapture:
             return self.runner.input_batch.block_table[0].slot_mapping.gpu
         return self.runner.block_tables.slot_mappings
 
+    def _store_trusted(self) -> bool:
+        """Checked before rows leave the store (not on every step): the runner still writes the slot-mapping
+        buffer the store write reads. If it replaced it, rows written since sit at slots nobody has read yet; the
+        whole store goes (_store_lost) before any of them could be."""
+        if self._slot_owner() is self._owner:
+            return True
+        self._store_lost("the runner replaced its slot-mapping buffer after the store was attached")
+        return False
+
     def _store_lost(self, why: str) -> None:
         """The store can no longer be trusted to follow the KV cache: drop it, loudly; prefix rows stay -1."""
         self.store.invalidate()
@@ -528,7 +552,7 @@ class WorkerCapture:
         tracked = self.tracked
         if self._fill_queue and (so.finished_req_ids or so.preempted_req_ids):
             freed = {f.rid for f in self._fill_queue} & (set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
-            if freed:                               # their blocks may be reused by this step's forward
+            if freed and self._store_trusted():     # their blocks may be reused by this step's forward
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             self._flush()                           # a request's rows go out before its finish
@@ -539,19 +563,24 @@ class WorkerCapture:
                 if key is not None:
                     self._close_request(rid, key, notes)
         n = so.total_num_scheduled_tokens
-        if self.store is None:
-            if self.fill and n and (self.binding.gate or not self.graphs_captured):
-                self._make_store()
-        elif self._slot_owner() is not self._owner:
-            self._store_lost("the runner replaced its slot-mapping buffer after the store was attached")
+        store = self.store
+        if store is None and self.fill and n and (self.binding.gate or not self.graphs_captured):
+            self._make_store()
+            store = self.store
+        if store is not None and so.scheduled_new_reqs and not self._store_trusted():
+            store = None                            # before a request opens with rows from it
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
                 self._open_request(new)
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
-        storing = self.storing = self.store is not None and n > 0
+        storing = store is not None and n > 0
         b = self.binding
         b.active = active or storing or not b.gate
+        # post_step's store work: on eager steps, the hooks' count (incomplete steps' slots are forgotten); the
+        # gathers of prefix rows. Under CUDA graphs with nothing to gather there is none (the forward wrote the
+        # store) but the flush check (post_step).
+        self.storing = storing and (b.gate or bool(self._fills) or bool(self._fill_queue))
         if b.gate:
             if active or storing:               # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
@@ -647,6 +676,8 @@ class WorkerCapture:
     def post_step(self, so) -> None:
         active, storing = self.active, self.storing
         if not active and not storing:
+            if self.store is not None:  # a step run outside the graphs whose last hook was lost ended without its
+                self.cache.flush()      # flush: end it now (its slots get -1 in the store); else a no-op
             return
         t0 = time.thread_time_ns() if self.timing else 0
         w0 = time.perf_counter_ns() if t0 else 0
@@ -668,6 +699,8 @@ class WorkerCapture:
                 log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV slots "
                             "hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
                             so.total_num_scheduled_tokens, self.stats.store_forgotten)
+            if self._fills or self._fill_queue:
+                self._store_trusted()           # may drop the store (and with it both queues)
             if self._fills:
                 self._queue_fills()
             if self._fill_queue:
@@ -683,7 +716,10 @@ class WorkerCapture:
             return
         req_ids, qsl, computed = layout
         last_ids, last_gen, keys, uncaptured = self._last_keys
-        if last_gen != self._tracked_gen or last_ids != req_ids:     # decode steps repeat the batch: C-speed compare
+        # decode steps repeat the batch: compared item by item by identity (C speed, no id touched); the list
+        # is copied and mapped to keys only when it changed
+        if last_gen != self._tracked_gen or last_ids != req_ids:
+            req_ids = list(req_ids)
             tracked = self.tracked
             keys = [tracked.get(r) for r in req_ids]
             uncaptured = None in keys
@@ -694,22 +730,23 @@ class WorkerCapture:
             sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
             keys = [k for k, on in zip(keys, sel.tolist()) if on]
             first, count, computed = first[sel], count[sel], computed[sel]
+        else:
+            computed = computed.copy()              # the runner's array: it changes with the next step
         if not keys:
             if t0:
                 self._count_host(t0, w0)
             return
-        counts = count.tolist()
-        if int(first[-1]) + counts[-1] - int(first[0]) == sum(counts):
-            segments = [(int(first[0]), sum(counts))]           # one contiguous run: the common case
+        total = int(count.sum())
+        if int(first[-1]) + int(count[-1]) - int(first[0]) == total:
+            segments = [(int(first[0]), total)]                 # one contiguous run: the common case
         else:
-            segments = list(zip(first.tolist(), counts))
+            segments = list(zip(first.tolist(), count.tolist()))
         pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
-        starts = computed.tolist()
         if pending.dropped:                                  # host ring full: publish as lost, keep order
             self._flush()
-            self.producer.publish_rows(keys, starts, counts, pending)
+            self.producer.publish_rows(keys, computed, count, pending)
         else:
-            self.batch.add(pending, keys, starts, counts)
+            self.batch.add(pending, keys, computed, count)
             if len(self.batch.parts) >= self.max_batch_steps or self.batch.rows >= self.max_batch_rows:
                 self._flush()
         self.stats.active_steps += 1
