@@ -58,8 +58,24 @@ def _so(new, scheduled: dict, total: int):
                            finished_req_ids=set(), preempted_req_ids=set(), scheduled_spec_decode_tokens={})
 
 
+def _timed(pieces: dict, name: str, fn):
+    """fn, with its wall time added to pieces[name] (the clock read pair's own cost taken out, measured in place)."""
+    pc = time.perf_counter_ns
+    pieces[name] = 0
+
+    def wrapper(*args, **kwargs):
+        w0 = pc()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            w1 = pc()
+            pieces[name] += (w1 - w0) - (pc() - w1)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
-        worker_timing: bool = False, prompt_len: int = 16) -> dict:
+        worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False) -> dict:
     dev = torch.device(device)
     max_tokens = max(8192, n * prompt_len)
     settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode == "optout-fill" else "sentinel")
@@ -82,6 +98,16 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap._slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu
         cap._owner = cap._slot_owner()
         cap._block_size = 16
+    parts: dict = {}
+    if pieces:                                      # the calls pre_step/post_step make, timed one by one (wall)
+        import routing_replay.engines.vllm_plugin.worker as wmod
+        cap.cache.fill_step = _timed(parts, "fill_step", cap.cache.fill_step)
+        cap.cache.flush = _timed(parts, "cache_flush", cap.cache.flush)
+        cap.copier.submit = _timed(parts, "copier_submit", cap.copier.submit)
+        cap.copier.mark_batch = _timed(parts, "mark_batch", cap.copier.mark_batch)
+        cap.producer.publish_rows = _timed(parts, "publish_rows", cap.producer.publish_rows)
+        cap._flush = _timed(parts, "flush_total", cap._flush)         # mark_batch + take + publish_rows
+        wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
     captured = mode == "on"
     sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
     ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
@@ -102,6 +128,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             st = cap.stats
             s0 = (st.steps, st.host_ns, st.clock_ns, st.host_wall_ns, st.clock_wall_ns, st.timed_sections)
             outer = [0, 0]
+            for name in parts:
+                parts[name] = 0
         first = step == 0
         q = prompt_len if first else 1
         so = _so(new if first else [], {r: q for r in ids}, n * q)
@@ -143,6 +171,9 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
            "producer_drained": ok, "run_s": round(wall_s, 1)}
+    if pieces:
+        res["pieces_wall_us"] = {name: round(v / k / 1e3, 2) for name, v in parts.items()}
+        wmod.step_layout = wmod.step_layout.__wrapped__
     if worker_timing:
         res.update(pre_post_us=round(d[1] / k / 1e3, 2), clocks_us=round(d[2] / k / 1e3, 2),
                    net_us=round((d[1] - d[2]) / k / 1e3, 2), wall_us=round(d[3] / k / 1e3, 2),
@@ -164,12 +195,14 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-timing", action="store_true",
                     help="also the worker's own timing (WorkerStats.host_ns, as bench/vllm_gpu.py reads it in vLLM); "
                          "its clocks then add to calls_us")
+    ap.add_argument("--pieces", action="store_true",
+                    help="also time each call pre_step/post_step make (wall; adds their wrappers' cost to calls_us)")
     ap.add_argument("--json", help="write the results here too")
     a = ap.parse_args(argv)
     logging.disable(logging.WARNING)                # the producer reports, every few seconds, that nobody listens
     out = []
     for m in (MODES if a.mode == "all" else (a.mode,)):
-        r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing)
+        r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces)
         out.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

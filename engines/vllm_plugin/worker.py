@@ -324,6 +324,7 @@ class WorkerCapture:
         self.tracked: dict[str, str] = {}       # engine request id -> record key
         self._tracked_gen = 0                   # bumped on every change of `tracked`
         self._last_keys = (None, -1, None, True)  # (request ids, _tracked_gen, their keys, any None) of the last step
+        self._last_layout = (None, None, None, None, None, None)  # post_step's per-layout results (see there)
         self.active = False
         self.storing = False                    # this step's routing goes into the prefix store (fill)
         self.fill = settings.prefix_rows == "fill"
@@ -724,23 +725,35 @@ class WorkerCapture:
             keys = [tracked.get(r) for r in req_ids]
             uncaptured = None in keys
             self._last_keys = (req_ids, self._tracked_gen, keys, uncaptured)
-        first = qsl[:-1]
-        count = qsl[1:] - first
-        if uncaptured or not count.all():
-            sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
-            keys = [k for k, on in zip(keys, sel.tolist()) if on]
-            first, count, computed = first[sel], count[sel], computed[sel]
+        qb = qsl.tobytes()                          # decode steps repeat the layout too: one compare, C speed
+        last = self._last_layout
+        if last[0] == qb and last[1] is keys:
+            keys, sel, count, segments = last[2:]
         else:
-            computed = computed.copy()              # the runner's array: it changes with the next step
+            full = keys
+            first = qsl[:-1]
+            count = qsl[1:] - first
+            sel = None
+            if uncaptured or not count.all():
+                sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
+                keys = [k for k, on in zip(keys, sel.tolist()) if on]
+                first, count = first[sel], count[sel]
+            if keys:
+                total = int(count.sum())
+                if int(first[-1]) + int(count[-1]) - int(first[0]) == total:
+                    segments = [(int(first[0]), total)]                 # one contiguous run: the common case
+                else:
+                    segments = list(zip(first.tolist(), count.tolist()))
+            else:
+                segments = None
+            # (layout bytes, the key list it was mapped with, then what this step hands over): never modified
+            self._last_layout = (qb, full, keys, sel, count, segments)
         if not keys:
             if t0:
                 self._count_host(t0, w0)
             return
-        total = int(count.sum())
-        if int(first[-1]) + int(count[-1]) - int(first[0]) == total:
-            segments = [(int(first[0]), total)]                 # one contiguous run: the common case
-        else:
-            segments = list(zip(first.tolist(), count.tolist()))
+        # the runner's array changes with the next step: this step's copy
+        computed = computed.copy() if sel is None else computed[sel]
         pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
         if pending.dropped:                                  # host ring full: publish as lost, keep order
             self._flush()
