@@ -7,6 +7,7 @@ Socket-free: `encode_announce`/`encode_step` turn a queue item into wire frames 
 from __future__ import annotations
 
 import threading
+from itertools import chain
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -36,6 +37,33 @@ class Step(NamedTuple):
     counts: list
     rows: Any
     keep: list | None = None
+
+
+class StepParts(NamedTuple):
+    """Consecutive steps as the caller kept them (Producer.publish_steps): per step its list of request ids (steps
+    may share one list) and its starts and counts (lists or 1-D integer arrays); `rows` all their rows in order.
+    The producer's thread turns it into one Step (`step()`), so the caller's thread touches nothing per request."""
+
+    request_ids: list
+    starts: list
+    counts: list
+    rows: Any
+
+    def step(self) -> Step:
+        return Step(flat_ids(self.request_ids), flat_ints(self.starts), flat_ints(self.counts), self.rows, None)
+
+
+def flat_ids(parts: Sequence[Sequence]) -> list:
+    """Per-step id lists as one new list."""
+    return list(parts[0]) if len(parts) == 1 else list(chain.from_iterable(parts))
+
+
+def flat_ints(parts: Sequence) -> list:
+    """Per-step integer lists or 1-D arrays as one list of ints (arrays: one C loop)."""
+    if len(parts) == 1:
+        p = parts[0]
+        return p.tolist() if isinstance(p, np.ndarray) else [int(x) for x in p]
+    return np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]).tolist()
 
 
 class Geometry(NamedTuple):

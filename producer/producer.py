@@ -14,7 +14,8 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
-from routing_replay.producer.messages import Announce, Geometry, QueueLedger, RequestBook, Step, escaped_id
+from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, StepParts, escaped_id,
+                                              flat_ids, flat_ints)
 from routing_replay.producer.replay import ReplayBuffer, Spill
 from routing_replay.producer.sender import STOP, Sender, SenderSettings
 
@@ -46,10 +47,14 @@ class ProducerStats:
 def _positions(values: Any, name: str) -> Any:
     """publish_rows' starts/counts: a 1-D numpy integer array becomes a list of ints; anything else is kept."""
     if isinstance(values, np.ndarray):
-        if values.ndim != 1 or values.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a 1-D integer array, got shape {values.shape} dtype {values.dtype}")
+        _check_array(values, name)
         return values.tolist()
     return values
+
+
+def _check_array(values: np.ndarray, name: str) -> None:
+    if values.ndim != 1 or values.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {values.shape} dtype {values.dtype}")
 
 
 def default_producer_id() -> str:
@@ -290,6 +295,49 @@ class Producer:
         item = Step(list(request_ids), list(starts), list(counts), rows, keep)
         if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
             return True
+        self._step_dropped(request_ids, starts, counts, rows, keep, total)
+        return False
+
+    def publish_steps(self, request_ids: Sequence[Sequence[str]], starts: Sequence, counts: Sequence,
+                      rows: Any) -> bool:
+        """Publish consecutive steps as one: per step, its request ids, starts and counts as publish_rows takes
+        them (starts/counts: lists or 1-D integer arrays), `rows` all their rows in order (ndarray or deferred).
+        Only references go to the producer's thread, which flattens them; ids are screened once per distinct id
+        list (decode steps that share one list cost one screen). The lists and arrays must not be modified
+        afterwards. Same result as publish_rows of the flattened lists (which it falls back to when an id cannot
+        travel or was refused)."""
+        self._check()
+        if not (len(request_ids) == len(starts) == len(counts)) or not request_ids:
+            raise ValueError(f"{len(request_ids)} id lists, {len(starts)} starts, {len(counts)} counts (one per "
+                             "step, at least one step)")
+        total = 0
+        for ids, st, cn in zip(request_ids, starts, counts):
+            if isinstance(st, np.ndarray):
+                _check_array(st, "starts")
+            if isinstance(cn, np.ndarray):
+                _check_array(cn, "counts")
+                n = int(cn.sum())
+            else:
+                n = sum(cn)
+            if not (len(ids) == len(st) == len(cn)):
+                raise ValueError(f"a step of {len(ids)} request ids, {len(st)} starts, {len(cn)} counts")
+            total += n
+        shape = getattr(rows, "shape", None)
+        if shape is not None:
+            self._check_rows_shape(shape, getattr(rows, "dtype", wire.ROW_DTYPE))
+            if shape[0] != total:
+                raise ValueError(f"rows has {shape[0]} rows, counts add up to {total}")
+        for ids in {id(x): x for x in request_ids}.values():
+            if self._book.screen(ids).keep is not None:     # some id cannot travel: the per-entry path says which
+                return self.publish_rows(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows)
+        item = StepParts(list(request_ids), list(starts), list(counts), rows)
+        if not getattr(rows, "dropped", False) and self._put(item, total * self.row_bytes, True):
+            return True
+        self._step_dropped(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows, None, total)
+        return False
+
+    def _step_dropped(self, request_ids, starts, counts, rows, keep, total: int) -> None:
+        """A step refused by the queue bound (or dropped by capture): release its rows, report its positions lost."""
         self.stats.dropped_msgs += 1
         self.stats.dropped_rows += total
         rel = getattr(rows, "release", None)
@@ -303,7 +351,6 @@ class Producer:
             log.warning("producer %s queue full: dropped=%d msgs rows=%d queued_bytes=%d bound=%d "
                         "replay_unacked=%d", self.producer_id, self.stats.dropped_msgs, self.stats.dropped_rows,
                         self.queued_bytes, self.max_queue_bytes, len(self._replay))
-        return False
 
     def finish(self, request_id: str, *, num_output_tokens: int, finish_reason: str = "stop",
                prompt_len: int | None = None, num_cached_tokens: int | None = None,

@@ -17,8 +17,9 @@ import zmq
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
-from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, encode_announce,
-                                              encode_step, encode_steps, escaped_id, step_rows, with_lost)
+from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, StepParts,
+                                              encode_announce, encode_step, encode_steps, escaped_id, step_rows,
+                                              with_lost)
 from routing_replay.producer.replay import ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
@@ -195,6 +196,8 @@ class Sender:
                 except queue.Empty:
                     break
             item, stash = stash, None
+            if type(item) is StepParts:             # the caller's per-step references, flattened here
+                item = item.step()
             if item is STOP:
                 self._stopping = True
             elif isinstance(item, Step):
@@ -222,6 +225,8 @@ class Sender:
                 nxt = self._q.get_nowait()
             except queue.Empty:
                 return batch, None
+            if type(nxt) is StepParts:
+                nxt = nxt.step()
             if not isinstance(nxt, Step):
                 return batch, nxt
             b = step_rows(nxt) * rb

@@ -317,3 +317,57 @@ def test_publish_rows_takes_numpy_positions_and_refuses_bad_ones(ctx, tmp_path):
     finally:
         p.close(timeout_s=1)
         fake.close()
+
+
+def test_publish_steps_sends_what_publish_rows_sends_for_the_flattened_steps(ctx, tmp_path):
+    """Per-step references (a key list two steps share, positions as arrays or lists) leave as the one delta
+    publish_rows makes of the flattened lists; an id that cannot travel falls back to publish_rows' per-entry
+    screen (its part dropped and counted, the rest kept); bad shapes are refused on the caller's thread."""
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        p.open("a", prompt_len=3)
+        p.open("b", prompt_len=2)
+        shared = ["a", "b"]
+        steps = (shared, shared, ["b"])
+        starts = (np.array([3, 2], np.int32), np.array([4, 3], np.int64), [4])
+        counts = (np.array([1, 1], np.int32), np.array([1, 2], np.int32), [1])
+        assert p.publish_steps(steps, starts, counts, rows(6, 40)) is True
+        got = [fake.recv() for _ in range(3)]
+        assert p.publish_steps([["a", BAD]], [np.array([5, 0])], [np.array([2, 1])], rows(3, 80)) is True
+        assert p.stats.dropped_parts == 1
+        for bad, match in ((([["a"]], [[0]], [np.array([1.0])], rows(1)), "1-D integer array"),
+                           (([["a"], ["b"]], [[0]], [[1]], rows(1)), "one per step"),
+                           (([["a", "b"]], [[0]], [[1]], rows(1)), "a step of 2 request ids"),
+                           (([["a"]], [np.array([0])], [np.array([2])], rows(1)), "counts add up to 2")):
+            with pytest.raises(ValueError, match=match):
+                p.publish_steps(*bad)
+        got.append(fake.recv())
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("delta", ["a", "b", "a", "b", "b"]),
+                                                     ("delta", ["a"])]
+        d = wire.parse_delta(got[2][0])
+        assert (d.starts.tolist(), d.counts.tolist()) == ([3, 2, 4, 3, 4], [1, 1, 1, 2, 1])
+        assert b"".join(bytes(f) for f in got[2][1]) == rows(6, 40).tobytes()
+        d = wire.parse_delta(got[3][0])
+        assert (d.starts.tolist(), d.counts.tolist()) == ([5], [2]) and bytes(got[3][1][0]) == rows(3, 80)[:2].tobytes()
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+
+
+def test_publish_steps_refused_by_the_queue_bound_reports_every_position_lost(ctx, tmp_path):
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0, max_queue_bytes=8)
+    try:
+        p.open("a", prompt_len=2)
+        shared = ["a"]
+        assert p.publish_steps([shared, shared], [np.array([2]), np.array([3])], [np.array([1]), np.array([1])],
+                               rows(2)) is False
+        assert (p.stats.dropped_msgs, p.stats.dropped_rows) == (1, 2)
+        p.finish("a", num_output_tokens=3)
+        got = [fake.recv() for _ in range(2)]
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("finish", "a")]
+        assert got[1][0].body["lost"] == [[2, 3], [3, 4]]          # as publish_rows reports them
+    finally:
+        p.close(timeout_s=1)
+        fake.close()

@@ -408,7 +408,8 @@ def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
     one = _StepBatch()
     one.add(parts[0], keys, np.array([5, 9, 0], np.int32), np.array([1, 1, 1], np.int32))
     ks, starts, counts, _ = one.take()
-    assert ks is keys and (starts, counts) == ([5, 9, 0], [1, 1, 1]) and all(type(v) is int for v in starts)
+    assert ks == keys and ks is not keys and (starts, counts) == ([5, 9, 0], [1, 1, 1])
+    assert all(type(v) is int for v in starts + counts)
 
 
 def test_step_batch_refuses_unwritten_rows():

@@ -47,7 +47,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +60,7 @@ from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
+from routing_replay.producer.messages import flat_ids, flat_ints
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -146,8 +146,8 @@ class _StepBatch:
     Batching leaves the records' timing unchanged (a record is emitted at its request's finish, and a finish
     flushes the batch first) and divides the per-message cost of producer, broker and consumer by the number
     of steps batched. Per step it keeps references only (the step's key list, which decode steps share, and its
-    starts and counts as arrays): nothing per request is touched on the engine thread until `take`, where each
-    key is touched once per batch instead of once per step."""
+    starts and counts as arrays): nothing per request is touched on the engine thread; the producer's thread
+    flattens them (Producer.publish_steps)."""
 
     __slots__ = ("parts", "strict", "keys", "starts", "counts", "rows")
 
@@ -169,20 +169,17 @@ class _StepBatch:
         self.counts.append(counts)
         self.rows += pending.shape[0]
 
-    def take(self):
-        """The batched steps as publish_rows arguments (flat lists); the batch is empty afterwards."""
-        keys = self.keys[0] if len(self.keys) == 1 else list(chain.from_iterable(self.keys))
-        out = (keys, _flat(self.starts), _flat(self.counts), _BatchedRows(self.parts, self.strict))
+    def take_parts(self):
+        """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
+        thread); the batch is empty afterwards."""
+        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts, self.strict))
         self.parts, self.strict, self.keys, self.starts, self.counts, self.rows = [], [], [], [], [], 0
         return out
 
-
-def _flat(parts: list) -> list:
-    """Per-step integer arrays or lists as one list of ints (one C loop for arrays)."""
-    if len(parts) == 1:
-        p = parts[0]
-        return p.tolist() if isinstance(p, np.ndarray) else list(p)
-    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]).tolist()
+    def take(self):
+        """The batched steps as publish_rows arguments (flat lists); the batch is empty afterwards."""
+        keys, starts, counts, rows = self.take_parts()
+        return flat_ids(keys), flat_ints(starts), flat_ints(counts), rows
 
 
 def show_id(request_id: str, limit: int = 64) -> str:
@@ -784,7 +781,7 @@ class WorkerCapture:
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         if self.batch.parts:
             self.copier.mark_batch(self.batch.parts)
-            self.producer.publish_rows(*self.batch.take())
+            self.producer.publish_steps(*self.batch.take_parts())
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
