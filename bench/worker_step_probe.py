@@ -74,6 +74,17 @@ def _timed(pieces: dict, name: str, fn):
     return wrapper
 
 
+def _outside(fn, so, acc: list) -> None:
+    """fn(so) timed from outside: thread CPU and wall ns added to acc, a second read pair's cost taken out."""
+    tt, pc = time.thread_time_ns, time.perf_counter_ns
+    t0, w0 = tt(), pc()
+    fn(so)
+    t1, w1 = tt(), pc()
+    t2, w2 = tt(), pc()
+    acc[0] += (t1 - t0) - (t2 - t1)
+    acc[1] += (w1 - w0) - (w2 - w1)
+
+
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False) -> dict:
     dev = torch.device(device)
@@ -122,7 +133,6 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     t_run = time.perf_counter()
     s0 = None
     outer = [0, 0]                                  # the calls as the engine sees them (early exits included)
-    _tt, _pc = time.thread_time_ns, time.perf_counter_ns
     for step in range(steps + warm):
         if step == warm:
             st = cap.stats
@@ -133,12 +143,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         first = step == 0
         q = prompt_len if first else 1
         so = _so(new if first else [], {r: q for r in ids}, n * q)
-        t0, w0 = _tt(), _pc()
-        cap.pre_step(so)
-        t1, w1 = _tt(), _pc()
-        t2, w2 = _tt(), _pc()
-        outer[0] += (t1 - t0) - (t2 - t1)
-        outer[1] += (w1 - w0) - (w2 - w1)
+        _outside(cap.pre_step, so, outer)
         # the runner's batch for this step, then the forward: every router writes its top-k
         ib.num_reqs, ib.req_ids = n, ids
         ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
@@ -146,12 +151,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         rows = n * q
         for layer in range(layers):
             cap.cache.record(layer, topk[:rows])
-        t0, w0 = _tt(), _pc()
-        cap.post_step(so)
-        t1, w1 = _tt(), _pc()
-        t2, w2 = _tt(), _pc()
-        outer[0] += (t1 - t0) - (t2 - t1)
-        outer[1] += (w1 - w0) - (w2 - w1)
+        _outside(cap.post_step, so, outer)
         if big is not None:
             big += 1.0
             for d in junk[::3]:

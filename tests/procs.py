@@ -149,3 +149,13 @@ def wait_until(pred, timeout_s: float = 20.0, what: str = "condition") -> None:
             return
         time.sleep(0.02)
     raise TimeoutError(f"{what} not reached in {timeout_s}s")
+
+
+def load_script(path, name: str):
+    """A script that is not a package module (bench/*.py) imported by its path, as module `name`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

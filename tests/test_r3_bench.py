@@ -4,7 +4,6 @@ wrapper that lets apps/r3.py drive a trainer on an accelerator changes nothing a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,15 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.procs import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "r3_gpu.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("r3_gpu_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "r3_gpu_bench")
 
 
 def test_help_and_tiny_defaults():

@@ -3,22 +3,20 @@ hands over exactly the rows of the steps it ran (or none, opted out) and the pro
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.procs import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "worker_step_probe.py"
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("worker_step_probe", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "worker_step_probe")
 
 
 @pytest.mark.parametrize("mode", ["on", "optout", "optout-fill"])
