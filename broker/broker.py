@@ -17,7 +17,8 @@ and the producer gets an `error` naming it (`refused_seq`), so one bad request i
 consumer that stops heartbeating for `liveness` intervals, restarts (new epoch) or becomes unreachable loses its
 link: the producers whose messages it had not acked are asked to rewind, and its in-flight requests are reassigned
 to a live consumer on their next message (the new owner gets the request's open marked `reassigned: true` and
-flags the record "consumer_lost" unless every row arrives anyway). A producer silent for `producer_timeout_ms` is
+flags the record "consumer_lost" unless every row arrives anyway); a request whose finish was routed but not yet
+acked is in flight too (Ownership keeps it as closing until its producer's frontier passes the finish). A producer silent for `producer_timeout_ms` is
 lost: the owners of the requests it opened get an abort with reason "producer_lost". When no consumer is live (or,
 after a restart, for a grace period while the old consumers reconnect) messages wait in a bounded queue
 (max_pending_bytes).
@@ -245,12 +246,12 @@ class Broker(ServiceThread):
 
     def log_stats(self) -> None:
         s = self.stats
-        log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d open_requests=%d consumers=%d "
+        log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d open_requests=%d closing=%d consumers=%d "
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d links_lost=%d producers_lost=%d "
                  "aborted_for_lost_producer=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
-                 s.bytes_out / 1e6, s.deltas_split, len(self.ownership), len(self._live), len(self.intake),
+                 s.bytes_out / 1e6, s.deltas_split, len(self.ownership), self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.links_lost,
@@ -494,6 +495,7 @@ class Broker(ServiceThread):
 
     def _send_acks(self) -> None:
         for ps, ack in self.intake.acks_due():
+            self.ownership.release(ps, ack.upto)
             ok = self._reply(ps.ident, "ack", ps.pid, wire.producer_ack_body(ack))
             self.intake.ack_sent(ps, ack, ok)
             if ok:
@@ -543,7 +545,7 @@ class Broker(ServiceThread):
             self.stats.requests_opened += 1
             self.ownership.opened(rid, ps, OpenMsg(frames[1].bytes, frames[2:]))
         else:
-            self.ownership.close(rid)
+            self.ownership.close(rid, ps, tok.seq)     # kept as closing until this seq is acked
             self.stats.requests_closed += 1
         if not self._send(owner, frames[1].buffer, frames[2:], tok):
             self._unaccept(tok)

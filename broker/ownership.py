@@ -6,11 +6,18 @@ its finish or abort (sticky), so adding a consumer never moves an in-flight requ
 is assigned again on its next message; the new owner must then get the request's open again, marked
 `reassigned: true` (the table keeps each open message for that). Links and producers are any hashable objects; a
 link has `alive` (False once lost) and the table never looks further into them.
+
+A finish or abort does not forget a request at once: until the producer's ack frontier passes that message's seq
+the request is kept as closing (its owner, its open message). A producer that rewinds resends from before the
+finish, and a resent message for a closing request opens it again: on its owner if that link is alive, else on a
+new owner that gets the open again. Without this, a consumer that applied the open, then died with the finish
+unacked, would leave its successor rows and a finish with no open.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from typing import Any, Hashable, NamedTuple
 
 from routing_replay.protocol import wire
@@ -71,6 +78,9 @@ class Ownership:
         self.live_ids: list[bytes] = []                  # sorted ids of the live links (the hash's candidates)
         self.live: frozenset = frozenset()               # the live links
         self._link_of: dict[bytes, Any] = {}
+        self._closing: dict[str, tuple] = {}             # request id -> (owner link, open message, producer, seq)
+                                                         # of a finish or abort not yet acked to its producer
+        self._closing_seqs: dict[Hashable, deque] = {}   # producer -> (seq, request id) of its closings, in order
         self.evicted = 0                                 # requests forgotten at max_open_requests
         self.version = 0                                 # moves on every change of an owner or of the live set
 
@@ -100,7 +110,10 @@ class Ownership:
         """The live owner of `rid`, assigned now if it has none or its owner was lost (needs a live link)."""
         link = self.owner.get(rid)
         if link is None:
-            return Owner(self._assign(rid))
+            c = self._closing.pop(rid, None)
+            if c is None:
+                return Owner(self._assign(rid))
+            return self._reopen(rid, *c)
         if link.alive:
             return Owner(link)
         self._by_link_discard(link, rid)
@@ -116,21 +129,60 @@ class Ownership:
             self._producer[rid] = producer
             self._by_producer.setdefault(producer, set()).add(rid)
 
-    def close(self, rid: str) -> None:
-        """`rid` finished or was aborted: forget it."""
+    def _reopen(self, rid: str, link: Any, msg: OpenMsg | None, producer: Hashable, seq: int) -> Owner:
+        """A message for closing `rid` came again (its producer rewound past the finish): open it again, on the
+        same owner if it is alive, else on a new one that must get the open again."""
+        if msg is not None:
+            self.opened(rid, producer, msg)
+        if link.alive:
+            self.version += 1
+            self.owner[rid] = link
+            self._by_link.setdefault(link, set()).add(rid)
+            return Owner(link)
+        return Owner(self._assign(rid), True, msg)
+
+    def close(self, rid: str, producer: Hashable | None = None, seq: int | None = None) -> None:
+        """`rid` finished or was aborted. With the producer and seq of that message, the request is kept as closing
+        until `release(producer, upto)` passes `seq`; without them it is forgotten at once."""
         link = self.owner.pop(rid, None)
         if link is not None:
             self.version += 1
             self._by_link_discard(link, rid)
-        self._open.pop(rid, None)
+        msg = self._open.pop(rid, None)
         p = self._producer.pop(rid, None)
         if p is not None:
             self._by_producer_discard(p, rid)
+        if producer is not None and link is not None:
+            self._closing[rid] = (link, msg, producer, seq)
+            self._closing_seqs.setdefault(producer, deque()).append((seq, rid))
+
+    def release(self, producer: Hashable, upto: int) -> int:
+        """The producer's messages up to seq `upto` were applied: forget the requests they closed. Returns how many."""
+        q = self._closing_seqs.get(producer)
+        n = 0
+        while q and q[0][0] <= upto:
+            seq, rid = q.popleft()
+            c = self._closing.get(rid)
+            if c is not None and c[2] is producer and c[3] == seq:
+                del self._closing[rid]
+                n += 1
+        if q is not None and not q:
+            del self._closing_seqs[producer]
+        return n
+
+    @property
+    def closing(self) -> int:
+        """Requests finished or aborted whose closing message is not acked yet."""
+        return len(self._closing)
 
     def drop_producer(self, producer: Hashable) -> list[tuple[str, Any]]:
         """Forget every request `producer` opened; returns each (request id, owner link or None)."""
         rids = self._by_producer.pop(producer, ())
         self.version += 1
+        for _, rid in self._closing_seqs.pop(producer, ()):
+            c = self._closing.get(rid)
+            if c is not None and c[2] is producer:
+                del self._closing[rid]
         out = []
         for rid in rids:
             del self._producer[rid]

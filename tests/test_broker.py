@@ -154,3 +154,51 @@ def test_zero_copy_release_thread_starts_with_the_service_not_inside_the_first_s
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["alive"]
+
+
+def _ack(prod) -> tuple[int, bool]:
+    """The next ack the producer socket gets (heartbeat replies skipped): (upto, rewind)."""
+    while True:
+        h, _ = recv(prod)
+        if h.kind == "ack":
+            return h.body["upto"], bool(h.body.get("rewind"))
+
+
+def test_a_consumer_that_restarts_before_acking_a_finish_gets_the_open_again(net):
+    """The consumer applied and acked a request's open, got its finish and restarted (same id, new epoch) before
+    acking it: the producer's resend of the finish reaches the new incarnation after the open, marked reassigned,
+    never alone (a finish with no open would end the record as `no_open`)."""
+    b, prod, consumers = net
+    rid = ids_for(b"c2", 1, "f")[0]
+    open_body = {"prompt_len": 2, "num_cached": 0, "num_layers": 4, "top_k": 2}
+    prod.send(wire.pack_header("open", "p", 3, 1, rid, open_body))
+    h, _ = recv(consumers[b"c2"])
+    assert (h.kind, h.key) == ("open", rid)
+    consumers[b"c2"].send(wire.pack_header("ack", "c2", 0, 0, "", wire.link_ack_body(
+        wire.LinkAck(h.link[0], h.link[1], h.link[2]))))
+    assert _ack(prod) == (1, False)
+    finish = wire.pack_header("finish", "p", 3, 2, rid, {"num_output": 0})
+    prod.send(finish)
+    h, _ = recv(consumers[b"c2"])
+    assert (h.kind, h.key) == ("finish", rid)
+    assert b.ownership.closing == 1 and len(b.ownership) == 0
+    consumers[b"c2"].close(0)                            # dies with the finish unacked
+    c2b = b._ctx.socket(zmq.DEALER)
+    c2b.setsockopt(zmq.ROUTING_ID, b"c2")
+    c2b.setsockopt(zmq.LINGER, 0)
+    c2b.connect("inproc://b")
+    try:
+        c2b.send(wire.pack_header("hello", "c2", 1, 0, "c2", {}))
+        assert _ack(prod) == (1, True)                   # the broker asks the producer to resend from seq 2
+        prod.send(finish)
+        h1, _ = recv(c2b)
+        h2, _ = recv(c2b)
+        assert (h1.kind, h1.key, h1.body) == ("open", rid, dict(open_body, reassigned=True))
+        assert (h2.kind, h2.key) == ("finish", rid)
+        assert h2.link[2] == h1.link[2] + 1
+        c2b.send(wire.pack_header("ack", "c2", 1, 0, "", wire.link_ack_body(
+            wire.LinkAck(h2.link[0], h2.link[1], h2.link[2]))))
+        assert _ack(prod) == (2, False)
+        assert b.ownership.closing == 0 and len(b.ownership) == 0 and b.stats.reassigned == 1
+    finally:
+        c2b.close(0)

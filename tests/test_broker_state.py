@@ -222,6 +222,47 @@ def test_close_forgets_a_request_everywhere():
     own.close("a")                            # twice: nothing
 
 
+def test_a_closed_request_is_kept_until_its_finish_is_acked_and_a_resend_reopens_it():
+    """A finish not yet acked keeps the request as closing; a message that comes again for it (the producer rewound
+    past the finish) opens it again: on the same owner if alive, else on a new one with the open sent again."""
+    own, links = _table()
+    rid = next(f"r{i}" for i in range(100) if rendezvous(f"r{i}".encode(), [b"c1", b"c2"]) == b"c1")
+    o = own.owner_of(rid).link
+    open_msg = OpenMsg(wire.pack_header("open", "p", 1, 1, rid, {"prompt_len": 2, "num_cached": 0,
+                                                                 "num_layers": 4, "top_k": 2}), [])
+    own.opened(rid, "p", open_msg)
+    own.close(rid, "p", 5)
+    assert len(own) == 0 and own.closing == 1 and own.owned_by(o) == 0
+    assert own.lookup([rid]) is None                     # the delta path goes through owner_of
+    assert own.owner_of(rid) == (o, False, None)          # owner alive: the same link, nothing sent again
+    assert len(own) == 1 and own.closing == 0 and own.owned_by(o) == 1
+    own.close(rid, "p", 5)                               # the resent finish closes it again
+    own.close(rid, "p", 5)
+    lost = links.pop(b"c1")
+    lost.alive = False
+    own.set_live(links)
+    again = own.owner_of(rid)                            # owner lost before it acked the finish
+    assert again.link is links[b"c2"] and again.reassigned and again.reopen is open_msg
+    own.close(rid, "p", 5)
+    assert own.release("p", 4) == 0 and own.closing == 1
+    assert own.release("q", 9) == 0 and own.closing == 1   # another producer's acks release nothing of p's
+    assert own.release("p", 5) == 1 and own.closing == 0
+    assert own.owner_of(rid) == (links[b"c2"], False, None) and len(own) == 1   # acked: a new request from here
+
+
+def test_closing_requests_go_with_their_producer_and_a_plain_close_forgets_at_once():
+    own, links = _table()
+    for rid, p in (("a", "p"), ("b", "q"), ("c", "p")):
+        own.owner_of(rid)
+        own.opened(rid, p, OpenMsg(b"", []))
+        own.close(rid, p, 1)
+    own.owner_of("d")
+    own.close("d")                                       # no producer: forgotten at once
+    assert own.closing == 3
+    assert own.drop_producer("p") == [] and own.closing == 1
+    assert own.release("q", 1) == 1 and own.closing == 0
+
+
 def test_the_oldest_request_is_forgotten_at_the_limit():
     own, links = _table(max_open=3)
     for rid in "abc":

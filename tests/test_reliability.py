@@ -161,6 +161,10 @@ def test_consumer_killed_with_unacked_rows_is_recovered_by_replay(tmp_path):
             unacked_at_kill = p.unacked_msgs
             c2.kill9()
             c2b = start_consumer(be, "--npz-dir", str(d2), "--consumer-id", "c2", "--heartbeat-ms", "200")
+            # the rest goes out once the broker has the successor (before that it would still go to c2's dead
+            # link: more unacked parts, the same records; tests/test_broker.py covers that order)
+            epoch = c2b.wait_for(r"consumer c2 connected .* epoch=(\d+)").group(1)
+            broker.wait_for(rf"consumer joined id=c2 epoch={epoch} ")
             end = P + G - 1
             p.publish_rows(ids, [split] * 16, [end - split] * 16,
                            np.concatenate([true_rows(i, np.arange(split, end), L, K, E) for i in range(16)]))
