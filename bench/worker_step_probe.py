@@ -86,7 +86,7 @@ def _outside(fn, so, acc: list) -> None:
 
 
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
-        worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False) -> dict:
+        worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = True) -> dict:
     dev = torch.device(device)
     max_tokens = max(8192, n * prompt_len)
     settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode == "optout-fill" else "sentinel")
@@ -94,9 +94,10 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     cap = WorkerCapture.__new__(WorkerCapture)
     cap._init_state(runner, "v1", settings)
     cap.device = dev
-    cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev)
+    stamp = stamp and not eager and getattr(settings, "step_stamp", False)     # as the worker decides
+    cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **({"stamp": True} if stamp else {}))
     cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
-    cap.batch = _StepBatch()
+    cap.batch = _StepBatch(top_k) if stamp else _StepBatch()
     cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
     cap.binding = SimpleNamespace(gate=eager, active=False, calls=0, min_rows=0, layers=[None] * layers)
     cap.layer_ids, cap.randomized = list(range(layers)), False
@@ -167,7 +168,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
                                      st.timed_sections))]
     k = d[0]
     res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
-           "device": device, "graph_mode": not eager,
+           "device": device, "graph_mode": not eager, "step_stamp": stamp,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
            "producer_drained": ok, "run_s": round(wall_s, 1)}
@@ -192,6 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--evict-mib", type=int, default=64, help="buffer walked between steps (0: warm caches)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--eager", action="store_true", help="hooks run in Python every step (CPU / enforce_eager)")
+    ap.add_argument("--no-stamp", action="store_true",
+                    help="graph mode with the -1 fill before every step instead of step stamps "
+                         "(ROUTING_REPLAY_STEP_STAMP=off)")
     ap.add_argument("--worker-timing", action="store_true",
                     help="also the worker's own timing (WorkerStats.host_ns, as bench/vllm_gpu.py reads it in vLLM); "
                          "its clocks then add to calls_us")
@@ -202,7 +206,8 @@ def main(argv=None) -> int:
     logging.disable(logging.WARNING)                # the producer reports, every few seconds, that nobody listens
     out = []
     for m in (MODES if a.mode == "all" else (a.mode,)):
-        r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces)
+        r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces,
+                stamp=not a.no_stamp)
         out.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

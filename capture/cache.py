@@ -19,6 +19,13 @@ Prefix store (`attach_store`): the flush also scatters the step's rows into a Pr
 (vLLM's persistent slot-mapping buffer, read on the device), so under CUDA graphs that write is replayed with the
 rest of the hook and costs the engine thread nothing.
 
+Step stamps (`stamp=True`, int16 caches): the buffer gets one more layer, `stamp_rows` (max_tokens, top_k), and a
+device step counter. A flush in which every layer recorded also adds 1 to the counter and writes it into
+`stamp_rows[:n]` (two small kernels; under CUDA graphs they are part of the graph). The copier snapshots the stamp
+layer with the rows, in the same launch, so whoever reads a step's rows can tell that the forward that produced
+them wrote every layer (the stamp is newer than the last step's) without a -1 fill launched before every step: a
+replay without the hooks, or a flush that missed a layer, leaves the stamp stale.
+
 Graph safety: `record`, `flush` and `layer_view` allocate nothing, never read device values on the host and
 branch only on Python-side facts fixed at capture time (shapes, dtypes, the layer number). The same code runs
 eagerly, under `torch.cuda.graph` capture and on CPU.
@@ -38,7 +45,7 @@ class RoutingCache:
     references to this step's top-k tensors until the fused copy has consumed them."""
 
     def __init__(self, max_tokens: int, num_layers: int, top_k: int, device="cpu", dtype=torch.int16,
-                 *, fused: bool = True):
+                 *, fused: bool = True, stamp: bool = False):
         if max_tokens < 1 or num_layers < 1 or top_k < 1:
             raise ValueError(f"max_tokens={max_tokens}, num_layers={num_layers}, top_k={top_k} must be >= 1")
         if dtype not in (torch.int16, torch.int32, torch.int64):
@@ -48,9 +55,23 @@ class RoutingCache:
         self.top_k = int(top_k)
         self.dtype = dtype
         self.fused = fused
+        if stamp and dtype != torch.int16:
+            raise ValueError(f"step stamps need an int16 cache, got {dtype}")
         # -1 marks rows no router has written: a bug shows up as an impossible expert id, not as stale data.
-        self.buffer = torch.full((num_layers, max_tokens, top_k), -1, dtype=dtype, device=device)
+        # With stamps, one more layer after the routing layers holds each step's stamp (layer-major, contiguous:
+        # `buffer` is a prefix view of it, and one copy of layers [0, L] takes the rows and their stamp).
+        self._full = torch.full((num_layers + bool(stamp), max_tokens, top_k), -1, dtype=dtype, device=device)
+        self.buffer = self._full[:num_layers]
         self.device = self.buffer.device          # "cuda" resolved to "cuda:<index>", as tensors report it
+        self.stamped = bool(stamp)
+        if stamp:
+            self.stamp_rows = self._full[num_layers]                       # (max_tokens, top_k)
+            # the step counter: int64 lanes viewed as int16, the stamp row is its first top_k int16 lanes (64 bits
+            # of it for top_k >= 4, 16 * top_k bits below)
+            self._ctr = torch.zeros(max(1, -(-top_k // 4)), dtype=torch.int64, device=self.device)
+            self._ctr_head = self._ctr[:1]
+            self._ctr_lanes = self._ctr.view(torch.int16)[:top_k]
+            self._stamp_views: dict = {}          # n -> (stamp_rows[:n], the counter's lanes expanded to (n, K))
         self._views = [self.buffer[i] for i in range(num_layers)]
         self._held: list[torch.Tensor | None] = [None] * num_layers
         self._step_views: dict = {}
@@ -67,7 +88,7 @@ class RoutingCache:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self._full.numel() * self._full.element_size()
 
     def step_rows(self, n: int) -> torch.Tensor:
         """buffer[:, :n], every layer's rows of an n-token step (the view is kept per n: one torch call less
@@ -95,6 +116,16 @@ class RoutingCache:
             except cudriver.DriverError as e:       # refused at launch (nothing ran): torch calls from now on
                 self._driver = cudriver.give_up(e)
         self.step_rows(n).fill_(-1)
+
+    def _stamp(self, n: int) -> None:
+        """Count this step on the device and write the count into stamp_rows[:n] (graph-safe: kept views)."""
+        views = self._stamp_views.get(n)
+        if views is None:
+            if len(self._stamp_views) >= 4096:
+                self._stamp_views.clear()
+            views = self._stamp_views[n] = (self.stamp_rows[:n], self._ctr_lanes.expand(n, self.top_k))
+        self._ctr_head.add_(1)
+        views[0].copy_(views[1])
 
     def attach_store(self, store, slot_mapping: torch.Tensor) -> None:
         """From now on every flush also writes the step's n rows into `store` (a PrefixStore) at
@@ -169,6 +200,8 @@ class RoutingCache:
             torch._foreach_copy_(dsts, srcs)
         if not complete:
             self.incomplete_flushes += 1
+        elif self.stamped:
+            self._stamp(n)
         if self._store is None:
             return
         store, slot_mapping = self._store

@@ -63,11 +63,14 @@ class PendingRows:
     on (in the consumer's thread) and the ring range to free."""
 
     __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released",
-                 "_staged", "_seq", "_shared", "_lm")
+                 "_staged", "_seq", "_shared", "_lm", "_m", "stamped")
 
     def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False,
-                 staged=None, seq: int = 0, layer_major: bool = False):
+                 staged=None, seq: int = 0, layer_major: bool = False, ring_rows: int | None = None,
+                 stamped: bool = False):
         self.shape = shape
+        self._m = shape[0] if ring_rows is None else ring_rows     # ring rows taken (the rows, then any stamp)
+        self.stamped = stamped          # the step's stamps follow its rows in the ring (stamps())
         self.dtype = ROW_DTYPE
         self.dropped = dropped
         self._copier = copier
@@ -112,6 +115,17 @@ class PendingRows:
             view = self._copier._host_np[self._lo:self._lo + self.shape[0]]
         view.flags.writeable = False
         return view
+
+    def stamps(self) -> np.ndarray:
+        """The (n, K) step stamps snapshotted with the rows (RoutingCache(stamp=True)); call after result(),
+        before release()."""
+        if not self.stamped:
+            raise RuntimeError("these rows carry no step stamps")
+        if not self._waited or self._released:
+            raise RuntimeError("stamps() comes after result() and before release()")
+        n, L, K = self.shape
+        at = (self._lo + n) * L * K
+        return self._copier._host_flat[at:at + n * K].reshape(n, K)
 
     def release(self) -> None:
         """Give the ring range back (idempotent). Released before the copy finished, the range stays taken
@@ -170,6 +184,9 @@ class AsyncCopier:
         self.stats = CopierStats()
         L, K, cap = cache.num_layers, cache.top_k, self.capacity_rows
         self._src = cache.buffer.transpose(0, 1)            # (max_tokens, L, K) view of the cache
+        # a stamped cache's steps take ceil(n / L) more ring rows: their (n, K) stamps follow the rows
+        self._stamped = cache.stamped
+        self._layers_out = L + 1 if cache.stamped else L     # layers one layer-major snapshot copies
         self._ring = RowRing(cap)
         self._cuda = cache.device.type == "cuda"
         if self._cuda:
@@ -191,7 +208,7 @@ class AsyncCopier:
             if self._drv is not None:
                 self._m = self._drv.copy_desc()
                 self._m.srcPitch = cache.max_tokens * K * 2
-                self._m.Height = L
+                self._m.Height = self._layers_out
                 self._src_ptr = cache.buffer.data_ptr()
                 self._stage_ptr = self._stage.data_ptr()
         else:
@@ -269,7 +286,9 @@ class AsyncCopier:
         mark_batch(parts) on this thread first (one event for the batch: one torch call less per step).
         """
         runs, n = self._runs(segments)
-        got = self._take(n)
+        L, K = self.cache.num_layers, self.cache.top_k
+        m = n + -(-n // L) if self._stamped else n
+        got = self._take(n, rows=m)
         if not isinstance(got, tuple):
             return got
         lo, handle = got
@@ -277,13 +296,12 @@ class AsyncCopier:
         if lm:                                  # one contiguous run (the common case): one call, layer-major
             a, b = int(runs[0][0]), int(runs[0][1])
             if self._drv is not None:           # the rows [a, b) of each layer, one after the other: a 2-D copy
-                L, K = self.cache.num_layers, self.cache.top_k
-                m = self._m
-                m.srcDevice = self._src_ptr + a * K * 2
-                m.dstDevice = self._stage_ptr + lo * L * K * 2
-                m.dstPitch = m.WidthInBytes = n * K * 2
+                desc = self._m                  # (a stamped cache's stamp layer is the copy's last row)
+                desc.srcDevice = self._src_ptr + a * K * 2
+                desc.dstDevice = self._stage_ptr + lo * L * K * 2
+                desc.dstPitch = desc.WidthInBytes = n * K * 2
                 try:
-                    self._drv.copy_2d(m, cudriver.current_stream(self._dev_index))
+                    self._drv.copy_2d(desc, cudriver.current_stream(self._dev_index))
                 except cudriver.DriverError as e:   # refused at launch (nothing ran): torch calls from now on
                     self._drv = cudriver.give_up(e)
             if self._drv is None:
@@ -292,17 +310,18 @@ class AsyncCopier:
                     if len(self._views) >= 4096:
                         self._views.clear()
                     ring = self._host if not self._cuda else self._stage
-                    L, K = self.cache.num_layers, self.cache.top_k
-                    dst = ring.view(-1)[lo * L * K:(lo + n) * L * K].view(L, n, K)
-                    views = self._views[(lo, a, b)] = (dst, self.cache.buffer[:, a:b])
+                    Lo = self._layers_out
+                    dst = ring.view(-1)[lo * L * K:lo * L * K + Lo * n * K].view(Lo, n, K)
+                    views = self._views[(lo, a, b)] = (dst, self.cache._full[:Lo, a:b])
                 views[0].copy_(views[1])
         else:
             dst = self._host[lo:lo + n] if not self._cuda else self._stage[lo:lo + n]
             self._snapshot(runs, dst, lo, n)
         if not mark and self._cuda:
-            shape = (n, self.cache.num_layers, self.cache.top_k)
-            return PendingRows(self, shape, lo, handle, None, staged=_UNMARKED, layer_major=lm)
-        return self._send(lo, n, handle, lm)
+            shape = (n, L, K)
+            return PendingRows(self, shape, lo, handle, None, staged=_UNMARKED, layer_major=lm, ring_rows=m,
+                               stamped=self._stamped)
+        return self._send(lo, n, handle, lm, m)
 
     def mark_batch(self, parts) -> None:
         """Record one event on the current stream after the snapshots of `parts` submitted with mark=False (on
@@ -366,14 +385,15 @@ class AsyncCopier:
         torch.index_select(source, 0, index_t, out=dst)
         return self._send(lo, n, handle)
 
-    def _take(self, n: int, may_drop: bool = True):
-        """Ring rows for n rows: (lo, handle), or what submit returns instead (None, or a dropped PendingRows)."""
+    def _take(self, n: int, may_drop: bool = True, rows: int | None = None):
+        """Ring rows for n rows (`rows` ring rows, n by default): (lo, handle), or what submit returns instead
+        (None, or a dropped PendingRows)."""
         if n == 0:
             self.stats.skipped_steps += 1
             return None
         if n > self.max_rows:
             raise ValueError(f"step has {n} rows, the copier was sized for max_rows={self.max_rows}")
-        got = self._ring.alloc(n)
+        got = self._ring.alloc(n if rows is None else rows)
         if got is None and not may_drop:
             return None
         if got is None:
@@ -384,17 +404,20 @@ class AsyncCopier:
         self.stats.submitted_rows += n
         return got
 
-    def _send(self, lo: int, n: int, handle, layer_major: bool = False) -> PendingRows:
+    def _send(self, lo: int, n: int, handle, layer_major: bool = False, ring_rows: int | None = None) -> PendingRows:
         """The rows [lo, lo + n) are in the staging ring (CUDA) or already in the host ring (CPU). CUDA: mark the
         snapshot's place on the compute stream (one reused event); the D2H copy is launched by `launch()` on the
         thread that consumes the rows."""
         shape = (n, self.cache.num_layers, self.cache.top_k)
+        stamped = ring_rows is not None and self._stamped
         if not self._cuda:
-            return PendingRows(self, shape, lo, handle, None, layer_major=layer_major)
+            return PendingRows(self, shape, lo, handle, None, layer_major=layer_major, ring_rows=ring_rows,
+                               stamped=stamped)
         snap = self._snap_pool.pop() if self._snap_pool else torch.cuda.Event()
         self._record_now(snap)                  # on the stream that ran the snapshot
         self._seq += 1
-        return PendingRows(self, shape, lo, handle, None, staged=snap, seq=self._seq, layer_major=layer_major)
+        return PendingRows(self, shape, lo, handle, None, staged=snap, seq=self._seq, layer_major=layer_major,
+                           ring_rows=ring_rows, stamped=stamped)
 
     def _current_stream(self):
         """This thread's current stream on the cache's device. `torch.cuda.current_stream()` resolves the device in
@@ -430,10 +453,10 @@ class AsyncCopier:
                 i = 0
                 while i < len(todo):
                     j, lo = i, todo[i]._lo
-                    hi = lo + todo[i].shape[0]
+                    hi = lo + todo[i]._m
                     while j + 1 < len(todo) and todo[j + 1]._lo == hi:
                         j += 1
-                        hi += todo[j].shape[0]
+                        hi += todo[j]._m
                     self._host[lo:hi].copy_(self._stage[lo:hi], non_blocking=True)
                     event = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
                     event.record(side)
@@ -453,9 +476,17 @@ class AsyncCopier:
                 torch.cuda.set_stream(prev)
 
     def _snapshot(self, runs: list, dst: torch.Tensor, lo: int, n: int) -> None:
+        """Copy the rows of `runs` into dst ((n, L, K) ring rows from lo), in order; a stamped cache's stamps of the
+        same rows go right after them, (n, K) at ring row lo + n."""
+        if self._stamped:
+            L, K = self.cache.num_layers, self.cache.top_k
+            ring = self._host if not self._cuda else self._stage
+            stamp_dst = ring.view(-1)[(lo + n) * L * K:(lo + n) * L * K + n * K].view(n, K)
         if len(runs) == 1:
             a, b = int(runs[0][0]), int(runs[0][1])
             dst.copy_(self._src[a:b])
+            if self._stamped:
+                stamp_dst.copy_(self.cache.stamp_rows[a:b])
             return
         bounds = np.asarray(runs, dtype=np.int64)             # (runs, 2): [start, end) in the batch
         lens = bounds[:, 1] - bounds[:, 0]
@@ -467,6 +498,8 @@ class AsyncCopier:
             index.copy_(self._idx_host[lo:lo + n], non_blocking=True)
         if self.cache.dtype == torch.int16:
             torch.index_select(self._src, 0, index, out=dst)
+            if self._stamped:
+                torch.index_select(self.cache.stamp_rows, 0, index, out=stamp_dst)
         else:
             dst.copy_(torch.index_select(self._src, 0, index))
 

@@ -195,6 +195,58 @@ def test_copier_gathers_segments_out_of_batch_order(cache_dtype):
     p.release()
 
 
+def _stamp_value(rows: np.ndarray) -> int:
+    """The step counter an (n, K) stamp block holds (all rows alike), from its first min(K, 4) int16 lanes."""
+    assert (rows == rows[0]).all()
+    return int.from_bytes(rows[0, :min(rows.shape[1], 4)].tobytes(), "little")
+
+
+@pytest.mark.parametrize("K", [1, 2, 8])
+def test_stamped_cache_counts_complete_flushes_into_the_stamp_layer(K):
+    cache = RoutingCache(16, 3, K, stamp=True)
+    assert cache.buffer.shape == (3, 16, K) and cache.stamp_rows.shape == (16, K) and cache.stamped
+    assert cache.buffer.is_contiguous() and cache.nbytes == 4 * 16 * K * 2
+    assert (cache.stamp_rows == -1).all()
+    _step(cache, 5, seed=1)
+    assert _stamp_value(cache.stamp_rows[:5].numpy()) == 1 and (cache.stamp_rows[5:] == -1).all()
+    _step(cache, 9, seed=2)
+    assert _stamp_value(cache.stamp_rows[:9].numpy()) == 2
+    cache.record(0, _ids(12, K, 8, 3))            # a layer missed: the flush writes rows, no stamp
+    cache.flush()
+    assert cache.incomplete_flushes == 1 and _stamp_value(cache.stamp_rows[:9].numpy()) == 2
+    assert (cache.stamp_rows[9:12] == -1).all()
+    with pytest.raises(ValueError, match="int16"):
+        RoutingCache(4, 2, 2, dtype=torch.int32, stamp=True)
+
+
+def test_stamped_copier_carries_each_steps_stamp_after_its_rows_one_run_and_gathered():
+    cache = RoutingCache(32, 4, 2, stamp=True)
+    cp = AsyncCopier(cache, num_slots=2, max_rows=16)
+    want = _step(cache, 12, seed=3)
+    p = cp.submit([(0, 5), (5, 7)])                  # one run: layer-major, the stamp layer in the same copy
+    assert p.stamped and p._m == 12 + 3 and cp.in_flight_rows == 15
+    assert np.array_equal(p.result(), want) and p.stamps().shape == (12, 2) and _stamp_value(p.stamps()) == 1
+    p.release()
+    with pytest.raises(RuntimeError, match="after result"):
+        p.stamps()
+    want = _step(cache, 10, seed=4)
+    q = cp.submit([(7, 3), (0, 3), (5, 1)])          # gathered: the stamps of the same rows, in the same order
+    assert np.array_equal(q.result(), np.concatenate([want[7:10], want[0:3], want[5:6]]))
+    assert q._m == 7 + 2 and _stamp_value(q.stamps()) == 2
+    r = cp.submit_gather(torch.zeros((4, 4, 2), dtype=torch.int16), [0, 1])     # prefix rows: no stamp
+    assert not r.stamped and r._m == 2
+    q.release()
+    r.release()
+    assert cp.in_flight_rows == 0
+    plain = AsyncCopier(RoutingCache(8, 2, 2), max_rows=4)
+    _step(plain.cache, 4, seed=5)
+    u = plain.submit([(0, 4)])
+    u.result()
+    assert not u.stamped and u._m == 4
+    with pytest.raises(RuntimeError, match="no step stamps"):
+        u.stamps()
+
+
 def test_copier_skips_steps_without_rows():
     cache = RoutingCache(8, 2, 2)
     cp = AsyncCopier(cache)

@@ -464,3 +464,63 @@ def test_driver_fill_and_layer_major_snapshot_equal_torch_and_fall_back_when_ref
     p = cp.submit([(5, 40)])
     assert cp._drv is None and np.array_equal(p.result(), cache.buffer[:, 5:45].transpose(0, 1).cpu().numpy())
     p.release()
+
+
+def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_without_hooks():
+    """A stamped cache under CUDA graphs: the graphs' flush counts each replay on the device and writes the count
+    into the stamp layer, the one-launch snapshot carries it with the rows, and the producer-side check passes
+    every step of 6 batches x 16 (rows exact, no -1 fill launched, no host sync). Then a graph captured while one
+    layer's hook was lost (no stamp in it), and a "step" with no replay at all: both refused as stale."""
+    from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
+
+    max_tokens = max(SIZES)
+    cache = RoutingCache(max_tokens, L, K, device="cuda", stamp=True)
+    copier = AsyncCopier(cache, num_slots=64)
+    routers = ToyRouters(cache, max_tokens, seed=11)
+    x_static, graphs = _capture(routers, max_tokens)
+    rng = np.random.default_rng(12)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    batch = _StepBatch(K)
+
+    def step(graph, n):
+        x_static[:n].normal_(generator=gen)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if graph is not None:
+                graph.replay()
+            p = copier.submit([(0, n)], mark=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        batch.add(p, ["x"], [0], [n])
+        return routers.ref[:, :n].transpose(0, 1).to(torch.int16)
+
+    def hand_over():
+        copier.mark_batch(batch.parts)
+        _, _, _, rows = batch.take_parts()
+        try:
+            return rows.result().copy()
+        finally:
+            rows.release()
+
+    for _ in range(6):
+        wants = []
+        for _ in range(16):
+            n = int(rng.integers(1, max_tokens + 1))
+            wants.append(step(graphs[min(s for s in SIZES if s >= n)], n))
+        assert np.array_equal(hand_over(), torch.cat(wants).cpu().numpy())
+    # warm-up (len(SIZES) eager steps) and 96 replays, each a complete flush; the check saw the 96
+    assert batch.stamps.steps == 96 and batch.stamps.last == len(SIZES) + 96
+    assert copier._drv is not None and copier._m.Height == L + 1       # the stamp layer rides the one 2-D copy
+    step(None, 64)                                  # no forward ran: the stamp layer is the last step's
+    with pytest.raises(LostHookError, match="not newer"):
+        hand_over()
+    routers.skip = 2                                # a hook lost before (re)capture: that graph never stamps
+    lost = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(lost, pool=torch.cuda.graph_pool_handle()):
+        routers.step(x_static[:64])
+    assert cache.incomplete_flushes >= 1
+    batch.stamps.last = int.from_bytes(cache._ctr[:1].cpu().numpy().tobytes(), "little")
+    step(lost, 64)
+    with pytest.raises(LostHookError, match="not newer"):
+        hand_over()
+    assert copier.in_flight_rows == 0

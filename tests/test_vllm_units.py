@@ -422,6 +422,70 @@ def test_step_batch_refuses_unwritten_rows():
         rows.result()
 
 
+def _stamped_step(cache, copier, n: int, seed: int, layers=None):
+    """One step of n tokens through a stamped cache (every layer, or only `layers`) and the copier: its rows."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in (range(cache.num_layers) if layers is None else layers):
+        cache.record(layer, torch.randint(0, 8, (n, cache.top_k), generator=g))
+    cache.flush()
+    return copier.submit([(0, n)])
+
+
+@pytest.mark.parametrize("K", [1, 2, 8])
+def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K):
+    """The producer-side check of step stamps (the graph-mode replacement of the -1 fill): steps whose forward
+    wrote every layer pass, in any number of batches; a step whose forward missed a layer, or did not run the
+    hooks at all, carries a stale stamp and is refused."""
+    from routing_replay.capture import AsyncCopier, RoutingCache
+    cache = RoutingCache(64, 3, K, stamp=True)
+    copier = AsyncCopier(cache, num_slots=4, max_rows=32)
+    batch = _StepBatch(K)
+    for b in range(3):
+        for i in range(4):
+            batch.add(_stamped_step(cache, copier, 8 + i, seed=10 * b + i), ["x"], [0], [8 + i])
+        _, _, _, rows = batch.take_parts()
+        assert rows.result().shape == (sum(8 + i for i in range(4)), 3, K)
+        rows.release()
+    assert batch.stamps.steps == 12 and batch.stamps.last == 12
+    # a forward whose hooks did not run at all (a graph replayed without them): the stamp layer is as it was
+    batch.add(copier.submit([(0, 8)]), ["x"], [0], [8])
+    _, _, _, rows = batch.take_parts()
+    with pytest.raises(LostHookError, match="not newer than the last step's"):
+        rows.result()
+    rows.release()
+    # a forward that missed one layer: its flush writes no stamp (the rows of the missed layer would be stale)
+    batch = _StepBatch(K)
+    batch.stamps.last = 12
+    batch.add(_stamped_step(cache, copier, 8, seed=99, layers=[0, 2]), ["x"], [0], [8])
+    _, _, _, rows = batch.take_parts()
+    with pytest.raises(LostHookError, match="not newer"):
+        rows.result()
+    rows.release()
+    # rows of one step from two different forwards (some tokens' hooks lost): refused
+    batch = _StepBatch(K)
+    _stamped_step(cache, copier, 4, seed=5).release()
+    p = _stamped_step(cache, copier, 2, seed=6)          # rows 0-1 newer than rows 2-3
+    p.release()
+    batch.add(copier.submit([(0, 4)]), ["x"], [0], [4])
+    _, _, _, rows = batch.take_parts()
+    with pytest.raises(LostHookError, match="different step stamps .*row 2 of 4"):
+        rows.result()
+    rows.release()
+    assert copier.in_flight_rows == 0
+
+
+def test_step_stamps_wrap_around_their_width():
+    check = _StepBatch(1).stamps               # top_k=1: a 16-bit stamp
+    check.last = 0xFFFE
+    for v in (0xFFFF, 0, 1, 2):
+        check(np.full((3, 1), v, dtype=np.uint16).view(np.int16))
+    assert check.last == 2 and check.steps == 4
+    with pytest.raises(LostHookError):
+        check(np.full((3, 1), 2, dtype=np.int16))
+    with pytest.raises(LostHookError):             # half the range behind: older, not newer
+        check(np.full((3, 1), 2 + 0x8001, dtype=np.uint16).view(np.int16))
+
+
 # ---- oracle ----------------------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,9 @@
     ROUTING_REPLAY_PREFIX_ROWS `sentinel` (default): a record's prompt rows below num_cached_tokens (prefix-cache
                               hits) are -1. `fill`: they carry the routing that computed the cached KV, from a
                               per-KV-slot store in the worker (docs/VLLM.md, "Prefix rows").
+    ROUTING_REPLAY_STEP_STAMP `on` (default): under CUDA graphs every step's rows carry a step stamp written inside
+                              the forward, which proves the step's hooks ran. `off`: the older check, a -1 fill
+                              of the step's cache rows launched on the engine thread before every step.
     ROUTING_REPLAY_CURVE_SECRET  external broker only: this engine's CURVE secret key file (NAME.key_secret, from
                               `routing-replay keys`); needs ROUTING_REPLAY_BROKER_KEY. The broker must allow-list
                               the matching public key (`--curve-allow`).
@@ -32,6 +35,7 @@ ENV_REQUESTS = "ROUTING_REPLAY_REQUESTS"
 ENV_CURVE_SECRET = "ROUTING_REPLAY_CURVE_SECRET"
 ENV_BROKER_KEY = "ROUTING_REPLAY_BROKER_KEY"
 ENV_PREFIX_ROWS = "ROUTING_REPLAY_PREFIX_ROWS"
+ENV_STEP_STAMP = "ROUTING_REPLAY_STEP_STAMP"
 PREFIX_MODES = ("sentinel", "fill")
 EMBEDDED = "embedded"
 EXTRA_ARG = "return_routed_experts"
@@ -49,6 +53,7 @@ class Settings:
     curve_secret: str | None = None  # this engine's secret key file, with broker_key: CURVE to the broker
     broker_key: str | None = None
     prefix_rows: str = "sentinel"    # "fill": prefix-cached prompt rows carry real routing (PrefixStore)
+    step_stamp: bool = True          # under CUDA graphs: step stamps instead of a -1 fill per step
 
     @property
     def enabled(self) -> bool:
@@ -80,7 +85,8 @@ def _truthy(value: Any, what: str) -> bool:
 
 
 def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
-              broker_key: str = "", prefix_rows: str = "sentinel") -> Settings:
+              broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "on") -> Settings:
+    stamp = _truthy(step_stamp, ENV_STEP_STAMP)
     if prefix_rows not in PREFIX_MODES:
         raise ValueError(f"{ENV_PREFIX_ROWS}={prefix_rows!r}: choose one of {', '.join(PREFIX_MODES)}")
     if requests not in REQUEST_MODES:
@@ -98,7 +104,7 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
         raise ValueError(f"{ENV_CURVE_SECRET}/{ENV_BROKER_KEY} apply to an external broker; the embedded pipeline "
                          f"talks to its broker over ipc inside this machine")
     return Settings(broker, npz_dir or None, serve or None, requests, curve_secret or None, broker_key or None,
-                    prefix_rows)
+                    prefix_rows, stamp)
 
 
 _cache: tuple[tuple, Settings] | None = None
@@ -110,7 +116,8 @@ def current() -> Settings:
     env = os.environ
     raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
            env.get(ENV_REQUESTS, "all").strip().lower() or "all", env.get(ENV_CURVE_SECRET, "").strip(),
-           env.get(ENV_BROKER_KEY, "").strip(), env.get(ENV_PREFIX_ROWS, "sentinel").strip().lower() or "sentinel")
+           env.get(ENV_BROKER_KEY, "").strip(), env.get(ENV_PREFIX_ROWS, "sentinel").strip().lower() or "sentinel",
+           env.get(ENV_STEP_STAMP, "on").strip().lower() or "on")
     cached = _cache
     if cached is not None and cached[0] == raw:
         return cached[1]

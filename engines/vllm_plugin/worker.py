@@ -95,15 +95,49 @@ class WorkerStats:
     skipped: int = 0                # requests not captured (or closed as aborted) after an error of their own
 
 
+class StampCheck:
+    """Check, on the producer's thread, that each step's rows were written by the forward of that step: every row
+    of the step carries the same step stamp (RoutingCache(stamp=True)), newer than the last step's. A stale stamp
+    means the step's flush did not run or missed a layer (a graph replayed without the hooks): LostHookError."""
+
+    __slots__ = ("last", "_lanes", "_mask", "steps")
+
+    def __init__(self, top_k: int):
+        self._lanes = min(top_k, 4)         # the stamp's 16-bit lanes: 64 bits for top_k >= 4
+        self._mask = (1 << (16 * self._lanes)) - 1
+        self.last = 0                       # the counter starts at 0; every complete flush adds 1 first
+        self.steps = 0
+
+    def __call__(self, stamps: np.ndarray) -> None:
+        head = stamps[:, :self._lanes]
+        first = head[0]
+        if not (head == first).all():
+            bad = int(np.argmax((head != first).any(axis=1)))
+            raise LostHookError(f"routing-replay: rows of one step carry different step stamps (row 0 and row "
+                                f"{bad} of {len(stamps)}): a capture hook was lost for some of the step's tokens. "
+                                "Refusing to publish stale routing.")
+        v = int.from_bytes(first.tobytes(), "little")
+        d = (v - self.last) & self._mask
+        if d == 0 or d > self._mask >> 1:
+            raise LostHookError(f"routing-replay: a step's rows carry step stamp {v}, not newer than the last step's "
+                                f"({self.last}): the forward that should have written them did not run the capture "
+                                "hooks of every MoE layer (e.g. a CUDA graph replayed without them). Refusing to "
+                                "publish stale routing.")
+        self.last = v
+        self.steps += 1
+
+
 class _BatchedRows:
     """Own the PendingRows of consecutive steps on their way through the producer as one delta: the producer's
-    thread concatenates them (C speed), refuses rows no router wrote (-1), sends, and releases every part."""
+    thread concatenates them (C speed), refuses rows no router wrote (-1, or a stale step stamp), sends, and
+    releases every part."""
 
-    __slots__ = ("_parts", "_strict", "shape", "dtype", "dropped")
+    __slots__ = ("_parts", "_strict", "_stamps", "shape", "dtype", "dropped")
 
-    def __init__(self, parts: list, strict: list):
+    def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None):
         self._parts = parts
         self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
+        self._stamps = stamps
         n = sum(p.shape[0] for p in parts)
         self.shape = (n, *parts[0].shape[1:])
         self.dtype = parts[0].dtype
@@ -112,9 +146,13 @@ class _BatchedRows:
     def result(self) -> np.ndarray:
         launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
-        for a, strict in zip(arrays, self._strict):
-            if strict and a.size and int(a.min()) < 0:
-                self._lost_hook(a)
+        check = self._stamps
+        for p, a, strict in zip(self._parts, arrays, self._strict):
+            if strict and a.size:
+                if check is not None and getattr(p, "stamped", False):
+                    check(p.stamps())
+                if int(a.min()) < 0:
+                    self._lost_hook(a)
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
     @staticmethod
@@ -149,9 +187,10 @@ class _StepBatch:
     starts and counts as arrays): nothing per request is touched on the engine thread; the producer's thread
     flattens them (Producer.publish_steps)."""
 
-    __slots__ = ("parts", "strict", "keys", "starts", "counts", "rows")
+    __slots__ = ("parts", "strict", "keys", "starts", "counts", "rows", "stamps")
 
-    def __init__(self):
+    def __init__(self, top_k: int = 1):
+        self.stamps = StampCheck(top_k)     # used on the producer's thread, one batch after the other
         self.parts: list = []
         self.strict: list = []
         self.keys: list = []            # per step: its list of record keys (never modified afterwards)
@@ -172,7 +211,7 @@ class _StepBatch:
     def take_parts(self):
         """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
         thread); the batch is empty afterwards."""
-        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts, self.strict))
+        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts, self.strict, self.stamps))
         self.parts, self.strict, self.keys, self.starts, self.counts, self.rows = [], [], [], [], [], 0
         return out
 
@@ -286,14 +325,17 @@ class WorkerCapture:
         self.device = runner.device
         if self.fill:
             _check_fill_supported(vc)
-        self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device)
+        eager = self.device.type == "cpu" or bool(vc.model_config.enforce_eager)
+        # hooks replayed from CUDA graphs: each step's rows carry the step stamp its flush wrote (no -1 fill
+        # launched before every step); hooks run in Python every step: the hook counter does that job
+        self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device,
+                                  stamp=not eager and self.settings.step_stamp)
         # fill mode: prefix rows share the host ring with computed rows (a GRPO group's shared prompt arrives
         # n times in one step), so it gets room for more steps in flight
         self.copier = AsyncCopier(self.cache, num_slots=4 if self.fill else 2)
-        self.batch = _StepBatch()
+        self.batch = _StepBatch(self.cache.top_k)
         self.max_batch_steps = MAX_BATCH_STEPS
         self.max_batch_rows = max(1, max_tokens // 2)        # leaves the copier's ring room for the next steps
-        eager = self.device.type == "cpu" or bool(vc.model_config.enforce_eager)
         self.binding = CaptureBinding(layers, self.cache.record,
                                       dp_rank=int(pc.data_parallel_rank), dp_size=int(pc.data_parallel_size),
                                       gate=eager)
@@ -582,7 +624,7 @@ class WorkerCapture:
         if b.gate:
             if active or storing:               # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
-        elif active:                            # replayed from graphs: rows no router writes stay -1 (the
+        elif active and not self.cache.stamped:     # replayed from graphs: rows no router writes stay -1 (the
             self.cache.fill_step(n)             # store needs no fill: its write checks the layers at capture)
         if t0:
             self._count_host(t0, w0)
