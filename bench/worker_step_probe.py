@@ -86,15 +86,17 @@ def _outside(fn, so, acc: list) -> None:
 
 
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
-        worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = True) -> dict:
+        worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False) -> dict:
     dev = torch.device(device)
+    if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
+        torch.set_num_threads(1)    # step stamps, 17 x 256 x 8 rows pass torch's parallel grain and go to OpenMP)
     max_tokens = max(8192, n * prompt_len)
     settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode == "optout-fill" else "sentinel")
     runner = _Runner(n, max_tokens, dev)
     cap = WorkerCapture.__new__(WorkerCapture)
     cap._init_state(runner, "v1", settings)
     cap.device = dev
-    stamp = stamp and not eager and getattr(settings, "step_stamp", False)     # as the worker decides
+    stamp = stamp and not eager                     # as the worker decides with ROUTING_REPLAY_STEP_STAMP=on
     cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **({"stamp": True} if stamp else {}))
     cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
     cap.batch = _StepBatch(top_k) if stamp else _StepBatch()
@@ -193,9 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--evict-mib", type=int, default=64, help="buffer walked between steps (0: warm caches)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--eager", action="store_true", help="hooks run in Python every step (CPU / enforce_eager)")
-    ap.add_argument("--no-stamp", action="store_true",
-                    help="graph mode with the -1 fill before every step instead of step stamps "
-                         "(ROUTING_REPLAY_STEP_STAMP=off)")
+    ap.add_argument("--step-stamp", action="store_true",
+                    help="graph mode with step stamps instead of the -1 fill before every step "
+                         "(ROUTING_REPLAY_STEP_STAMP=on)")
     ap.add_argument("--worker-timing", action="store_true",
                     help="also the worker's own timing (WorkerStats.host_ns, as bench/vllm_gpu.py reads it in vLLM); "
                          "its clocks then add to calls_us")
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
     out = []
     for m in (MODES if a.mode == "all" else (a.mode,)):
         r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces,
-                stamp=not a.no_stamp)
+                stamp=a.step_stamp)
         out.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

@@ -20,7 +20,7 @@ from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
 @pytest.fixture
 def env(monkeypatch):
     for k in (settings.ENV_BROKER, settings.ENV_NPZ_DIR, settings.ENV_SERVE, settings.ENV_REQUESTS,
-              settings.ENV_CURVE_SECRET, settings.ENV_BROKER_KEY):
+              settings.ENV_CURVE_SECRET, settings.ENV_BROKER_KEY, settings.ENV_STEP_STAMP):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -95,6 +95,17 @@ def test_settings_embedded(env):
     env.setenv(settings.ENV_SERVE, "tcp://127.0.0.1:5559")
     s = settings.current()
     assert s.embedded and s.npz_dir == "/tmp/out" and s.serve == "tcp://127.0.0.1:5559"
+
+
+def test_settings_step_stamp(env):
+    env.setenv(settings.ENV_BROKER, "tcp://10.0.0.1:5557")
+    assert settings.current().step_stamp is False           # off unless asked for
+    for raw, want in (("on", True), ("1", True), ("OFF", False), ("", False)):
+        env.setenv(settings.ENV_STEP_STAMP, raw)
+        assert settings.current().step_stamp is want, raw
+    env.setenv(settings.ENV_STEP_STAMP, "maybe")
+    with pytest.raises(ValueError, match="ROUTING_REPLAY_STEP_STAMP must be a boolean"):
+        settings.current()
 
 
 # ---- request keys ----------------------------------------------------------------------------------------------
