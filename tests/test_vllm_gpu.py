@@ -54,7 +54,7 @@ from tests.procs import start_broker, start_consumer  # noqa: E402
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS",
        "TRITON_F32_DEFAULT", "VLLM_WORKER_MULTIPROC_METHOD", "ROUTING_REPLAY_PREFIX_ROWS",
-       "VLLM_USE_V2_MODEL_RUNNER")
+       "VLLM_USE_V2_MODEL_RUNNER", "ROUTING_REPLAY_STEP_STAMP")
 L, K = 4, 2                         # the tiny model: 4 MoE layers, 8 experts, top-2, hidden 128
 N_CONCURRENT = 96
 GPU_MEM = 0.25                      # per engine; the engines of this module run one after the other
@@ -182,10 +182,11 @@ def _free_gpu():
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("prefix_rows", ["sentinel", "fill"])
-def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows):
+@pytest.mark.parametrize("prefix_rows,step_stamp", [("sentinel", "off"), ("fill", "off"), ("sentinel", "on")])
+def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows, step_stamp):
     """vLLM's default multi-process engine publishing to broker and consumer processes; all steps replay graphs.
-    With ROUTING_REPLAY_PREFIX_ROWS=fill the prefix-cache hits (16-token blocks) carry exact routing too."""
+    With ROUTING_REPLAY_PREFIX_ROWS=fill the prefix-cache hits (16-token blocks) carry exact routing too; with
+    ROUTING_REPLAY_STEP_STAMP=on the graphs' step stamps replace the -1 fill before every step."""
     from vllm import LLM
 
     import routing_replay.engines.vllm_plugin as plugin
@@ -195,7 +196,8 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows):
     consumer = start_consumer(be, "--npz-dir", str(npz), "--finish-grace-ms", "100")
     # spawn, not fork: this process has run torch CPU ops (OpenMP) and threads; a forked engine core hung in start-up
     env.update(ROUTING_REPLAY_BROKER=fe, ROUTING_REPLAY_REQUESTS="all", TRITON_F32_DEFAULT="ieee",
-               VLLM_WORKER_MULTIPROC_METHOD="spawn", ROUTING_REPLAY_PREFIX_ROWS=prefix_rows)
+               VLLM_WORKER_MULTIPROC_METHOD="spawn", ROUTING_REPLAY_PREFIX_ROWS=prefix_rows,
+               ROUTING_REPLAY_STEP_STAMP=step_stamp)
     for k in ("ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE"):
         env.pop(k, None)
     plugin.register()           # vLLM loads plugins once per process; this covers a process that loaded them before
@@ -219,7 +221,8 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows):
     assert summary["finish_reasons"].get("stop", 0) > 0 and summary["finish_reasons"].get("length", 0) > 0
     summary.update(engine=cfg, path="external broker + consumer processes", engine_layout="multi-process",
                    prefix_rows=prefix_rows)
-    name = "gpu_external_float32.json" if prefix_rows == "sentinel" else "gpu_external_float32_fill.json"
+    name = ("gpu_external_float32.json" if prefix_rows == "sentinel" else "gpu_external_float32_fill.json") \
+        if step_stamp == "off" else f"gpu_external_float32_{prefix_rows}_stamp.json"
     (results_dir / name).write_text(json.dumps(summary, indent=2))
     print("\n" + json.dumps(summary))
     _free_gpu()
