@@ -88,7 +88,10 @@ def test_fetch_before_and_after_finish_and_subscribe(tmp_path):
             th.join(30)
             assert set(result) == set(want_early)
             live = {r.request_id: r for r in sub.records(timeout_s=2)}
-            assert set(live) == {s.request_id for s in specs if s.request_id.startswith("t-1")}
+            # a subscriber that does not read while records come (this one) may miss some beyond the trainer
+            # socket's queue (TRAINER_SNDHWM); each one missed is counted, and fetch still has it
+            want_live = {s.request_id for s in specs if s.request_id.startswith("t-1")}
+            assert set(live) <= want_live and len(live) + pipe.consumer.subscriber_drops == len(want_live)
             later = early.fetch([s.request_id for s in specs[10:]], timeout_s=30)
         for s in specs:
             r = result.get(s.request_id) or later[s.request_id]
