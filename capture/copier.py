@@ -21,6 +21,9 @@ Per `submit(segments)` (engine thread, right after the forward), one launch on t
      binds to the record before it). `result()` launches if needed, waits on its copy event there, and returns
      the rows; `release()` frees the range. The compute stream never waits on any of it.
 On CPU the snapshot goes straight into the host ring and result() does not wait; everything else is the same.
+A stamped cache (RoutingCache(stamp=True)): the snapshot takes the stamp layer too, in the same copy (one more row
+of the 2-D copy; gathered steps: one more index_select), into the ceil(n / L) ring rows after the step's rows;
+`PendingRows.stamps()` reads them.
 Measured costs (compute-stream kernel time, D2H bandwidth, engine-thread CPU per submit): docs/PERFORMANCE.md.
 For many non-adjacent segments pass an (m, 2) int array: long lists are converted and merged with numpy.
 
