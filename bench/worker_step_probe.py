@@ -170,7 +170,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
                                      st.timed_sections))]
     k = d[0]
     res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
-           "device": device, "graph_mode": not eager, "step_stamp": stamp,
+           "device": device, "graph_mode": not eager, "step_stamp": stamp, "stamps_checked": cap.batch.stamps.steps,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
            "producer_drained": ok, "run_s": round(wall_s, 1)}

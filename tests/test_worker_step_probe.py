@@ -34,6 +34,19 @@ def test_probe_runs_the_worker_and_counts_exactly(mode):
     assert r["sections_per_step"] == {"on": 2, "optout": 1, "optout-fill": 1}[mode]
     assert r["calls_us"] > 0 and r["calls_wall_us"] > 0 and 0 < r["clocks_us"] < r["pre_post_us"]
 
+def test_probe_with_step_stamps_checks_every_step_and_launches_no_fill():
+    """Graph mode with step stamps (ROUTING_REPLAY_STEP_STAMP=on): no -1 fill, and the producer's thread checked the
+    stamp of every step it published (a stale one would have stopped it)."""
+    n, steps, prompt_len = 8, 40, 16
+    r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, pieces=True, stamp=True)
+    warm = steps // 4
+    assert r["step_stamp"] and r["producer_drained"]
+    assert r["active_steps"] == steps + warm and r["stamps_checked"] == steps + warm
+    assert r["pieces_wall_us"]["fill_step"] == 0 and r["pieces_wall_us"]["copier_submit"] > 0
+    plain = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, pieces=True)
+    assert not plain["step_stamp"] and plain["stamps_checked"] == 0 and plain["pieces_wall_us"]["fill_step"] > 0
+
+
 def test_help():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--evict-mib" in p.stdout and "--worker-timing" in p.stdout
