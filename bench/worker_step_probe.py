@@ -99,7 +99,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     stamp = stamp and not eager                     # as the worker decides with ROUTING_REPLAY_STEP_STAMP=on
     cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **({"stamp": True} if stamp else {}))
     cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
-    cap.batch = _StepBatch(top_k) if stamp else _StepBatch()
+    cap.batch = _StepBatch(top_k)
     cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
     cap.binding = SimpleNamespace(gate=eager, active=False, calls=0, min_rows=0, layers=[None] * layers)
     cap.layer_ids, cap.randomized = list(range(layers)), False

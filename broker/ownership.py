@@ -135,10 +135,7 @@ class Ownership:
         if msg is not None:
             self.opened(rid, producer, msg)
         if link.alive:
-            self.version += 1
-            self.owner[rid] = link
-            self._by_link.setdefault(link, set()).add(rid)
-            return Owner(link)
+            return Owner(self._set_owner(rid, link))
         return Owner(self._assign(rid), True, msg)
 
     def close(self, rid: str, producer: Hashable | None = None, seq: int | None = None) -> None:
@@ -194,8 +191,11 @@ class Ownership:
         return out
 
     def _assign(self, rid: str) -> Any:
+        return self._set_owner(rid, self._link_of[rendezvous(rid.encode("utf-8", "surrogatepass"), self.live_ids)])
+
+    def _set_owner(self, rid: str, link: Any) -> Any:
+        """`link` owns `rid` from now on (the oldest request is forgotten at max_open_requests)."""
         self.version += 1
-        link = self._link_of[rendezvous(rid.encode("utf-8", "surrogatepass"), self.live_ids)]
         if rid not in self.owner and len(self.owner) >= self.max_open_requests:
             self.close(next(iter(self.owner)))
             self.evicted += 1

@@ -40,6 +40,20 @@ from routing_replay.capture import cudriver
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def stamp_bits(top_k: int) -> int:
+    """How many bits of the step counter a stamp row holds: its first min(top_k, 4) int16 lanes."""
+    return 16 * min(top_k, 4)
+
+
+def read_stamp(stamps) -> int | None:
+    """The step counter an (n, K) int16 block of stamp rows holds (RoutingCache.stamp_rows as snapshotted), or None
+    when its rows do not all hold the same one."""
+    head = stamps[:, :min(stamps.shape[1], 4)]
+    if not (head == head[0]).all():
+        return None
+    return int.from_bytes(head[0].tobytes(), "little")
+
+
 class RoutingCache:
     """Own the worst-case (num_layers, max_tokens, top_k) routing buffer, its per-layer views, and the
     references to this step's top-k tensors until the fused copy has consumed them."""
@@ -66,8 +80,8 @@ class RoutingCache:
         self.stamped = bool(stamp)
         if stamp:
             self.stamp_rows = self._full[num_layers]                       # (max_tokens, top_k)
-            # the step counter: int64 lanes viewed as int16, the stamp row is its first top_k int16 lanes (64 bits
-            # of it for top_k >= 4, 16 * top_k bits below)
+            # the step counter: int64 lanes viewed as int16, the stamp row is its first top_k int16 lanes
+            # (stamp_bits(top_k) of it are read back: read_stamp)
             self._ctr = torch.zeros(max(1, -(-top_k // 4)), dtype=torch.int64, device=self.device)
             self._ctr_head = self._ctr[:1]
             self._ctr_lanes = self._ctr.view(torch.int16)[:top_k]

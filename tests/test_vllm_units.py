@@ -379,6 +379,7 @@ class FakePending:
     def __init__(self, rows, dropped=False):
         self.rows = rows
         self.shape, self.dtype, self.dropped = rows.shape, rows.dtype, dropped
+        self.stamped = False
         self.released = 0
 
     def result(self):

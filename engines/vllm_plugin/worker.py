@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots
+from routing_replay.capture.cache import read_stamp, stamp_bits
 from routing_replay.capture.copier import launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
@@ -100,23 +101,21 @@ class StampCheck:
     of the step carries the same step stamp (RoutingCache(stamp=True)), newer than the last step's. A stale stamp
     means the step's flush did not run or missed a layer (a graph replayed without the hooks): LostHookError."""
 
-    __slots__ = ("last", "_lanes", "_mask", "steps")
+    __slots__ = ("last", "_mask", "steps")
 
     def __init__(self, top_k: int):
-        self._lanes = min(top_k, 4)         # the stamp's 16-bit lanes: 64 bits for top_k >= 4
-        self._mask = (1 << (16 * self._lanes)) - 1
+        self._mask = (1 << stamp_bits(top_k)) - 1
         self.last = 0                       # the counter starts at 0; every complete flush adds 1 first
         self.steps = 0
 
     def __call__(self, stamps: np.ndarray) -> None:
-        head = stamps[:, :self._lanes]
-        first = head[0]
-        if not (head == first).all():
-            bad = int(np.argmax((head != first).any(axis=1)))
+        v = read_stamp(stamps)
+        if v is None:
+            head = stamps[:, :4]
+            bad = int(np.argmax((head != head[0]).any(axis=1)))
             raise LostHookError(f"routing-replay: rows of one step carry different step stamps (row 0 and row "
                                 f"{bad} of {len(stamps)}): a capture hook was lost for some of the step's tokens. "
                                 "Refusing to publish stale routing.")
-        v = int.from_bytes(first.tobytes(), "little")
         d = (v - self.last) & self._mask
         if d == 0 or d > self._mask >> 1:
             raise LostHookError(f"routing-replay: a step's rows carry step stamp {v}, not newer than the last step's "
@@ -149,7 +148,7 @@ class _BatchedRows:
         check = self._stamps
         for p, a, strict in zip(self._parts, arrays, self._strict):
             if strict and a.size:
-                if check is not None and getattr(p, "stamped", False):
+                if check is not None and p.stamped:
                     check(p.stamps())
                 if int(a.min()) < 0:
                     self._lost_hook(a)
