@@ -29,6 +29,13 @@ def inprocess_llm(model: str | os.PathLike, **kw):
     kw.setdefault("max_model_len", 1024)
     kw.setdefault("kv_cache_memory_bytes", 256 << 20)
     kw.setdefault("seed", 0)
+    try:        # a CUDA-graph engine turns graph capture off process-wide once it has captured (vLLM's "capture
+        # at an inappropriate time" guard); Model Runner V1 turns it on again when it captures, V2 does not, so a V2
+        # engine made after another engine in this process would refuse to capture: a new engine may capture
+        from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+        set_cudagraph_capturing_enabled(True)
+    except ImportError:
+        pass
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"       # read while the engine client is made
     try:

@@ -278,7 +278,9 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
         finally:
             if attached is not None:
                 cache.attach_store(*attached)
-        row = {"fill_minus_one_us": timed(fill), "fused_cache_write_us": record_us,
+        # with step stamps (ROUTING_REPLAY_STEP_STAMP=on) the cache write includes the stamp add and no fill runs
+        row = {"fill_minus_one_us": 0.0 if cache.stamped else timed(fill), "fused_cache_write_us": record_us,
+               "stamp_us": timed(cache._stamp) if cache.stamped else 0.0,
                "snapshot_us": timed(snapshot), "store_write_us": timed(store_write)}
         row["compute_stream_us"] = row["fill_minus_one_us"] + row["fused_cache_write_us"] + row["snapshot_us"]
         # the D2H into the pinned ring, as submit() issues it (side stream; overlaps compute)
@@ -669,8 +671,10 @@ def _print_summary(r: dict) -> None:
     print("  engine-core CPU per step: " + ", ".join(f"{m} {v:.0f} us" for m, v in r["engine_cpu_us_per_step"].items()))
     for n, g in r["gpu_cost"].items():
         if isinstance(g, dict):
-            print(f"  GPU per step at {n} tokens: fill {g['fill_minus_one_us']:.2f} + cache write "
-                  f"{g['fused_cache_write_us']:.2f} + snapshot {g['snapshot_us']:.2f} = "
+            fill = (f"cache write {g['fused_cache_write_us']:.2f} (step stamp {g['stamp_us']:.2f} of it)"
+                    if g.get("stamp_us") else f"fill {g['fill_minus_one_us']:.2f} + cache write "
+                    f"{g['fused_cache_write_us']:.2f}")
+            print(f"  GPU per step at {n} tokens: {fill} + snapshot {g['snapshot_us']:.2f} = "
                   f"{g['compute_stream_us']:.2f} us compute stream (+ prefix store write {g['store_write_us']:.2f} us "
                   f"in fill mode); D2H {g['d2h_side_stream_us']:.1f} us on the side stream ({g['bytes_per_step']} B)")
     m = r["memory"]

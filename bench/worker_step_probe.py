@@ -89,7 +89,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
-        torch.set_num_threads(1)    # step stamps, 17 x 256 x 8 rows pass torch's parallel grain and go to OpenMP)
+        torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
     max_tokens = max(8192, n * prompt_len)
     settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode == "optout-fill" else "sentinel")
     runner = _Runner(n, max_tokens, dev)
@@ -99,7 +99,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     stamp = stamp and not eager                     # as the worker decides with ROUTING_REPLAY_STEP_STAMP=on
     cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **({"stamp": True} if stamp else {}))
     cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
-    cap.batch = _StepBatch(top_k)
+    cap.batch = _StepBatch(top_k, stamped=stamp)
     cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
     cap.binding = SimpleNamespace(gate=eager, active=False, calls=0, min_rows=0, layers=[None] * layers)
     cap.layer_ids, cap.randomized = list(range(layers)), False
@@ -112,6 +112,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap._slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu
         cap._owner = cap._slot_owner()
         cap._block_size = 16
+    cap.stamp_baseline()                            # as after vLLM's warm-up (stamps only)
     parts: dict = {}
     if pieces:                                      # the calls pre_step/post_step make, timed one by one (wall)
         import routing_replay.engines.vllm_plugin.worker as wmod
@@ -170,7 +171,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
                                      st.timed_sections))]
     k = d[0]
     res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
-           "device": device, "graph_mode": not eager, "step_stamp": stamp, "stamps_checked": cap.batch.stamps.steps,
+           "device": device, "graph_mode": not eager, "step_stamp": stamp,
+           "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
            "producer_drained": ok, "run_s": round(wall_s, 1)}
@@ -196,8 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--eager", action="store_true", help="hooks run in Python every step (CPU / enforce_eager)")
     ap.add_argument("--step-stamp", action="store_true",
-                    help="graph mode with step stamps instead of the -1 fill before every step "
-                         "(ROUTING_REPLAY_STEP_STAMP=on)")
+                    help="graph mode with step stamps (the plugin's default, ROUTING_REPLAY_STEP_STAMP=on); "
+                         "without it the probe measures the -1 fill before every step (=off)")
     ap.add_argument("--worker-timing", action="store_true",
                     help="also the worker's own timing (WorkerStats.host_ns, as bench/vllm_gpu.py reads it in vLLM); "
                          "its clocks then add to calls_us")

@@ -19,12 +19,14 @@ Prefix store (`attach_store`): the flush also scatters the step's rows into a Pr
 (vLLM's persistent slot-mapping buffer, read on the device), so under CUDA graphs that write is replayed with the
 rest of the hook and costs the engine thread nothing.
 
-Step stamps (`stamp=True`, int16 caches): the buffer gets one more layer, `stamp_rows` (max_tokens, top_k), and a
-device step counter. A flush in which every layer recorded also adds 1 to the counter and writes it into
-`stamp_rows[:n]` (two small kernels; under CUDA graphs they are part of the graph). The copier snapshots the stamp
-layer with the rows, in the same launch, so whoever reads a step's rows can tell that the forward that produced
-them wrote every layer (the stamp is newer than the last step's) without a -1 fill launched before every step: a
-replay without the hooks, or a flush that missed a layer, leaves the stamp stale.
+Step stamps (`stamp=True`, int16 caches, even top_k): the buffer gets one more layer, `stamp_rows`
+(max_tokens, top_k). Viewed as 64-bit lanes (top_k a multiple of 4; else 32-bit), every lane of every row holds
+the same device step counter. A flush in which every layer recorded adds 1 to all of them: one in-place kernel
+over the whole layer, whatever the step's size (under CUDA graphs it is part of the graph). The copier
+snapshots the stamp layer with the rows, in the same launch, so whoever reads a step's rows can tell that the
+forward that produced them wrote every layer (its stamp advanced) without a -1 fill launched before every step:
+a replay without the hooks, or a flush that missed a layer, leaves the stamp where it was (`read_stamp`; the
+check against the engine's own count of forwards is StampCheck in engines/vllm_plugin/worker.py).
 
 Graph safety: `record`, `flush` and `layer_view` allocate nothing, never read device values on the host and
 branch only on Python-side facts fixed at capture time (shapes, dtypes, the layer number). The same code runs
@@ -33,6 +35,7 @@ eagerly, under `torch.cuda.graph` capture and on CPU.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from routing_replay.capture import cudriver
@@ -40,18 +43,27 @@ from routing_replay.capture import cudriver
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def stamp_dtype(top_k: int):
+    """The lane type of the step counter in a stamp row of `top_k` int16 lanes: int64 when top_k is a multiple of
+    4, int32 when it is even; None for odd top_k (no stamps: the -1 fill does that job)."""
+    return torch.int64 if top_k % 4 == 0 else torch.int32 if top_k % 2 == 0 else None
+
+
 def stamp_bits(top_k: int) -> int:
-    """How many bits of the step counter a stamp row holds: its first min(top_k, 4) int16 lanes."""
-    return 16 * min(top_k, 4)
+    """How many bits of the step counter a stamp row holds (its lane width)."""
+    dt = stamp_dtype(top_k)
+    if dt is None:
+        raise ValueError(f"step stamps need an even top_k, got {top_k}")
+    return 64 if dt == torch.int64 else 32
 
 
 def read_stamp(stamps) -> int | None:
-    """The step counter an (n, K) int16 block of stamp rows holds (RoutingCache.stamp_rows as snapshotted), or None
-    when its rows do not all hold the same one."""
-    head = stamps[:, :min(stamps.shape[1], 4)]
-    if not (head == head[0]).all():
+    """The step counter (unsigned, stamp_bits wide) an (n, K) int16 numpy block of stamp rows holds
+    (RoutingCache.stamp_rows as snapshotted), or None when its lanes do not all hold the same one."""
+    lanes = stamps.view(np.int64 if stamps.shape[1] % 4 == 0 else np.int32)
+    if not (lanes == lanes.flat[0]).all():
         return None
-    return int.from_bytes(head[0].tobytes(), "little")
+    return int(lanes.flat[0]) & ((1 << (8 * lanes.itemsize)) - 1)
 
 
 class RoutingCache:
@@ -71,6 +83,8 @@ class RoutingCache:
         self.fused = fused
         if stamp and dtype != torch.int16:
             raise ValueError(f"step stamps need an int16 cache, got {dtype}")
+        if stamp and stamp_dtype(top_k) is None:
+            raise ValueError(f"step stamps need an even top_k (a 32- or 64-bit counter per row), got {top_k}")
         # -1 marks rows no router has written: a bug shows up as an impossible expert id, not as stale data.
         # With stamps, one more layer after the routing layers holds each step's stamp (layer-major, contiguous:
         # `buffer` is a prefix view of it, and one copy of layers [0, L] takes the rows and their stamp).
@@ -80,12 +94,8 @@ class RoutingCache:
         self.stamped = bool(stamp)
         if stamp:
             self.stamp_rows = self._full[num_layers]                       # (max_tokens, top_k)
-            # the step counter: int64 lanes viewed as int16, the stamp row is its first top_k int16 lanes
-            # (stamp_bits(top_k) of it are read back: read_stamp)
-            self._ctr = torch.zeros(max(1, -(-top_k // 4)), dtype=torch.int64, device=self.device)
-            self._ctr_head = self._ctr[:1]
-            self._ctr_lanes = self._ctr.view(torch.int16)[:top_k]
-            self._stamp_views: dict = {}          # n -> (stamp_rows[:n], the counter's lanes expanded to (n, K))
+            # the counter in every lane of every row: starts at -1 (the fill), the first complete flush makes it 0
+            self._stamp_lanes = self.stamp_rows.view(stamp_dtype(top_k))
         self._views = [self.buffer[i] for i in range(num_layers)]
         self._held: list[torch.Tensor | None] = [None] * num_layers
         self._step_views: dict = {}
@@ -131,15 +141,15 @@ class RoutingCache:
                 self._driver = cudriver.give_up(e)
         self.step_rows(n).fill_(-1)
 
-    def _stamp(self, n: int) -> None:
-        """Count this step on the device and write the count into stamp_rows[:n] (graph-safe: kept views)."""
-        views = self._stamp_views.get(n)
-        if views is None:
-            if len(self._stamp_views) >= 4096:
-                self._stamp_views.clear()
-            views = self._stamp_views[n] = (self.stamp_rows[:n], self._ctr_lanes.expand(n, self.top_k))
-        self._ctr_head.add_(1)
-        views[0].copy_(views[1])
+    def _stamp(self) -> None:
+        """Count this step on the device: +1 in every lane of the stamp layer (one in-place kernel, graph-safe)."""
+        self._stamp_lanes.add_(1)
+
+    def stamp_value(self) -> int:
+        """The device step counter now, read back (synchronizes: for start-up, tests and diagnostics only)."""
+        if not self.stamped:
+            raise RuntimeError("this cache has no step stamps")
+        return read_stamp(self.stamp_rows[:1].cpu().numpy())
 
     def attach_store(self, store, slot_mapping: torch.Tensor) -> None:
         """From now on every flush also writes the step's n rows into `store` (a PrefixStore) at
@@ -215,7 +225,7 @@ class RoutingCache:
         if not complete:
             self.incomplete_flushes += 1
         elif self.stamped:
-            self._stamp(n)
+            self._stamp()
         if self._store is None:
             return
         store, slot_mapping = self._store

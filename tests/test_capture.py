@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, RowRing, hit_slots
+from routing_replay.capture.cache import read_stamp, stamp_bits
 
 
 def _ids(n: int, K: int, E: int, seed: int, dtype=torch.int64) -> torch.Tensor:
@@ -196,27 +197,46 @@ def test_copier_gathers_segments_out_of_batch_order(cache_dtype):
 
 
 def _stamp_value(rows: np.ndarray) -> int:
-    """The step counter an (n, K) stamp block holds (all rows alike), from its first min(K, 4) int16 lanes."""
-    assert (rows == rows[0]).all()
-    return int.from_bytes(rows[0, :min(rows.shape[1], 4)].tobytes(), "little")
+    """The step counter an (n, K) stamp block holds: every 64-bit (K % 4 == 0) or 32-bit lane of every row alike,
+    read independently of capture.cache.read_stamp."""
+    lanes = rows.view(np.int64 if rows.shape[1] % 4 == 0 else np.int32)
+    assert (lanes == lanes.flat[0]).all(), lanes
+    return int(lanes.flat[0])
 
 
-@pytest.mark.parametrize("K", [1, 2, 8])
-def test_stamped_cache_counts_complete_flushes_into_the_stamp_layer(K):
+@pytest.mark.parametrize("K,lanes", [(2, 1), (6, 3), (8, 2)])
+def test_stamped_cache_counts_complete_flushes_in_every_lane_of_the_stamp_layer(K, lanes):
     cache = RoutingCache(16, 3, K, stamp=True)
     assert cache.buffer.shape == (3, 16, K) and cache.stamp_rows.shape == (16, K) and cache.stamped
     assert cache.buffer.is_contiguous() and cache.nbytes == 4 * 16 * K * 2
-    assert (cache.stamp_rows == -1).all()
-    _step(cache, 5, seed=1)
-    assert _stamp_value(cache.stamp_rows[:5].numpy()) == 1 and (cache.stamp_rows[5:] == -1).all()
+    assert cache._stamp_lanes.shape == (16, lanes)
+    assert (cache.stamp_rows == -1).all() and _stamp_value(cache.stamp_rows.numpy()) == -1
+    _step(cache, 5, seed=1)                       # one kernel over the whole layer: every row, not only 5
+    assert _stamp_value(cache.stamp_rows.numpy()) == 0 and cache.stamp_value() == 0
     _step(cache, 9, seed=2)
-    assert _stamp_value(cache.stamp_rows[:9].numpy()) == 2
+    assert _stamp_value(cache.stamp_rows.numpy()) == 1
     cache.record(0, _ids(12, K, 8, 3))            # a layer missed: the flush writes rows, no stamp
     cache.flush()
-    assert cache.incomplete_flushes == 1 and _stamp_value(cache.stamp_rows[:9].numpy()) == 2
-    assert (cache.stamp_rows[9:12] == -1).all()
+    assert cache.incomplete_flushes == 1 and _stamp_value(cache.stamp_rows.numpy()) == 1
+    assert cache.stamp_value() == 1 and read_stamp(cache.stamp_rows[:7].numpy()) == 1
+    cache.stamp_rows[3, 0] = 5                    # one lane differs: no stamp
+    assert read_stamp(cache.stamp_rows[:7].numpy()) is None
     with pytest.raises(ValueError, match="int16"):
         RoutingCache(4, 2, 2, dtype=torch.int32, stamp=True)
+    with pytest.raises(ValueError, match="even top_k"):
+        RoutingCache(4, 2, 1, stamp=True)
+    with pytest.raises(RuntimeError, match="no step stamps"):
+        RoutingCache(4, 2, 2).stamp_value()
+
+
+def test_stamp_width_and_unsigned_read():
+    assert [stamp_bits(k) for k in (2, 4, 6, 8)] == [32, 64, 32, 64]
+    with pytest.raises(ValueError, match="even top_k"):
+        stamp_bits(1)
+    assert read_stamp(np.full((3, 2), -1, dtype=np.int16)) == 0xFFFFFFFF
+    assert read_stamp(np.full((3, 8), -1, dtype=np.int16)) == (1 << 64) - 1
+    assert read_stamp(np.array([[7, 0, 7, 0]], dtype=np.int16)) == 7 + (7 << 32)    # one 64-bit lane (little end.)
+    assert read_stamp(np.array([[7, 0, 0, 0], [8, 0, 0, 0]], dtype=np.int16)) is None
 
 
 def test_stamped_copier_carries_each_steps_stamp_after_its_rows_one_run_and_gathered():
@@ -225,14 +245,14 @@ def test_stamped_copier_carries_each_steps_stamp_after_its_rows_one_run_and_gath
     want = _step(cache, 12, seed=3)
     p = cp.submit([(0, 5), (5, 7)])                  # one run: layer-major, the stamp layer in the same copy
     assert p.stamped and p._m == 12 + 3 and cp.in_flight_rows == 15
-    assert np.array_equal(p.result(), want) and p.stamps().shape == (12, 2) and _stamp_value(p.stamps()) == 1
+    assert np.array_equal(p.result(), want) and p.stamps().shape == (12, 2) and _stamp_value(p.stamps()) == 0
     p.release()
     with pytest.raises(RuntimeError, match="after result"):
         p.stamps()
     want = _step(cache, 10, seed=4)
     q = cp.submit([(7, 3), (0, 3), (5, 1)])          # gathered: the stamps of the same rows, in the same order
     assert np.array_equal(q.result(), np.concatenate([want[7:10], want[0:3], want[5:6]]))
-    assert q._m == 7 + 2 and _stamp_value(q.stamps()) == 2
+    assert q._m == 7 + 2 and _stamp_value(q.stamps()) == 1
     r = cp.submit_gather(torch.zeros((4, 4, 2), dtype=torch.int16), [0, 1])     # prefix rows: no stamp
     assert not r.stamped and r._m == 2
     q.release()

@@ -418,8 +418,9 @@ def test_steps_submitted_unmarked_share_one_event_per_batch_and_stay_exact():
     assert refused is not None and "mark_batch" in refused
     assert len(results) == 9 and all(results), results
     assert copier.in_flight_rows == 0 and copier.stats.dropped_steps == 0
-    # the snapshots were driver copies and the batch events went back to their pool and were recorded again
-    assert copier._drv is not None and 1 <= len(copier._batch_pool) <= 2
+    # the snapshots were driver copies and the batch events went back to their pool and were recorded again:
+    # fewer events than the 9 batches (how many were in flight at once depends on the consumer thread's pace)
+    assert copier._drv is not None and 1 <= len(copier._batch_pool) < 9
 
 
 def test_driver_fill_and_layer_major_snapshot_equal_torch_and_fall_back_when_refused():
@@ -467,10 +468,11 @@ def test_driver_fill_and_layer_major_snapshot_equal_torch_and_fall_back_when_ref
 
 
 def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_without_hooks():
-    """A stamped cache under CUDA graphs: the graphs' flush counts each replay on the device and writes the count
-    into the stamp layer, the one-launch snapshot carries it with the rows, and the producer-side check passes
-    every step of 6 batches x 16 (rows exact, no -1 fill launched, no host sync). Then a graph captured while one
-    layer's hook was lost (no stamp in it), and a "step" with no replay at all: both refused as stale."""
+    """A stamped cache under CUDA graphs: the graphs' flush counts each replay on the device (one in-place add over
+    the stamp layer), the one-launch snapshot carries the count with the rows, and the producer-side check of the
+    count against the forwards launched passes every step of 6 batches x 16 (rows exact, no -1 fill launched, no
+    host sync). Then a "forward" with no replay at all, and a graph captured while one layer's hook was lost (its
+    flush adds nothing), each after an unchecked replay that did stamp: both refused as stale."""
     from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
 
     max_tokens = max(SIZES)
@@ -478,20 +480,27 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     copier = AsyncCopier(cache, num_slots=64)
     routers = ToyRouters(cache, max_tokens, seed=11)
     x_static, graphs = _capture(routers, max_tokens)
+    # warm-up ran len(SIZES) eager steps (-1 -> 3); capturing the graphs ran nothing
+    assert cache.stamp_value() == len(SIZES) - 1
     rng = np.random.default_rng(12)
     gen = torch.Generator(device="cuda").manual_seed(13)
-    batch = _StepBatch(K)
+    batch = _StepBatch(K, stamped=True)
+    batch.stamps.baseline(cache.stamp_value(), 0)        # as the worker does after vLLM's warm-up
+    forwards = 0
 
-    def step(graph, n):
+    def step(graph, n, checked=True):
+        nonlocal forwards
+        forwards += 1
         x_static[:n].normal_(generator=gen)
         torch.cuda.set_sync_debug_mode("error")
         try:
             if graph is not None:
                 graph.replay()
-            p = copier.submit([(0, n)], mark=False)
+            p = copier.submit([(0, n)], mark=False) if checked else None
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        batch.add(p, ["x"], [0], [n])
+        if checked:
+            batch.add(p, ["x"], [0], [n], forward=forwards)
         return routers.ref[:, :n].transpose(0, 1).to(torch.int16)
 
     def hand_over():
@@ -502,26 +511,33 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
         finally:
             rows.release()
 
+    def graph_for(n):
+        return graphs[min(s for s in SIZES if s >= n)]
+
     for _ in range(6):
         wants = []
-        for _ in range(16):
+        for i in range(16):
             n = int(rng.integers(1, max_tokens + 1))
-            wants.append(step(graphs[min(s for s in SIZES if s >= n)], n))
+            wants.append(step(graph_for(n), n))
+            if i % 5 == 0:                               # forwards no captured request ran in: not checked
+                step(graph_for(3), 3, checked=False)
         assert np.array_equal(hand_over(), torch.cat(wants).cpu().numpy())
-    # warm-up (len(SIZES) eager steps) and 96 replays, each a complete flush; the check saw the 96
-    assert batch.stamps.steps == 96 and batch.stamps.last == len(SIZES) + 96
+    assert batch.stamps.steps == 96 and forwards == 96 + 6 * 4
+    assert cache.stamp_value() == len(SIZES) - 1 + forwards
     assert copier._drv is not None and copier._m.Height == L + 1       # the stamp layer rides the one 2-D copy
-    # no forward ran: rows [0, 64) carry the last replay's stamp (its graph size >= 64) or older ones beside it
+    # a forward with no replay, after one that stamped and was not checked: the stamp moved, but one flush short
+    step(graph_for(64), 64, checked=False)
     step(None, 64)
-    with pytest.raises(LostHookError, match="not newer|different step stamps"):
+    with pytest.raises(LostHookError, match="1 complete flush"):
         hand_over()
     routers.skip = 2                                # a hook lost before (re)capture: that graph never stamps
     lost = torch.cuda.CUDAGraph()
     with torch.cuda.graph(lost, pool=torch.cuda.graph_pool_handle()):
         routers.step(x_static[:64])
     assert cache.incomplete_flushes >= 1
-    batch.stamps.last = int.from_bytes(cache._ctr[:1].cpu().numpy().tobytes(), "little")
+    batch.stamps.baseline(cache.stamp_value(), forwards)
+    step(graph_for(64), 64, checked=False)
     step(lost, 64)
-    with pytest.raises(LostHookError, match="not newer|different step stamps"):
+    with pytest.raises(LostHookError, match="1 complete flush"):
         hand_over()
     assert copier.in_flight_rows == 0

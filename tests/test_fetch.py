@@ -69,4 +69,7 @@ def test_restart_with_the_same_npz_dir_serves_the_old_records(tmp_path, shard_si
         again = t.fetch(list(want), timeout_s=30)                  # nothing retained: read from disk again
         for rid, rec in want.items():
             assert got[rid].equals(rec) and again[rid].equals(rec)
-        assert pipe.consumer.trainers.disk_reads == 21 and len(pipe.consumer.trainers.fetched) == 0
+        # 1 + 10 + 10 reads, at least: nothing retained (with retention, the second fetch would read nothing). More
+        # when the machine is slow: the client asks again for what is outstanding after 1 s, and a send that finds
+        # the trainer's queue full is retried with another read (seen: 23)
+        assert pipe.consumer.trainers.disk_reads >= 21 and len(pipe.consumer.trainers.fetched) == 0

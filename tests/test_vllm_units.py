@@ -99,8 +99,8 @@ def test_settings_embedded(env):
 
 def test_settings_step_stamp(env):
     env.setenv(settings.ENV_BROKER, "tcp://10.0.0.1:5557")
-    assert settings.current().step_stamp is False           # off unless asked for
-    for raw, want in (("on", True), ("1", True), ("OFF", False), ("", False)):
+    assert settings.current().step_stamp is True            # on unless turned off
+    for raw, want in (("on", True), ("1", True), ("OFF", False), ("0", False), ("", True)):
         env.setenv(settings.ENV_STEP_STAMP, raw)
         assert settings.current().step_stamp is want, raw
     env.setenv(settings.ENV_STEP_STAMP, "maybe")
@@ -443,42 +443,60 @@ def _stamped_step(cache, copier, n: int, seed: int, layers=None):
     return copier.submit([(0, n)])
 
 
-@pytest.mark.parametrize("K", [1, 2, 8])
+@pytest.mark.parametrize("K", [2, 8])
 def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K):
     """The producer-side check of step stamps (the graph-mode replacement of the -1 fill): steps whose forward
-    wrote every layer pass, in any number of batches; a step whose forward missed a layer, or did not run the
-    hooks at all, carries a stale stamp and is refused."""
+    wrote every layer pass, in any number of batches and with unchecked forwards between them; a step whose
+    forward missed a layer, or did not run the hooks at all, is refused, also after forwards that were not
+    checked (steps no captured request ran in)."""
     from routing_replay.capture import AsyncCopier, RoutingCache
     cache = RoutingCache(64, 3, K, stamp=True)
     copier = AsyncCopier(cache, num_slots=4, max_rows=32)
-    batch = _StepBatch(K)
+    batch = _StepBatch(K, stamped=True)
+    assert _StepBatch(K).stamps is None
+    batch.stamps.baseline(cache.stamp_value(), 0)          # after warm-up: counter -1, no forward yet
+    forward = 0
     for b in range(3):
         for i in range(4):
-            batch.add(_stamped_step(cache, copier, 8 + i, seed=10 * b + i), ["x"], [0], [8 + i])
+            forward += 1
+            batch.add(_stamped_step(cache, copier, 8 + i, seed=10 * b + i), ["x"], [0], [8 + i], forward=forward)
+        forward += 1                                       # a forward no captured request ran in: not checked
+        _stamped_step(cache, copier, 5, seed=100 + b).release()
         _, _, _, rows = batch.take_parts()
         assert rows.result().shape == (sum(8 + i for i in range(4)), 3, K)
         rows.release()
-    assert batch.stamps.steps == 12 and batch.stamps.last == 12
-    # a forward whose hooks did not run at all (a graph replayed without them): the stamp layer is as it was
-    batch.add(copier.submit([(0, 8)]), ["x"], [0], [8])
+    assert batch.stamps.steps == 12 and batch.stamps.offset == (-1) & batch.stamps._mask
+    # a forward whose hooks did not run at all (a graph replayed without them), right after an unchecked forward
+    # whose hooks did: the stamp moved on, but one flush fewer than forwards
+    forward += 2
+    _stamped_step(cache, copier, 8, seed=7).release()
+    batch.add(copier.submit([(0, 8)]), ["x"], [0], [8], forward=forward)
     _, _, _, rows = batch.take_parts()
-    with pytest.raises(LostHookError, match="not newer than the last step's"):
+    with pytest.raises(LostHookError, match=f"forward {forward} carry step stamp 15: 1 complete flush"):
         rows.result()
     rows.release()
-    # a forward that missed one layer: its flush writes no stamp (the rows of the missed layer would be stale)
-    batch = _StepBatch(K)
-    batch.stamps.last = 12
-    batch.add(_stamped_step(cache, copier, 8, seed=99, layers=[0, 2]), ["x"], [0], [8])
+    # a forward that missed one layer: its flush adds nothing (the rows of the missed layer would be stale)
+    forward += 1
+    batch.stamps.baseline(cache.stamp_value(), forward - 1)
+    batch.add(_stamped_step(cache, copier, 8, seed=99, layers=[0, 2]), ["x"], [0], [8], forward=forward)
     _, _, _, rows = batch.take_parts()
-    with pytest.raises(LostHookError, match="not newer"):
+    with pytest.raises(LostHookError, match="1 complete flush"):
         rows.result()
     rows.release()
-    # rows of one step from two different forwards (some tokens' hooks lost): refused
-    batch = _StepBatch(K)
-    _stamped_step(cache, copier, 4, seed=5).release()
-    p = _stamped_step(cache, copier, 2, seed=6)          # rows 0-1 newer than rows 2-3
-    p.release()
-    batch.add(copier.submit([(0, 4)]), ["x"], [0], [4])
+    # a forward the engine did not launch (a data-parallel dummy batch) adds a flush and no forward: tolerated
+    forward += 1
+    batch.stamps.baseline(cache.stamp_value(), forward - 1)
+    _stamped_step(cache, copier, 3, seed=8).release()
+    batch.add(_stamped_step(cache, copier, 8, seed=9), ["x"], [0], [8], forward=forward)
+    _, _, _, rows = batch.take_parts()
+    rows.result()
+    rows.release()
+    assert batch.stamps.steps == 13
+    # lanes of one step that differ (rows written by something else than the flush): refused
+    p = _stamped_step(cache, copier, 4, seed=5)
+    p.result()
+    p.stamps()[2, 0] += 1
+    batch.add(p, ["x"], [0], [4], forward=forward + 1)
     _, _, _, rows = batch.take_parts()
     with pytest.raises(LostHookError, match="different step stamps .*row 2 of 4"):
         rows.result()
@@ -486,16 +504,26 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
     assert copier.in_flight_rows == 0
 
 
-def test_step_stamps_wrap_around_their_width():
-    check = _StepBatch(1).stamps               # top_k=1: a 16-bit stamp
-    check.last = 0xFFFE
-    for v in (0xFFFF, 0, 1, 2):
-        check(np.full((3, 1), v, dtype=np.uint16).view(np.int16))
-    assert check.last == 2 and check.steps == 4
-    with pytest.raises(LostHookError):
-        check(np.full((3, 1), 2, dtype=np.int16))
-    with pytest.raises(LostHookError):             # half the range behind: older, not newer
-        check(np.full((3, 1), 2 + 0x8001, dtype=np.uint16).view(np.int16))
+@pytest.mark.parametrize("K,bits", [(2, 32), (8, 64)])
+def test_step_stamps_wrap_around_their_width(K, bits):
+    check = _StepBatch(K, stamped=True).stamps
+    lane = np.uint32 if bits == 32 else np.uint64
+    top = (1 << bits) - 1
+
+    def stamps(v):
+        return np.full((3, K * 16 // bits), v & top, dtype=lane).view(np.int16).reshape(3, K)
+
+    check.baseline(top - 1, 10)              # the counter wraps while the forward count does not
+    for i, v in enumerate((top, 0, 1, 3)):   # the last one after an unchecked dummy forward: offset + 1
+        check(stamps(v), 11 + i)
+    assert check.steps == 4 and check.offset == (3 - 14) & top
+    with pytest.raises(LostHookError, match="1 complete flush"):
+        check(stamps(3), 15)                 # no flush for forward 15
+    check.baseline(5, 0)
+    with pytest.raises(LostHookError, match="2 complete flush"):
+        check(stamps(4), 1)
+    check.baseline(5, 0)                     # far ahead (half the range): a dummy-run gap, not a lost hook
+    check(stamps(5 + (1 << (bits - 1)) - 1), 0)
 
 
 # ---- oracle ----------------------------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ def _wrap_warm_up(cls) -> None:
                 cap.warming = False
                 cap.graphs_captured = True
                 cap.check_captured_store()
+                cap.stamp_baseline()
 
     compile_or_warm_up_model._routing_replay_wrapped = True
     cls.compile_or_warm_up_model = compile_or_warm_up_model

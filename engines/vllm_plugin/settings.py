@@ -10,10 +10,11 @@
     ROUTING_REPLAY_PREFIX_ROWS `sentinel` (default): a record's prompt rows below num_cached_tokens (prefix-cache
                               hits) are -1. `fill`: they carry the routing that computed the cached KV, from a
                               per-KV-slot store in the worker (docs/VLLM.md, "Prefix rows").
-    ROUTING_REPLAY_STEP_STAMP `off` (default): under CUDA graphs a -1 fill of the step's cache rows is launched on
-                              the engine thread before every step, so rows a lost hook did not write read -1.
-                              `on` (experimental, not yet run on a GPU): every step's rows carry a step stamp
-                              written inside the forward instead, one launch less per step (docs/VLLM.md).
+    ROUTING_REPLAY_STEP_STAMP `on` (default): under CUDA graphs every step's rows carry a step stamp written inside
+                              the forward, checked against the engine's count of forwards (even top_k; odd top_k
+                              uses the fill). `off`: a -1 fill of the step's cache rows is launched on the engine
+                              thread before every step, so rows a lost hook did not write read -1: one launch more
+                              per step (docs/VLLM.md, "Step stamps").
     ROUTING_REPLAY_CURVE_SECRET  external broker only: this engine's CURVE secret key file (NAME.key_secret, from
                               `routing-replay keys`); needs ROUTING_REPLAY_BROKER_KEY. The broker must allow-list
                               the matching public key (`--curve-allow`).
@@ -54,7 +55,7 @@ class Settings:
     curve_secret: str | None = None  # this engine's secret key file, with broker_key: CURVE to the broker
     broker_key: str | None = None
     prefix_rows: str = "sentinel"    # "fill": prefix-cached prompt rows carry real routing (PrefixStore)
-    step_stamp: bool = False         # under CUDA graphs: step stamps instead of a -1 fill per step
+    step_stamp: bool = True          # under CUDA graphs: step stamps instead of a -1 fill per step
 
     @property
     def enabled(self) -> bool:
@@ -86,7 +87,7 @@ def _truthy(value: Any, what: str) -> bool:
 
 
 def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
-              broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "off") -> Settings:
+              broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "on") -> Settings:
     stamp = _truthy(step_stamp, ENV_STEP_STAMP)
     if prefix_rows not in PREFIX_MODES:
         raise ValueError(f"{ENV_PREFIX_ROWS}={prefix_rows!r}: choose one of {', '.join(PREFIX_MODES)}")
@@ -118,7 +119,7 @@ def current() -> Settings:
     raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
            env.get(ENV_REQUESTS, "all").strip().lower() or "all", env.get(ENV_CURVE_SECRET, "").strip(),
            env.get(ENV_BROKER_KEY, "").strip(), env.get(ENV_PREFIX_ROWS, "sentinel").strip().lower() or "sentinel",
-           env.get(ENV_STEP_STAMP, "off").strip().lower() or "off")
+           env.get(ENV_STEP_STAMP, "on").strip().lower() or "on")
     cached = _cache
     if cached is not None and cached[0] == raw:
         return cached[1]

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots
-from routing_replay.capture.cache import read_stamp, stamp_bits
+from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_dtype
 from routing_replay.capture.copier import launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
@@ -97,32 +97,44 @@ class WorkerStats:
 
 
 class StampCheck:
-    """Check, on the producer's thread, that each step's rows were written by the forward of that step: every row
-    of the step carries the same step stamp (RoutingCache(stamp=True)), newer than the last step's. A stale stamp
-    means the step's flush did not run or missed a layer (a graph replayed without the hooks): LostHookError."""
+    """Check, on the producer's thread, that each step's rows were written by the forward of that step. The stamped
+    cache (RoutingCache(stamp=True)) counts complete flushes on the device; the engine thread counts the forwards
+    it launched (WorkerCapture.forwards, steps with tokens). Their difference, the offset, can only grow (a forward
+    the engine did not launch through execute_model, e.g. a data-parallel dummy batch, adds a flush and no
+    forward). A step whose stamp leaves the offset below the last one's had a forward without a complete flush:
+    its hooks did not run (a graph replayed without them) or missed a layer, so its rows are stale:
+    LostHookError. So are rows of one step that carry different stamps."""
 
-    __slots__ = ("last", "_mask", "steps")
+    __slots__ = ("_mask", "offset", "steps")
 
     def __init__(self, top_k: int):
         self._mask = (1 << stamp_bits(top_k)) - 1
-        self.last = 0                       # the counter starts at 0; every complete flush adds 1 first
+        self.offset: int | None = None      # flushes - forwards (mod 2**bits): from baseline() or the first step
         self.steps = 0
 
-    def __call__(self, stamps: np.ndarray) -> None:
+    def baseline(self, stamp: int, forwards: int) -> None:
+        """The device counter and the engine's forward count at a quiet point (after warm-up), so that the very
+        first step is checked too."""
+        self.offset = (stamp - forwards) & self._mask
+
+    def __call__(self, stamps: np.ndarray, forward: int) -> None:
         v = read_stamp(stamps)
         if v is None:
-            head = stamps[:, :4]
-            bad = int(np.argmax((head != head[0]).any(axis=1)))
+            lanes = stamps.view(np.int64 if stamps.shape[1] % 4 == 0 else np.int32)
+            bad = int(np.argmax((lanes != lanes.flat[0]).any(axis=1)))
             raise LostHookError(f"routing-replay: rows of one step carry different step stamps (row 0 and row "
                                 f"{bad} of {len(stamps)}): a capture hook was lost for some of the step's tokens. "
                                 "Refusing to publish stale routing.")
-        d = (v - self.last) & self._mask
-        if d == 0 or d > self._mask >> 1:
-            raise LostHookError(f"routing-replay: a step's rows carry step stamp {v}, not newer than the last step's "
-                                f"({self.last}): the forward that should have written them did not run the capture "
-                                "hooks of every MoE layer (e.g. a CUDA graph replayed without them). Refusing to "
-                                "publish stale routing.")
-        self.last = v
+        off = (v - forward) & self._mask
+        last = self.offset
+        if last is not None:
+            behind = (last - off) & self._mask
+            if 0 < behind <= self._mask >> 1:
+                raise LostHookError(f"routing-replay: the rows of forward {forward} carry step stamp {v}: {behind} "
+                                    "complete flush(es) fewer than forwards since the last checked step. The "
+                                    "forward did not run the capture hooks of every MoE layer (e.g. a CUDA graph "
+                                    "replayed without them). Refusing to publish stale routing.")
+        self.offset = off
         self.steps += 1
 
 
@@ -131,11 +143,12 @@ class _BatchedRows:
     thread concatenates them (C speed), refuses rows no router wrote (-1, or a stale step stamp), sends, and
     releases every part."""
 
-    __slots__ = ("_parts", "_strict", "_stamps", "shape", "dtype", "dropped")
+    __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "shape", "dtype", "dropped")
 
-    def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None):
+    def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None):
         self._parts = parts
         self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
+        self._forwards = forwards       # per part: the engine's forward count at its step (stamped parts)
         self._stamps = stamps
         n = sum(p.shape[0] for p in parts)
         self.shape = (n, *parts[0].shape[1:])
@@ -146,10 +159,10 @@ class _BatchedRows:
         launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
         check = self._stamps
-        for p, a, strict in zip(self._parts, arrays, self._strict):
+        for i, (p, a, strict) in enumerate(zip(self._parts, arrays, self._strict)):
             if strict and a.size:
                 if check is not None and p.stamped:
-                    check(p.stamps())
+                    check(p.stamps(), self._forwards[i])
                 if int(a.min()) < 0:
                     self._lost_hook(a)
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
@@ -186,22 +199,26 @@ class _StepBatch:
     starts and counts as arrays): nothing per request is touched on the engine thread; the producer's thread
     flattens them (Producer.publish_steps)."""
 
-    __slots__ = ("parts", "strict", "keys", "starts", "counts", "rows", "stamps")
+    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps")
 
-    def __init__(self, top_k: int = 1):
-        self.stamps = StampCheck(top_k)     # used on the producer's thread, one batch after the other
+    def __init__(self, top_k: int = 1, stamped: bool = False):
+        # used on the producer's thread, one batch after the other
+        self.stamps = StampCheck(top_k) if stamped else None
         self.parts: list = []
         self.strict: list = []
+        self.forwards: list = []        # per step: the engine's forward count (StampCheck)
         self.keys: list = []            # per step: its list of record keys (never modified afterwards)
         self.starts: list = []          # per step: 1-D integer array or list
         self.counts: list = []
         self.rows = 0
 
-    def add(self, pending, keys: list, starts, counts, strict: bool = True) -> None:
+    def add(self, pending, keys: list, starts, counts, strict: bool = True, forward: int = 0) -> None:
         """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
-        not be modified afterwards; `starts` and `counts` (lists or 1-D integer arrays) must not be either."""
+        not be modified afterwards; `starts` and `counts` (lists or 1-D integer arrays) must not be either.
+        `forward`: the engine's forward count at this step (checked against a stamped step's stamp)."""
         self.parts.append(pending)
         self.strict.append(strict)
+        self.forwards.append(forward)
         self.keys.append(keys)
         self.starts.append(starts)
         self.counts.append(counts)
@@ -210,8 +227,10 @@ class _StepBatch:
     def take_parts(self):
         """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
         thread); the batch is empty afterwards."""
-        out = (self.keys, self.starts, self.counts, _BatchedRows(self.parts, self.strict, self.stamps))
-        self.parts, self.strict, self.keys, self.starts, self.counts, self.rows = [], [], [], [], [], 0
+        out = (self.keys, self.starts, self.counts,
+               _BatchedRows(self.parts, self.strict, self.stamps, self.forwards))
+        self.parts, self.strict, self.forwards = [], [], []
+        self.keys, self.starts, self.counts, self.rows = [], [], [], 0
         return out
 
     def take(self):
@@ -326,13 +345,18 @@ class WorkerCapture:
             _check_fill_supported(vc)
         eager = self.device.type == "cpu" or bool(vc.model_config.enforce_eager)
         # hooks replayed from CUDA graphs: each step's rows carry the step stamp its flush wrote (no -1 fill
-        # launched before every step); hooks run in Python every step: the hook counter does that job
-        self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device,
-                                  stamp=not eager and self.settings.step_stamp)
+        # launched before every step); hooks run in Python every step: the hook counter does that job.
+        # Stamps need an even top_k (a 32/64-bit counter per row); odd top_k keeps the fill.
+        stamp = not eager and self.settings.step_stamp
+        if stamp and stamp_dtype(top_k) is None:
+            log.info("routing-replay: step stamps need an even top_k (top_k=%d): the -1 fill before each step "
+                     "checks the rows instead", top_k)
+            stamp = False
+        self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device, stamp=stamp)
         # fill mode: prefix rows share the host ring with computed rows (a GRPO group's shared prompt arrives
         # n times in one step), so it gets room for more steps in flight
         self.copier = AsyncCopier(self.cache, num_slots=4 if self.fill else 2)
-        self.batch = _StepBatch(self.cache.top_k)
+        self.batch = _StepBatch(self.cache.top_k, stamped=self.cache.stamped)
         self.max_batch_steps = MAX_BATCH_STEPS
         self.max_batch_rows = max(1, max_tokens // 2)        # leaves the copier's ring room for the next steps
         self.binding = CaptureBinding(layers, self.cache.record,
@@ -371,6 +395,7 @@ class WorkerCapture:
         self._owner = None                      # _slot_owner() when the store was attached
         self._keepalive: list = []              # dropped stores that captured graphs may still write
         self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
+        self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
         self.binding = None
@@ -426,6 +451,16 @@ class WorkerCapture:
         every graph captured from now on writes it."""
         if self.fill and self.store is None and self.binding is not None:
             self._make_store()
+
+    def stamp_baseline(self) -> None:
+        """Warm-up is over (CUDA graphs captured, nothing in flight): with step stamps, read the device counter once
+        (one synchronizing read, at start-up only) so that the first step's stamp is checked too."""
+        if self.binding is None or not self.cache.stamped or self.batch.stamps is None:
+            return
+        stamp = self.cache.stamp_value()
+        self.batch.stamps.baseline(stamp, self.forwards)
+        log.info("routing-replay: step stamps on: counter %d after warm-up and graph capture, %d forwards so far",
+                 stamp, self.forwards)
 
     def check_captured_store(self) -> None:
         """Warm-up is over (CUDA graphs captured). The graphs hold the store write only if our hooks were in place
@@ -602,6 +637,8 @@ class WorkerCapture:
                 if key is not None:
                     self._close_request(rid, key, notes)
         n = so.total_num_scheduled_tokens
+        if n:
+            self.forwards += 1              # this step runs the model: with stamps, its flush counts it too
         store = self.store
         if store is None and self.fill and n and (self.binding.gate or not self.graphs_captured):
             self._make_store()
@@ -797,7 +834,7 @@ class WorkerCapture:
             self._flush()
             self.producer.publish_rows(keys, computed, count, pending)
         else:
-            self.batch.add(pending, keys, computed, count)
+            self.batch.add(pending, keys, computed, count, forward=self.forwards)
             if len(self.batch.parts) >= self.max_batch_steps or self.batch.rows >= self.max_batch_rows:
                 self._flush()
         self.stats.active_steps += 1
