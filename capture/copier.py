@@ -183,7 +183,10 @@ class AsyncCopier:
         self.cache = cache
         self.num_slots = num_slots
         self.max_rows = max_rows
-        self.capacity_rows = (num_slots + 1) * max_rows
+        # room for num_slots + 1 steps of max_rows rows; a stamped cache's steps also take ceil(n / L) ring rows for
+        # their stamps, so its ring grows by that much (the stamps do not eat into the room for rows)
+        per_step = max_rows + (-(-max_rows // cache.num_layers) if cache.stamped else 0)
+        self.capacity_rows = (num_slots + 1) * per_step
         self.stats = CopierStats()
         L, K, cap = cache.num_layers, cache.top_k, self.capacity_rows
         self._src = cache.buffer.transpose(0, 1)            # (max_tokens, L, K) view of the cache

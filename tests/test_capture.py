@@ -242,6 +242,8 @@ def test_stamp_width_and_unsigned_read():
 def test_stamped_copier_carries_each_steps_stamp_after_its_rows_one_run_and_gathered():
     cache = RoutingCache(32, 4, 2, stamp=True)
     cp = AsyncCopier(cache, num_slots=2, max_rows=16)
+    # 3 steps of 16 rows, each with its 4 stamp rows: the stamps take no room from the rows
+    assert cp.capacity_rows == 3 * (16 + 4) and AsyncCopier(RoutingCache(32, 4, 2), 2, 16).capacity_rows == 48
     want = _step(cache, 12, seed=3)
     p = cp.submit([(0, 5), (5, 7)])                  # one run: layer-major, the stamp layer in the same copy
     assert p.stamped and p._m == 12 + 3 and cp.in_flight_rows == 15
