@@ -57,10 +57,16 @@ def stamp_bits(top_k: int) -> int:
     return 64 if dt == torch.int64 else 32
 
 
+def stamp_lanes(stamps) -> np.ndarray:
+    """An (n, K) int16 numpy block of stamp rows as its counter lanes (n, K / 4) int64 or (n, K / 2) int32, as
+    stamp_dtype lays them out."""
+    return stamps.view(np.int64 if stamps.shape[1] % 4 == 0 else np.int32)
+
+
 def read_stamp(stamps) -> int | None:
     """The step counter (unsigned, stamp_bits wide) an (n, K) int16 numpy block of stamp rows holds
     (RoutingCache.stamp_rows as snapshotted), or None when its lanes do not all hold the same one."""
-    lanes = stamps.view(np.int64 if stamps.shape[1] % 4 == 0 else np.int32)
+    lanes = stamp_lanes(stamps)
     if not (lanes == lanes.flat[0]).all():
         return None
     return int(lanes.flat[0]) & ((1 << (8 * lanes.itemsize)) - 1)

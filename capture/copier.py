@@ -183,15 +183,13 @@ class AsyncCopier:
         self.cache = cache
         self.num_slots = num_slots
         self.max_rows = max_rows
-        # room for num_slots + 1 steps of max_rows rows; a stamped cache's steps also take ceil(n / L) ring rows for
-        # their stamps, so its ring grows by that much (the stamps do not eat into the room for rows)
-        per_step = max_rows + (-(-max_rows // cache.num_layers) if cache.stamped else 0)
-        self.capacity_rows = (num_slots + 1) * per_step
+        self._stamped = cache.stamped
+        # room for num_slots + 1 steps of max_rows rows; a stamped cache's steps also take ring rows for their
+        # stamps, so its ring grows by that much (the stamps do not eat into the room for rows)
+        self.capacity_rows = (num_slots + 1) * self._ring_rows(max_rows)
         self.stats = CopierStats()
         L, K, cap = cache.num_layers, cache.top_k, self.capacity_rows
         self._src = cache.buffer.transpose(0, 1)            # (max_tokens, L, K) view of the cache
-        # a stamped cache's steps take ceil(n / L) more ring rows: their (n, K) stamps follow the rows
-        self._stamped = cache.stamped
         self._layers_out = L + 1 if cache.stamped else L     # layers one layer-major snapshot copies
         self._ring = RowRing(cap)
         self._cuda = cache.device.type == "cuda"
@@ -282,6 +280,10 @@ class AsyncCopier:
                 runs.append([off, off + n])
         return runs, total
 
+    def _ring_rows(self, n: int) -> int:
+        """Ring rows an n-row step takes: its rows, then on a stamped cache ceil(n / L) more for its (n, K) stamps."""
+        return n + -(-n // self.cache.num_layers) if self._stamped else n
+
     def submit(self, segments: Sequence[tuple[int, int]] | np.ndarray, mark: bool = True) -> PendingRows | None:
         """Start copying this step's rows: segments are (token_offset_in_batch, n_rows) in request order
         (a list of pairs, or an (m, 2) integer array).
@@ -293,7 +295,7 @@ class AsyncCopier:
         """
         runs, n = self._runs(segments)
         L, K = self.cache.num_layers, self.cache.top_k
-        m = n + -(-n // L) if self._stamped else n
+        m = self._ring_rows(n)
         got = self._take(n, rows=m)
         if not isinstance(got, tuple):
             return got

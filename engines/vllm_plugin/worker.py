@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots
-from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_dtype
+from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_dtype, stamp_lanes
 from routing_replay.capture.copier import launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
@@ -120,7 +120,7 @@ class StampCheck:
     def __call__(self, stamps: np.ndarray, forward: int) -> None:
         v = read_stamp(stamps)
         if v is None:
-            lanes = stamps.view(np.int64 if stamps.shape[1] % 4 == 0 else np.int32)
+            lanes = stamp_lanes(stamps)
             bad = int(np.argmax((lanes != lanes.flat[0]).any(axis=1)))
             raise LostHookError(f"routing-replay: rows of one step carry different step stamps (row 0 and row "
                                 f"{bad} of {len(stamps)}): a capture hook was lost for some of the step's tokens. "
@@ -455,7 +455,7 @@ class WorkerCapture:
     def stamp_baseline(self) -> None:
         """Warm-up is over (CUDA graphs captured, nothing in flight): with step stamps, read the device counter once
         (one synchronizing read, at start-up only) so that the first step's stamp is checked too."""
-        if self.binding is None or not self.cache.stamped or self.batch.stamps is None:
+        if self.binding is None or self.batch.stamps is None:      # no capture, or no stamps
             return
         stamp = self.cache.stamp_value()
         self.batch.stamps.baseline(stamp, self.forwards)
