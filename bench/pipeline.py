@@ -3,7 +3,8 @@
 Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workloads (one publish_rows call each):
   decode  : steps of 256 requests x 1 token (one message per step, split across the two consumers)
   prefill : steps of 4 requests x 2048 tokens
-  batched : the vLLM plugin's message: 16 engine steps of 256 requests x 1 token (ids repeated 16 times)
+  batched : the vLLM plugin's message: 16 engine steps of 256 requests x 1 token, published as the plugin does
+            (Producer.publish_steps with per-step references; the raw/proxy chains send one header of 256 entries)
   mixed   : 16 engine steps of (240 decode requests x 1 token + a new request's 512-token prefill), the 16 prefill
             requests finishing after each message (new requests every message)
 Chains (each role a separate process, loopback tcp):
@@ -70,6 +71,7 @@ class Step(NamedTuple):
     counts: list
     opens: list               # (request id, prompt_len) to open before this step
     finishes: list            # (request id, num_output, prompt_len) to finish after it
+    per_step: tuple | None = None   # (id lists, starts, counts) per engine step: ours publishes with publish_steps
 
 
 def _steps(workload: str, n_steps: int):
@@ -89,7 +91,12 @@ def _steps(workload: str, n_steps: int):
         return steps, 4 * per
     if workload == "batched":
         ids = [f"cmpl-{i:08x}-decode-request" for i in range(256)]
-        steps = [Step(ids * 16, [16 * m + k for k in range(16) for _ in ids], [1] * 4096, [], [])
+        # ours: Producer.publish_steps, as the plugin calls it (16 references to one id list; per step its starts
+        # and counts as arrays). raw/proxy: the same information in one header, one entry of 16 rows per request
+        # (what ours sends since the producer merges such steps; before, ours sent 4096 entries of one row).
+        ones = np.ones(256, dtype=np.int64)
+        steps = [Step(ids, [16 * m] * 256, [16] * 256, [], [],
+                      ([ids] * 16, [np.full(256, 16 * m + k, dtype=np.int64) for k in range(16)], [ones] * 16))
                  for m in range(n_steps)]
         steps[0].opens.extend((r, 1) for r in ids)
         steps[-1].finishes.extend((r, 16 * n_steps, 1) for r in ids)
@@ -195,7 +202,9 @@ def consumer_proc(back, q, latency):
                 h = msgpack.unpackb(frames[0].buffer)
                 if h[1] == "delta":
                     t = time.monotonic()
-                    for pos in np.unique(np.frombuffer(h[6]["start"], "<i4")).tolist():
+                    # dict.fromkeys, not np.unique: numpy 2's unique imports numpy.ma on its first call (80 ms
+                    # on a host without that module's .pyc), which stalled the first steps of this measurement
+                    for pos in dict.fromkeys(np.frombuffer(h[6]["start"], "<i4").tolist()):
                         recv_times.setdefault(pos, t)
             state["held_peak"] = max(state["held_peak"], self.acc.bytes_held)
 
@@ -245,7 +254,10 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes):
             while time.monotonic() < target:
                 time.sleep(max(0, target - time.monotonic() - 0.0002))
         t = time.monotonic()
-        p.publish_rows(st.ids, st.starts, st.counts, payload)
+        if st.per_step is not None:
+            p.publish_steps(*st.per_step, payload)
+        else:
+            p.publish_rows(st.ids, st.starts, st.counts, payload)
         send_times[i] = t
         for rid, n_out, prompt_len in st.finishes:
             p.finish(rid, num_output_tokens=n_out, prompt_len=prompt_len)
@@ -401,14 +413,17 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
 
 def _latency(send_times, recv_maps, n_steps):
     # decode workload: step i writes position i of every request; a delta may carry several steps (coalesced)
-    lat = []
+    per_step = {}
     for i in range(n_steps):
         recv = [m[i] for m in recv_maps if i in m]
         if len(recv) == len(recv_maps):
-            lat.append((max(recv) - send_times[i]) * 1e3)
-    lat.sort()
+            per_step[i] = (max(recv) - send_times[i]) * 1e3
+    lat = sorted(per_step.values())
+    slowest = sorted(per_step, key=per_step.get, reverse=True)[:10]
     return {"n": len(lat), "p50_ms": round(statistics.median(lat), 3),
-            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3), "max_ms": round(lat[-1], 3)}
+            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3), "max_ms": round(lat[-1], 3),
+            "slowest": [(i, round(per_step[i], 1)) for i in slowest],      # (step, ms): where the tail sits
+            "per_step_ms": [round(per_step.get(i, -1.0), 3) for i in range(n_steps)]}
 
 
 STEPS = {"decode": 4000, "prefill": 200, "batched": 250, "mixed": 100}     # about 1M tokens each (mixed: 1.2M)
@@ -431,7 +446,8 @@ def main(argv=None) -> int:
         os.makedirs(a.profile, exist_ok=True)
         PROFILE_DIR[0] = os.path.abspath(a.profile)
     results = []
-    for workload in a.workloads.split(","):
+    workloads = [w for w in a.workloads.split(",") if w]       # --workloads "": the latency run alone
+    for workload in workloads:
         steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
         for chain in a.chains.split(","):
             r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes)
@@ -445,10 +461,11 @@ def main(argv=None) -> int:
     if not a.no_latency:
         lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes)
         results.append(lat)
-        print(f"latency at 100k tokens/s offered (decode steps of 256): {lat['latency']} "
+        shown = {k: v for k, v in lat["latency"].items() if k != "per_step_ms"}
+        print(f"latency at 100k tokens/s offered (decode steps of 256): {shown} "
               f"messages={lat['messages']} records={lat['records']}", flush=True)
     by = {(r["workload"], r["chain"]): r for r in results if "latency" not in r}
-    for w in a.workloads.split(","):
+    for w in workloads:
         if (w, "ours") not in by:
             continue
         ours = by[(w, "ours")]["tokens_per_s"]

@@ -289,7 +289,7 @@ class Arena:
             self.spaces[0].rows[flat] = src
             return
         si = np.searchsorted(self._firsts, flat, side="right") - 1
-        for i in np.unique(si).tolist():
+        for i in np.flatnonzero(np.bincount(si)).tolist():     # (np.unique imports numpy.ma on first use)
             m = si == i
             s = self.spaces[i]
             s.rows[flat[m] - s.first] = src[m]

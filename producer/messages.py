@@ -50,7 +50,69 @@ class StepParts(NamedTuple):
     rows: Any
 
     def step(self) -> Step:
+        merged = merge_decode_steps(self)
+        if merged is not None:
+            return merged
         return Step(flat_ids(self.request_ids), flat_ints(self.starts), flat_ints(self.counts), self.rows, None)
+
+
+def merge_decode_steps(parts: StepParts) -> Step | None:
+    """Consecutive decode steps of one unchanged batch (every step the same id list, one row per request, each
+    request one position further than in the step before) as one entry per request: its rows of all the steps
+    in a row, at its first position. The records are the same; the delta carries n entries instead of steps x n
+    (the header's id list, the broker's split and the consumer's scatter work per entry, and each request's rows
+    move as one run instead of one row at a time). The rows are reordered step-major -> request-major in the one
+    copy the producer's thread makes anyway (RequestMajor). None when the steps are not like that."""
+    ids = parts.request_ids
+    k = len(ids)
+    if k < 2:
+        return None
+    first = ids[0]
+    n = len(first)
+    if not n or any(x is not first and x != first for x in ids):
+        return None
+    try:
+        counts = np.asarray(parts.counts, dtype=np.int64)
+        starts = np.asarray(parts.starts, dtype=np.int64)
+    except ValueError:              # ragged: the steps differ
+        return None
+    if counts.shape != (k, n) or starts.shape != (k, n) or not (counts == 1).all():
+        return None
+    if not (starts == starts[0] + np.arange(k, dtype=np.int64)[:, None]).all():
+        return None
+    return Step(list(first), starts[0].tolist(), [k] * n, RequestMajor(parts.rows, k), None)
+
+
+class RequestMajor:
+    """Deferred rows of `steps` steps of n rows each (step-major, as the caller handed them: an ndarray or a
+    deferred object) handed out request-major: request i's rows of every step, then request i + 1's. One copy: a
+    deferred object's own `result_request_major(steps)` when it has one, else a reordering copy of its result.
+    The result is the caller's own array (`owns_result`), not a view of the source's memory."""
+
+    __slots__ = ("_rows", "_steps", "shape", "dtype", "dropped")
+    owns_result = True
+
+    def __init__(self, rows: Any, steps: int):
+        self._rows, self._steps = rows, steps
+        self.shape = tuple(rows.shape)
+        self.dtype = rows.dtype
+        self.dropped = bool(getattr(rows, "dropped", False))
+
+    def result(self) -> np.ndarray:
+        rows, k = self._rows, self._steps
+        direct = getattr(rows, "result_request_major", None)
+        if direct is not None:
+            return direct(k)
+        a = np.asarray(rows if isinstance(rows, np.ndarray) else rows.result())
+        out = np.empty(a.shape, dtype=a.dtype)
+        n = a.shape[0] // k
+        out.reshape(n, k, *a.shape[1:])[...] = a.reshape(k, n, *a.shape[1:]).swapaxes(0, 1)
+        return out
+
+    def release(self) -> None:
+        release = getattr(self._rows, "release", None)
+        if release is not None:
+            release()
 
 
 def flat_ids(parts: Sequence[Sequence]) -> list:
@@ -102,8 +164,10 @@ def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry)
     whatever happens)."""
     rows = item.rows
     release = None
+    owned = False           # result() hands out an array of its own: nothing to copy before the release
     if not isinstance(rows, np.ndarray):
         release = getattr(rows, "release", None)
+        owned = bool(getattr(rows, "owns_result", False))
     try:
         if release is not None or not isinstance(rows, np.ndarray):
             rows = rows.result()
@@ -118,7 +182,7 @@ def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry)
         body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi)
         head = wire.pack_header("delta", producer_id, epoch, seq, ids, body)
         payload = memoryview(np.ascontiguousarray(rows)).cast("B")
-        if release is not None and not copied:
+        if release is not None and not copied and not owned:
             payload = bytes(payload)          # copy out of the ring slot before releasing it
     finally:
         if release is not None:
@@ -149,6 +213,7 @@ def encode_steps(items: Sequence[Step], producer_id: str, epoch: int, seq: int, 
     for item in items:
         rows = item.rows
         release = None if isinstance(rows, np.ndarray) else getattr(rows, "release", None)
+        owned = release is not None and bool(getattr(rows, "owns_result", False))
         try:
             try:
                 if not isinstance(rows, np.ndarray):
@@ -175,7 +240,7 @@ def encode_steps(items: Sequence[Step], producer_id: str, epoch: int, seq: int, 
                         counts.append(c)
             if len(rows):
                 payload = memoryview(np.ascontiguousarray(rows)).cast("B")
-                frames.append(bytes(payload) if release is not None and not copied else payload)
+                frames.append(bytes(payload) if release is not None and not copied and not owned else payload)
         finally:
             if release is not None:
                 release()

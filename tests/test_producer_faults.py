@@ -371,3 +371,95 @@ def test_publish_steps_refused_by_the_queue_bound_reports_every_position_lost(ct
     finally:
         p.close(timeout_s=1)
         fake.close()
+
+
+def _request_major(a: np.ndarray, steps: int) -> np.ndarray:
+    n = a.shape[0] // steps
+    return a.reshape(steps, n, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_decode_steps_of_an_unchanged_batch_leave_as_one_entry_per_request(ctx, tmp_path, deferred):
+    """publish_steps of decode steps that share one id list, one row per request, each request one position further
+    per step: one entry per request (its first position, `steps` rows), rows request-major, bit for bit; the
+    deferred rows are released once and not copied again. Steps that are not like that keep one entry per row."""
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        for r in "abc":
+            p.open(r, prompt_len=4)
+        shared = ["a", "b", "c"]
+        first = np.array([5, 9, 2], np.int32)
+        ones = np.ones(3, np.int64)
+        src = rows(12, 7)
+        arg = _Deferred(src) if deferred else src
+        got = [fake.recv() for _ in range(3)]
+        assert p.publish_steps([shared] * 4, [first + s for s in range(4)], [ones] * 4, arg) is True
+        got.append(fake.recv())         # one at a time: steps queued together would leave as one message
+        # not mergeable: a position that does not advance by one (a preempted request's recompute, say)
+        starts = [first, first + 1, np.array([7, 11, 3])]
+        assert p.publish_steps([shared] * 3, starts, [ones] * 3, rows(9, 50)) is True
+        got.append(fake.recv())
+        # not mergeable: two steps with equal lists but a count of 2
+        assert p.publish_steps([shared, list(shared)], [first, first + 1], [ones, np.array([1, 2, 1])],
+                               rows(7, 90)) is True
+        got.append(fake.recv())
+        (h1, f1), (h2, f2), (h3, f3) = got[3:]
+        d1 = wire.parse_delta(h1)
+        assert (h1.key, d1.starts.tolist(), d1.counts.tolist()) == (shared, [5, 9, 2], [4, 4, 4])
+        assert b"".join(bytes(f) for f in f1) == _request_major(src, 4).tobytes()
+        wire.check_payload(d1, f1)
+        if deferred:
+            assert arg.released == 1
+        d2 = wire.parse_delta(h2)
+        assert (h2.key, d2.starts.tolist(), d2.counts.tolist()) == (shared * 3, [5, 9, 2, 6, 10, 3, 7, 11, 3],
+                                                                     [1] * 9)
+        assert b"".join(bytes(f) for f in f2) == rows(9, 50).tobytes()
+        d3 = wire.parse_delta(h3)
+        assert (d3.starts.tolist(), d3.counts.tolist()) == ([5, 9, 2, 6, 10, 3], [1, 1, 1, 1, 2, 1])
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+
+
+def test_merged_decode_steps_make_the_same_records_through_broker_and_consumer(ctx, tmp_path):
+    """The same routing published step by step (publish_rows) and as merged decode steps (publish_steps): records
+    bit-equal, through a real broker and consumer."""
+    from routing_replay.consumer import Consumer
+    fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
+    broker = Broker(fe, be, context=ctx)
+    broker.start()
+    got: dict = {}
+    cons = Consumer(be, on_record=lambda r: got.__setitem__(r.request_id, r), context=ctx, finish_grace_s=0.0)
+    cons.start()
+    p = Producer(fe, num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        rng = np.random.default_rng(3)
+        steps, n = 8, 5
+        routing = rng.integers(0, 100, (2, n, 3 + steps, L, K)).astype(np.int16)   # (variant, request, position)
+        for v, publish_steps in enumerate((False, True)):
+            ids = [f"v{v}-r{i}" for i in range(n)]
+            for r in ids:
+                p.open(r, prompt_len=3)
+            p.publish_rows(ids, [0] * n, [3] * n, routing[v, :, :3].reshape(-1, L, K).copy())
+            per_step = np.ascontiguousarray(routing[v, :, 3:].swapaxes(0, 1)).reshape(-1, L, K)
+            if publish_steps:
+                p.publish_steps([ids] * steps, [np.full(n, 3 + s) for s in range(steps)], [np.ones(n, int)] * steps,
+                                per_step)
+            else:
+                for s in range(steps):
+                    p.publish_rows(ids, [3 + s] * n, [1] * n, per_step[s * n:(s + 1) * n])
+            for r in ids:
+                p.finish(r, num_output_tokens=steps + 1)        # the last output token is never computed
+        wait_for(lambda: len(got) == 2 * n)
+        for v in range(2):
+            for i in range(n):
+                rec = got[f"v{v}-r{i}"]
+                assert rec.complete, rec
+                assert np.array_equal(rec.prompt_routed_experts, routing[v, i, :3])
+                assert np.array_equal(rec.routed_experts[:steps], routing[v, i, 3:])
+                assert (rec.routed_experts[steps] == -1).all() and len(rec.routed_experts) == steps + 1
+    finally:
+        p.close(timeout_s=2)
+        cons.close()
+        broker.close()

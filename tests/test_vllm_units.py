@@ -600,3 +600,39 @@ def test_pipeline_process_that_cannot_start_raises(tmp_path):
 
     with pytest.raises(RuntimeError, match="exited with"):
         PipelineProcess(serve="tcp://256.1.1.1:1")     # the consumer cannot bind this endpoint
+
+
+def test_batched_steps_hand_out_request_major_rows_in_one_copy():
+    """_BatchedRows of consecutive decode steps: result_request_major(steps) is result() reordered request-major
+    (request i's rows of every step together), still stamp-checked; a batch of several steps owns its result (a
+    new array: the producer need not copy it out of the host ring), a batch of one does not; steps of different
+    sizes are refused."""
+    from routing_replay.capture import AsyncCopier, RoutingCache
+    from routing_replay.producer.messages import RequestMajor, StepParts
+    cache = RoutingCache(64, 3, 8, stamp=True)
+    copier = AsyncCopier(cache, num_slots=4, max_rows=32)
+    batch = _StepBatch(8, stamped=True)
+    batch.stamps.baseline(cache.stamp_value(), 0)
+    keys_ = ["a", "b", "c", "d"]
+    for s in range(3):
+        batch.add(_stamped_step(cache, copier, 4, seed=s), keys_, np.arange(4) + s, np.ones(4, int), forward=s + 1)
+    ids, starts, counts, rows = batch.take_parts()
+    assert rows.owns_result
+    flat = rows.result().copy()
+    step = StepParts(ids, starts, counts, rows).step()
+    assert (step.request_ids, step.starts, step.counts) == (keys_, [0, 1, 2, 3], [3, 3, 3, 3])
+    assert isinstance(step.rows, RequestMajor) and step.rows.owns_result and step.rows.shape == (12, 3, 8)
+    got = step.rows.result()
+    assert np.array_equal(got, flat.reshape(3, 4, 3, 8).swapaxes(0, 1).reshape(12, 3, 8))
+    assert got.flags.c_contiguous and batch.stamps.steps == 6       # both reads checked every step's stamp
+    step.rows.release()
+    batch.add(_stamped_step(cache, copier, 4, seed=9), keys_, np.arange(4), np.ones(4, int), forward=4)
+    batch.add(_stamped_step(cache, copier, 2, seed=10), keys_[:2], np.arange(2), np.ones(2, int), forward=5)
+    _, _, _, rows = batch.take_parts()
+    with pytest.raises(ValueError, match="not 2 steps of equal size"):
+        rows.result_request_major(2)
+    rows.release()
+    batch.add(_stamped_step(cache, copier, 4, seed=11), keys_, np.arange(4), np.ones(4, int), forward=6)
+    _, _, _, rows = batch.take_parts()
+    assert not rows.owns_result
+    rows.release()

@@ -155,7 +155,12 @@ class _BatchedRows:
         self.dtype = parts[0].dtype
         self.dropped = False
 
-    def result(self) -> np.ndarray:
+    @property
+    def owns_result(self) -> bool:
+        """result() of several steps is a new array (their concatenation); of one step, a view of the host ring."""
+        return len(self._parts) > 1
+
+    def _checked(self) -> list:
         launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
         check = self._stamps
@@ -165,7 +170,23 @@ class _BatchedRows:
                     check(p.stamps(), self._forwards[i])
                 if int(a.min()) < 0:
                     self._lost_hook(a)
+        return arrays
+
+    def result(self) -> np.ndarray:
+        arrays = self._checked()
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    def result_request_major(self, steps: int) -> np.ndarray:
+        """The rows of `steps` steps of n rows each, request-major (producer.messages.RequestMajor): one copy out
+        of the host ring, as result() makes."""
+        arrays = self._checked()
+        if len(arrays) != steps or len({a.shape for a in arrays}) != 1:
+            raise ValueError(f"{len(arrays)} parts of shapes {sorted({a.shape for a in arrays})}: not {steps} "
+                             "steps of equal size")
+        n = arrays[0].shape[0]
+        out = np.empty((n, steps, *arrays[0].shape[1:]), dtype=arrays[0].dtype)      # C order: the wire layout
+        np.stack(arrays, axis=1, out=out)
+        return out.reshape(n * steps, *arrays[0].shape[1:])
 
     @staticmethod
     def _lost_hook(rows: np.ndarray):
