@@ -86,7 +86,8 @@ def _outside(fn, so, acc: list) -> None:
 
 
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
-        worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False) -> dict:
+        worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
+        ring: bool = False) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
@@ -97,7 +98,12 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     cap._init_state(runner, "v1", settings)
     cap.device = dev
     stamp = stamp and not eager                     # as the worker decides with ROUTING_REPLAY_STEP_STAMP=on
-    cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **({"stamp": True} if stamp else {}))
+    ring = ring and stamp                           # ROUTING_REPLAY_STEP_STAMP=ring: stamps and the step ring
+    kw = {"stamp": True} if stamp else {}
+    if ring:
+        from routing_replay.engines.vllm_plugin.worker import STEP_RING_SLOTS
+        kw.update(slots=STEP_RING_SLOTS, slot_rows=512)     # vLLM's default largest CUDA graph
+    cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **kw)
     cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
     cap.batch = _StepBatch(top_k, stamped=stamp)
     cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
@@ -171,7 +177,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
                                      st.timed_sections))]
     k = d[0]
     res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
-           "device": device, "graph_mode": not eager, "step_stamp": stamp,
+           "device": device, "graph_mode": not eager, "step_stamp": stamp, "step_ring": ring,
+           "ring_steps": cap.stats.ring_steps, "encode_errors": cap.producer.stats.encode_errors,
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
@@ -200,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-stamp", action="store_true",
                     help="graph mode with step stamps (the plugin's default, ROUTING_REPLAY_STEP_STAMP=on); "
                          "without it the probe measures the -1 fill before every step (=off)")
+    ap.add_argument("--step-ring", action="store_true",
+                    help="with --step-stamp: the step ring too (ROUTING_REPLAY_STEP_STAMP=ring): decode steps read "
+                         "from the ring, nothing launched on the engine thread")
     ap.add_argument("--worker-timing", action="store_true",
                     help="also the worker's own timing (WorkerStats.host_ns, as bench/vllm_gpu.py reads it in vLLM); "
                          "its clocks then add to calls_us")
@@ -211,14 +221,15 @@ def main(argv=None) -> int:
     out = []
     for m in (MODES if a.mode == "all" else (a.mode,)):
         r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces,
-                stamp=a.step_stamp)
+                stamp=a.step_stamp, ring=a.step_ring)
         out.append(r)
         print(json.dumps(r), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
-    bad = [r for r in out if not r["producer_drained"] or (r["mode"] == "on" and r["active_steps"] != r["steps"] +
-                                                           min(100, a.steps // 4))]
+    warm = min(100, a.steps // 4)
+    bad = [r for r in out if not r["producer_drained"] or r["encode_errors"]
+           or (r["mode"] == "on" and r["active_steps"] != r["steps"] + warm)]
     return 1 if bad else 0
 
 

@@ -28,6 +28,15 @@ forward that produced them wrote every layer (its stamp advanced) without a -1 f
 a replay without the hooks, or a flush that missed a layer, leaves the stamp where it was (`read_stamp`; the
 check against the engine's own count of forwards is StampCheck in engines/vllm_plugin/worker.py).
 
+Step ring (`slots=S`, a power of two, stamped caches): a complete flush of n <=
+`slot_rows` rows also copies the step's rows and stamps into slot (counter mod S) of a device ring (S, L + 1,
+slot_rows, K), stamps first: `torch.remainder` of the counter, then two `index_copy_` (three small kernels, part of
+the graph under CUDA graphs). The engine thread then launches nothing per step: a reader (AsyncCopier.submit_slot,
+on the producer's thread) copies the rows out of the slot the engine's forward count predicts, then the slot's
+stamps, and keeps the rows only if those stamps are the step's own. A later step that reuses the slot writes its
+stamp before its rows, so a read that raced with it sees a stamp that is not the step's (the rows are then lost,
+never wrong).
+
 Graph safety: `record`, `flush` and `layer_view` allocate nothing, never read device values on the host and
 branch only on Python-side facts fixed at capture time (shapes, dtypes, the layer number). The same code runs
 eagerly, under `torch.cuda.graph` capture and on CPU.
@@ -77,7 +86,7 @@ class RoutingCache:
     references to this step's top-k tensors until the fused copy has consumed them."""
 
     def __init__(self, max_tokens: int, num_layers: int, top_k: int, device="cpu", dtype=torch.int16,
-                 *, fused: bool = True, stamp: bool = False):
+                 *, fused: bool = True, stamp: bool = False, slots: int = 0, slot_rows: int | None = None):
         if max_tokens < 1 or num_layers < 1 or top_k < 1:
             raise ValueError(f"max_tokens={max_tokens}, num_layers={num_layers}, top_k={top_k} must be >= 1")
         if dtype not in (torch.int16, torch.int32, torch.int64):
@@ -102,6 +111,22 @@ class RoutingCache:
             self.stamp_rows = self._full[num_layers]                       # (max_tokens, top_k)
             # the counter in every lane of every row: starts at -1 (the fill), the first complete flush makes it 0
             self._stamp_lanes = self.stamp_rows.view(stamp_dtype(top_k))
+        self.slots = int(slots)
+        self.slot_rows = 0
+        if self.slots:
+            if not stamp:
+                raise ValueError("a step ring needs step stamps (stamp=True)")
+            R = self.slot_rows = min(self.max_tokens, int(slot_rows or self.max_tokens))
+            if R < 1 or self.slots < 2 or self.slots & (self.slots - 1):
+                # a power of two divides 2**32 and 2**64: the slot of a counter that wrapped is still counter mod S
+                raise ValueError(f"step ring of {self.slots} slots x {R} rows: need a power of two >= 2 slots of "
+                                 ">= 1 row")
+            # stamps -1 everywhere: no slot holds a step's stamp until a flush wrote it
+            self.ring = torch.full((self.slots, num_layers + 1, R, top_k), -1, dtype=dtype, device=self.buffer.device)
+            self._slot = torch.zeros(1, dtype=torch.int64, device=self.buffer.device)
+            self._counter = self._stamp_lanes[0, :1]
+            self._slot_views: dict = {}
+        self.slot_writes = 0                     # slot writes issued from Python (eager steps, graph captures)
         self._views = [self.buffer[i] for i in range(num_layers)]
         self._held: list[torch.Tensor | None] = [None] * num_layers
         self._step_views: dict = {}
@@ -118,7 +143,24 @@ class RoutingCache:
 
     @property
     def nbytes(self) -> int:
-        return self._full.numel() * self._full.element_size()
+        """Device bytes: the cache, and the step ring if any."""
+        ring = self.ring.numel() * self.ring.element_size() if self.slots else 0
+        return self._full.numel() * self._full.element_size() + ring
+
+    def _write_slot(self, n: int) -> None:
+        """Copy the step's n rows and their stamps into slot (counter mod slots) of the ring: stamps first (see the
+        module docstring). Graph-safe: three kernels, no host read."""
+        views = self._slot_views.get(n)
+        if views is None:
+            if len(self._slot_views) >= 4096:
+                self._slot_views.clear()
+            L = self.num_layers
+            views = self._slot_views[n] = (self.ring[:, L, :n], self.stamp_rows[:n].unsqueeze(0),
+                                           self.ring[:, :L, :n], self.buffer[:, :n].unsqueeze(0))
+        torch.remainder(self._counter, self.slots, out=self._slot)
+        views[0].index_copy_(0, self._slot, views[1])
+        views[2].index_copy_(0, self._slot, views[3])
+        self.slot_writes += 1
 
     def step_rows(self, n: int) -> torch.Tensor:
         """buffer[:, :n], every layer's rows of an n-token step (the view is kept per n: one torch call less
@@ -232,6 +274,8 @@ class RoutingCache:
             self.incomplete_flushes += 1
         elif self.stamped:
             self._stamp()
+            if self.slots and n <= self.slot_rows:
+                self._write_slot(n)
         if self._store is None:
             return
         store, slot_mapping = self._store

@@ -24,6 +24,11 @@ On CPU the snapshot goes straight into the host ring and result() does not wait;
 A stamped cache (RoutingCache(stamp=True)): the snapshot takes the stamp layer too, in the same copy (one more row
 of the 2-D copy; gathered steps: one more index_select), into the ceil(n / L) ring rows after the step's rows;
 `PendingRows.stamps()` reads them.
+A cache with a step ring (RoutingCache(slots=...)): `submit_slot(first, n, slot)` takes ring rows and launches
+nothing; the forward's own flush already put the rows into that slot. `mark_batch(parts, checkpoint=True)` also
+copies the device step counter into a checkpoint ring (one small copy per batch). `launch()` then copies each
+part's rows out of its slot, then that slot's stamps, then the checkpoint, all on the side stream;
+`PendingRows.stamps()` and `.checkpoint()` read them (the check is the worker's: engines/vllm_plugin/worker.py).
 Measured costs (compute-stream kernel time, D2H bandwidth, engine-thread CPU per submit): docs/PERFORMANCE.md.
 For many non-adjacent segments pass an (m, 2) int array: long lists are converted and merged with numpy.
 
@@ -66,7 +71,7 @@ class PendingRows:
     on (in the consumer's thread) and the ring range to free."""
 
     __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released",
-                 "_staged", "_seq", "_shared", "_lm", "_m", "stamped")
+                 "_staged", "_seq", "_shared", "_lm", "_m", "stamped", "slot", "_ckpt", "_pulled")
 
     def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False,
                  staged=None, seq: int = 0, layer_major: bool = False, ring_rows: int | None = None,
@@ -86,6 +91,9 @@ class PendingRows:
         self._released = dropped
         self._shared = None             # a _BatchEvent: _staged is one event for a whole batch (mark_batch)
         self._lm = layer_major          # the ring holds the rows as (L, n, K); result() transposes the view
+        self.slot = None                # submit_slot: (slot, first row) of the cache's step ring to copy from
+        self._ckpt = None               # mark_batch(checkpoint=True): this batch's entry in the checkpoint ring
+        self._pulled = False            # CPU: the slot was copied into the host ring (in result())
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +118,8 @@ class PendingRows:
                 self._copier.launch([self])
             self._event.synchronize()
             self._waited = True
+        elif self.slot is not None and not self._pulled:       # CPU: the slot is read now
+            self._copier._pull_slot(self)
         if self._lm:
             n, L, K = self.shape
             flat = self._copier._host_flat[self._lo * L * K:(self._lo + n) * L * K]
@@ -129,6 +139,15 @@ class PendingRows:
         n, L, K = self.shape
         at = (self._lo + n) * L * K
         return self._copier._host_flat[at:at + n * K].reshape(n, K)
+
+    def checkpoint(self) -> int | None:
+        """The device step counter when this step's batch was handed over (mark_batch(checkpoint=True)), as read
+        with the rows; call after result(). None when not taken."""
+        if self._ckpt is None:
+            return None
+        if not self._waited or self._released:
+            raise RuntimeError("checkpoint() comes after result() and before release()")
+        return int(self._copier._ckpt_host_np[self._ckpt])
 
     def release(self) -> None:
         """Give the ring range back (idempotent). Released before the copy finished, the range stays taken
@@ -224,6 +243,13 @@ class AsyncCopier:
             self._stream = None
         self._host_np = self._host.numpy()
         self._host_flat = self._host_np.reshape(-1)
+        # the cache's step ring (submit_slot): the device counter at each batch hand-over, one entry per batch in
+        # flight (a batch holds ring rows until released, so never more than capacity_rows batches)
+        self._ckpt_next = 0
+        if cache.slots:
+            self._ckpt_dev = torch.zeros(cap, dtype=torch.int64, device=cache.device)
+            self._ckpt_host = torch.zeros(cap, dtype=torch.int64, pin_memory=self._cuda)
+            self._ckpt_host_np = self._ckpt_host.numpy()
         self._idx_np = self._idx_host.numpy()
         self._views: dict = {}          # (lo, a, b) -> ((L, n, K) view of ring rows [lo, lo + n), cache rows [a, b))
 
@@ -331,10 +357,50 @@ class AsyncCopier:
                                stamped=self._stamped)
         return self._send(lo, n, handle, lm, m)
 
-    def mark_batch(self, parts) -> None:
+    def submit_slot(self, first: int, n: int, slot: int) -> PendingRows | None:
+        """Rows [first, first + n) of the step whose flush wrote slot `slot` of the cache's step ring
+        (RoutingCache(slots=...)): nothing is launched here (the slot is read by launch() on the consumer's thread,
+        after the batch's event), only ring rows are taken. Returns None for no rows, a dropped PendingRows when the
+        ring is full. Hand the step over with mark_batch(parts, checkpoint=True)."""
+        c = self.cache
+        if not c.slots:
+            raise RuntimeError("the cache has no step ring (RoutingCache(slots=...))")
+        if not (0 <= slot < c.slots and first >= 0 and n >= 0 and first + n <= c.slot_rows):
+            raise ValueError(f"slot {slot} rows [{first}, {first + n}) outside the step ring's {c.slots} slots x "
+                             f"{c.slot_rows} rows")
+        m = self._ring_rows(n)
+        got = self._take(n, rows=m)
+        if not isinstance(got, tuple):
+            return got
+        lo, handle = got
+        p = PendingRows(self, (n, c.num_layers, c.top_k), lo, handle, None,
+                        staged=_UNMARKED if self._cuda else None, layer_major=True, ring_rows=m, stamped=True)
+        p.slot = (slot, first)
+        return p
+
+    def _pull_slot(self, p: PendingRows) -> None:
+        """CPU: copy p's rows out of its slot now, then the slot's stamps (the order launch() keeps on CUDA)."""
+        (slot, a), (n, L, K), lo = p.slot, p.shape, p._lo
+        self._host_flat[lo * L * K:(lo + n) * L * K].reshape(L, n, K)[...] = \
+            self.cache.ring[slot, :L, a:a + n].numpy()
+        self._host_flat[(lo + n) * L * K:(lo + n) * L * K + n * K].reshape(n, K)[...] = \
+            self.cache.ring[slot, L, a:a + n].numpy()
+        p._pulled = True
+
+    def mark_batch(self, parts, checkpoint: bool = False) -> None:
         """Record one event on the current stream after the snapshots of `parts` submitted with mark=False (on
         the thread and stream that submitted them, before they are handed to the thread that launches the host
         copies); parts already marked are left alone. One torch call per batch instead of one per step."""
+        if checkpoint and self.cache.slots:
+            j = self._ckpt_next
+            self._ckpt_next = (j + 1) % len(self._ckpt_host_np)
+            if self._cuda:      # the counter as the compute stream leaves the batch, copied before its event
+                self._ckpt_dev[j:j + 1].copy_(self.cache._counter)
+            else:
+                self._ckpt_host_np[j] = int(self.cache._counter[0])
+            for p in parts:
+                if getattr(p, "slot", None) is not None and not p._released:
+                    p._ckpt = j
         todo = [p for p in parts if getattr(p, "_staged", None) is _UNMARKED and not p._released]
         if not todo or not self._cuda:
             return
@@ -458,6 +524,10 @@ class AsyncCopier:
             prev = self._current_stream()
             torch.cuda.set_stream(side)
             try:
+                slotted = [p for p in todo if p.slot is not None]
+                if slotted:
+                    todo = [p for p in todo if p.slot is None]
+                    self._launch_slots(slotted)
                 i = 0
                 while i < len(todo):
                     j, lo = i, todo[i]._lo
@@ -471,7 +541,7 @@ class AsyncCopier:
                     for p in todo[i:j + 1]:
                         p._event = event
                     i = j + 1
-                for p in todo:                    # the wait above is enqueued: the events can be recorded again
+                for p in todo + slotted:          # the wait above is enqueued: the events can be recorded again
                     box = p._shared
                     if box is None:
                         self._snap_pool.append(p._staged)
@@ -482,6 +552,26 @@ class AsyncCopier:
                     p._staged = None
             finally:
                 torch.cuda.set_stream(prev)
+
+    def _launch_slots(self, parts: list) -> None:
+        """On the side stream (after the batch's wait): per part, its rows out of its slot of the step ring into
+        the host ring, then the slot's stamps of those rows (after the rows: see capture/cache.py), then each batch's
+        checkpoint once; one event after all of them."""
+        ring, L, K = self.cache.ring, self.cache.num_layers, self.cache.top_k
+        flat = self._host.view(-1)
+        ckpts = set()
+        for p in parts:
+            (slot, a), n, lo = p.slot, p.shape[0], p._lo
+            flat[lo * L * K:(lo + n) * L * K].view(L, n, K).copy_(ring[slot, :L, a:a + n], non_blocking=True)
+            flat[(lo + n) * L * K:(lo + n) * L * K + n * K].view(n, K).copy_(ring[slot, L, a:a + n],
+                                                                            non_blocking=True)
+            if p._ckpt is not None and p._ckpt not in ckpts:
+                ckpts.add(p._ckpt)
+                self._ckpt_host[p._ckpt:p._ckpt + 1].copy_(self._ckpt_dev[p._ckpt:p._ckpt + 1], non_blocking=True)
+        event = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
+        event.record(self._stream)
+        for p in parts:
+            p._event = event
 
     def _snapshot(self, runs: list, dst: torch.Tensor, lo: int, n: int) -> None:
         """Copy the rows of `runs` into dst ((n, L, K) ring rows from lo), in order; a stamped cache's stamps of the

@@ -541,3 +541,93 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     with pytest.raises(LostHookError, match="1 complete flush"):
         hand_over()
     assert copier.in_flight_rows == 0
+
+
+def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_engine_thread():
+    """ROUTING_REPLAY_STEP_STAMP=ring under CUDA graphs: each replay's flush copies its rows into its slot of the
+    step ring inside the graph; the "engine thread" replays and hands over only (no snapshot launch: the copier
+    launches nothing per step, one checkpoint copy and one event per batch), and another thread reads every step
+    out of its slot, later, with the stamps and checkpoint checked: rows exact over 8 batches x 16 steps of random
+    sizes with unchecked replays between. Steps larger than a slot go through submit() as before, in the same
+    batches. Reads that fall behind by the ring's size lose their batch, never hand out wrong rows."""
+    import threading
+    from routing_replay.engines.vllm_plugin.worker import RingReadLost, _StepBatch
+
+    max_tokens = max(SIZES)
+    S = 32                          # more slots than a batch's forwards (16 checked + 4 unchecked) before its read
+    cache = RoutingCache(max_tokens, L, K, device="cuda", stamp=True, slots=S, slot_rows=64)
+    copier = AsyncCopier(cache, num_slots=64)
+    routers = ToyRouters(cache, max_tokens, seed=21)
+    x_static, graphs = _capture(routers, max_tokens)
+    batch = _StepBatch(K, stamped=True)
+    batch.stamps.baseline(cache.stamp_value(), 0)
+    rng = np.random.default_rng(22)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    forwards = 0
+    launched = {"submit": 0}
+    real_submit = copier.submit
+
+    def counted_submit(*a, **k):
+        launched["submit"] += 1
+        return real_submit(*a, **k)
+    copier.submit = counted_submit
+
+    def slot_of(f):
+        return ((f + batch.stamps.offset) & batch.stamps._mask) % S
+
+    big = [0]                                           # checked steps larger than a slot
+
+    def step(n, checked=True):
+        nonlocal forwards
+        forwards += 1
+        big[0] += checked and n > cache.slot_rows
+        x_static[:n].normal_(generator=gen)
+        a = int(rng.integers(0, n))
+        m = n - a
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphs[min(s for s in SIZES if s >= n)].replay()
+            if checked:
+                p = (copier.submit_slot(a, m, slot_of(forwards)) if n <= cache.slot_rows
+                     else copier.submit([(a, m)], mark=False))
+                batch.add(p, ["x"], [0], [m], forward=forwards)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return routers.ref[:, a:n].transpose(0, 1).to(torch.int16).clone()
+
+    def hand_over():
+        copier.mark_batch(batch.parts, checkpoint=batch.ringed)
+        return batch.take_parts(forwards if batch.ringed else None)[3]
+
+    out: dict = {}
+
+    def read(rows, key):                     # the producer's thread
+        try:
+            out[key] = rows.result().copy()
+        except Exception as e:  # noqa: BLE001
+            out[key] = e
+        finally:
+            rows.release()
+
+    for b in range(8):
+        wants = []
+        for i in range(16):
+            wants.append(step(int(rng.integers(1, max_tokens + 1)) if i % 4 == 3 else int(rng.integers(1, 65))))
+            if i % 5 == 0:
+                step(3, checked=False)
+        rows = hand_over()
+        t = threading.Thread(target=read, args=(rows, b))
+        t.start()
+        t.join(30)
+        assert np.array_equal(out[b], torch.cat(wants).cpu().numpy()), b
+    assert launched["submit"] == big[0] > 0             # only the steps larger than a slot were snapshotted
+    assert batch.stamps.steps == 8 * 16
+    # the reader falls behind by the ring's size: the batch is lost, not wrong
+    step(40)
+    rows = hand_over()
+    for _ in range(S):
+        step(30, checked=False)
+    torch.cuda.synchronize()
+    read(rows, "late")
+    assert isinstance(out["late"], RingReadLost)
+    assert copier.in_flight_rows == 0

@@ -182,7 +182,8 @@ def _free_gpu():
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("prefix_rows,step_stamp", [("sentinel", "off"), ("fill", "off"), ("sentinel", "on")])
+@pytest.mark.parametrize("prefix_rows,step_stamp", [("sentinel", "off"), ("fill", "off"), ("sentinel", "on"),
+                                                    ("fill", "ring")])
 def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows, step_stamp):
     """vLLM's default multi-process engine publishing to broker and consumer processes; all steps replay graphs.
     With ROUTING_REPLAY_PREFIX_ROWS=fill the prefix-cache hits (16-token blocks) carry exact routing too; with
@@ -221,8 +222,9 @@ def test_external_broker_float32_exact(env, tmp_path, results_dir, prefix_rows, 
     assert summary["finish_reasons"].get("stop", 0) > 0 and summary["finish_reasons"].get("length", 0) > 0
     summary.update(engine=cfg, path="external broker + consumer processes", engine_layout="multi-process",
                    prefix_rows=prefix_rows)
+    tag = {"on": "stamp", "ring": "ring"}.get(step_stamp)
     name = ("gpu_external_float32.json" if prefix_rows == "sentinel" else "gpu_external_float32_fill.json") \
-        if step_stamp == "off" else f"gpu_external_float32_{prefix_rows}_stamp.json"
+        if step_stamp == "off" else f"gpu_external_float32_{prefix_rows}_{tag}.json"
     (results_dir / name).write_text(json.dumps(summary, indent=2))
     print("\n" + json.dumps(summary))
     _free_gpu()
@@ -232,12 +234,15 @@ def shutdown_mp(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir):
+@pytest.mark.parametrize("step_stamp", ["on", "ring"])
+def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir, step_stamp):
     """In-process engine (to watch the worker) with vLLM's default batch budget: rows from graph replays and
-    from eager steps (prefill steps above the largest captured graph) are both exact."""
+    from eager steps (prefill steps above the largest captured graph) are both exact. With
+    ROUTING_REPLAY_STEP_STAMP=ring the graph-sized steps are read from the step ring (nothing launched on the
+    engine thread), the larger eager ones snapshotted as before, in the same batches."""
     npz = tmp_path / "npz"
     env.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all",
-               TRITON_F32_DEFAULT="ieee")
+               TRITON_F32_DEFAULT="ieee", ROUTING_REPLAY_STEP_STAMP=step_stamp)
     env.pop("ROUTING_REPLAY_SERVE", None)
     model = tiny_model("qwen3_moe")
     llm = inprocess_llm(model, enforce_eager=ON_CPU, enable_prefix_caching=True, max_model_len=2048,
@@ -277,13 +282,18 @@ def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir
     assert len(graph_steps) + len(eager_steps) == len(steps), steps       # all layers or none, never a part
     if not ON_CPU:
         assert graph_steps and eager_steps, steps     # both paths carried rows; check_exact proved them exact
+        if step_stamp == "ring":                      # graph-sized single-run steps came from the ring
+            assert stats["ring_steps"] > 0 and stats["ring_steps"] < stats["active_steps"], stats
+        else:
+            assert stats["ring_steps"] == 0, stats
     summary.update(engine=cfg, path="embedded", engine_layout="in-process", worker_stats=stats, copier_stats=copier,
                    memory=mem, captured_steps=len(steps), steps_from_graph_replay=len(graph_steps),
                    steps_with_python_hooks=len(eager_steps),
                    max_tokens_graph_step=max((n for n, _ in graph_steps), default=0),
                    min_tokens_eager_step=min((n for n, _ in eager_steps), default=0),
                    max_tokens_eager_step=max((n for n, _ in eager_steps), default=0))
-    (results_dir / "gpu_embedded_float32.json").write_text(json.dumps(summary, indent=2))
+    (results_dir / ("gpu_embedded_float32.json" if step_stamp == "on" else "gpu_embedded_float32_ring.json")) \
+        .write_text(json.dumps(summary, indent=2))
     print("\n" + json.dumps(summary))
     _free_gpu()
 

@@ -99,12 +99,15 @@ def test_settings_embedded(env):
 
 def test_settings_step_stamp(env):
     env.setenv(settings.ENV_BROKER, "tcp://10.0.0.1:5557")
-    assert settings.current().step_stamp is True            # on unless turned off
-    for raw, want in (("on", True), ("1", True), ("OFF", False), ("0", False), ("", True)):
+    s = settings.current()
+    assert (s.step_stamp, s.step_ring) == (True, False)     # on unless turned off
+    for raw, want in (("on", (True, False)), ("1", (True, False)), ("OFF", (False, False)), ("0", (False, False)),
+                      ("", (True, False)), ("Ring", (True, True))):
         env.setenv(settings.ENV_STEP_STAMP, raw)
-        assert settings.current().step_stamp is want, raw
+        s = settings.current()
+        assert (s.step_stamp, s.step_ring) == want, raw
     env.setenv(settings.ENV_STEP_STAMP, "maybe")
-    with pytest.raises(ValueError, match="ROUTING_REPLAY_STEP_STAMP must be a boolean"):
+    with pytest.raises(ValueError, match="ROUTING_REPLAY_STEP_STAMP='maybe': choose on, off or ring"):
         settings.current()
 
 
@@ -636,3 +639,90 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     _, _, _, rows = batch.take_parts()
     assert not rows.owns_result
     rows.release()
+
+
+def _ring_step(cache, seed: int, n: int, layers=None) -> np.ndarray:
+    """One forward of n tokens through a cache with a step ring: its rows as the routers recorded them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 100, (n, cache.top_k), generator=g) for _ in range(cache.num_layers)]
+    for layer in (range(cache.num_layers) if layers is None else layers):
+        cache.record(layer, ids[layer])
+    cache.flush()
+    return torch.stack(ids, dim=1).numpy().astype(np.int16)
+
+
+@pytest.mark.parametrize("K", [2, 8])           # 32- and 64-bit counters
+def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_steps_rows(K):
+    """ROUTING_REPLAY_STEP_STAMP=ring on the CPU: each complete flush copies its rows into slot (counter mod S);
+    the producer's side reads the slot the engine's forward count predicts, later. Rows exact over batches with
+    unchecked forwards between; a slot reused before it was read, and a forward the engine did not count (the
+    batch's checkpoint), lose the batch (RingReadLost) and never hand out another step's rows; a forward whose
+    hooks did not run is a LostHookError; a step larger than a slot is not written to the ring."""
+    from routing_replay.capture import AsyncCopier, RoutingCache
+    from routing_replay.engines.vllm_plugin.worker import RingReadLost
+    S = 4
+    cache = RoutingCache(64, 3, K, stamp=True, slots=S, slot_rows=16)
+    copier = AsyncCopier(cache, num_slots=8, max_rows=32)
+    batch = _StepBatch(K, stamped=True)
+    batch.stamps.baseline(cache.stamp_value(), 0)
+    state = {"forward": 0}
+
+    def slot_of(forward):
+        return ((forward + batch.stamps.offset) & batch.stamps._mask) % S
+
+    def step(seed, n=8, a=1, m=5, layers=None, count=True):
+        if count:
+            state["forward"] += 1
+        want = _ring_step(cache, seed, n, layers)
+        f = state["forward"]
+        batch.add(copier.submit_slot(a, m, slot_of(f)), ["x"], [0], [m], forward=f)
+        return want[a:a + m]
+
+    def hand_over():
+        copier.mark_batch(batch.parts, checkpoint=True)
+        return batch.take_parts(state["forward"])[3]
+
+    for b in range(3):
+        wants = [step(10 * b + i, n=8 + i) for i in range(3)]
+        state["forward"] += 1
+        _ring_step(cache, 99 + b, 6)                   # a forward no captured request ran in
+        rows = hand_over()
+        assert np.array_equal(rows.result(), np.concatenate(wants))
+        rows.release()
+    assert cache.slot_writes == 12 and batch.stamps.steps == 9
+    # the slot is reused before the producer reads it: S more forwards before result()
+    step(40)
+    rows = hand_over()
+    for i in range(S):
+        state["forward"] += 1
+        _ring_step(cache, 41 + i, 8)
+    with pytest.raises(RingReadLost, match="reused by a later step"):
+        rows.result()
+    rows.release()
+    # a forward whose hooks did not all run: no stamp, no slot write; its slot holds an older step
+    step(50, layers=[0, 1])
+    rows = hand_over()
+    with pytest.raises(LostHookError, match="did not run the capture hooks"):
+        rows.result()
+    rows.release()
+    batch.stamps.baseline(cache.stamp_value(), state["forward"])
+    # a flush the engine did not count (a forward outside execute_model): the read slot holds that flush's rows
+    # with the stamp the step would have had; the checkpoint sees the counter ahead, loses the batch, and the next
+    # batch reads the right slots again
+    _ring_step(cache, 60, 8)
+    step(61)
+    rows = hand_over()
+    with pytest.raises(RingReadLost, match="1 complete flush\\(es\\) more than the engine's forwards"):
+        rows.result()
+    rows.release()
+    want = step(62)
+    rows = hand_over()
+    assert np.array_equal(rows.result(), want)
+    rows.release()
+    # a step larger than a slot is not written there (the worker copies it with submit() instead)
+    before = cache.slot_writes
+    state["forward"] += 1
+    _ring_step(cache, 70, 20)
+    assert cache.slot_writes == before
+    with pytest.raises(ValueError, match="outside the step ring"):
+        copier.submit_slot(0, 20, 0)

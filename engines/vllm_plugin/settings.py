@@ -14,7 +14,10 @@
                               the forward, checked against the engine's count of forwards (even top_k; odd top_k
                               uses the fill). `off`: a -1 fill of the step's cache rows is launched on the engine
                               thread before every step, so rows a lost hook did not write read -1: one launch more
-                              per step (docs/VLLM.md, "Step stamps").
+                              per step (docs/VLLM.md, "Step stamps"). `ring`: stamps, and the graphs' flush
+                              also copies the step's rows into a device step ring that the producer's thread reads:
+                              no launch at all on the engine thread for a captured step (one data-parallel rank,
+                              even top_k; else `on`; docs/VLLM.md, "Step ring").
     ROUTING_REPLAY_CURVE_SECRET  external broker only: this engine's CURVE secret key file (NAME.key_secret, from
                               `routing-replay keys`); needs ROUTING_REPLAY_BROKER_KEY. The broker must allow-list
                               the matching public key (`--curve-allow`).
@@ -56,6 +59,7 @@ class Settings:
     broker_key: str | None = None
     prefix_rows: str = "sentinel"    # "fill": prefix-cached prompt rows carry real routing (PrefixStore)
     step_stamp: bool = True          # under CUDA graphs: step stamps instead of a -1 fill per step
+    step_ring: bool = False          # and the step ring (ROUTING_REPLAY_STEP_STAMP=ring)
 
     @property
     def enabled(self) -> bool:
@@ -88,7 +92,11 @@ def _truthy(value: Any, what: str) -> bool:
 
 def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
               broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "on") -> Settings:
-    stamp = _truthy(step_stamp, ENV_STEP_STAMP)
+    ring = isinstance(step_stamp, str) and step_stamp.strip().lower() == "ring"
+    try:
+        stamp = ring or _truthy(step_stamp, ENV_STEP_STAMP)
+    except ValueError:
+        raise ValueError(f"{ENV_STEP_STAMP}={step_stamp!r}: choose on, off or ring") from None
     if prefix_rows not in PREFIX_MODES:
         raise ValueError(f"{ENV_PREFIX_ROWS}={prefix_rows!r}: choose one of {', '.join(PREFIX_MODES)}")
     if requests not in REQUEST_MODES:
@@ -106,7 +114,7 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
         raise ValueError(f"{ENV_CURVE_SECRET}/{ENV_BROKER_KEY} apply to an external broker; the embedded pipeline "
                          f"talks to its broker over ipc inside this machine")
     return Settings(broker, npz_dir or None, serve or None, requests, curve_secret or None, broker_key or None,
-                    prefix_rows, stamp)
+                    prefix_rows, stamp, ring)
 
 
 _cache: tuple[tuple, Settings] | None = None

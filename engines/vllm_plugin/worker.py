@@ -73,10 +73,19 @@ class LostHookError(RuntimeError):
     """A MoE layer did not record its routing in a step that captured a request: never publish stale rows."""
 
 
+class RingReadLost(RuntimeError):
+    """Rows read from the step ring cannot be shown to be their step's (a later step reused the slot before it was
+    read, or the device counted a forward the engine did not): the batch's positions are reported lost."""
+
+
+STEP_RING_SLOTS = 64                # steps the producer's thread may fall behind before step-ring rows are lost
+
+
 @dataclass
 class WorkerStats:
     steps: int = 0                  # execute_model calls seen
     active_steps: int = 0           # steps that published rows
+    ring_steps: int = 0             # of them: read from the step ring (nothing launched on the engine thread)
     rows: int = 0
     opened: int = 0
     finished: int = 0
@@ -137,16 +146,56 @@ class StampCheck:
         self.offset = off
         self.steps += 1
 
+    def exact(self, stamps: np.ndarray, forward: int, where: str) -> None:
+        """Step-ring rows (read from the slot the offset predicts for `forward`): their stamps must be the ones
+        that forward's flush wrote. Older: the forward did not write the slot (LostHookError); newer, or lanes
+        that differ: a later step reused the slot before it was read (RingReadLost)."""
+        mask = self._mask
+        want = (forward + self.offset) & mask
+        v = read_stamp(stamps)
+        if v == want:
+            self.steps += 1
+            return
+        if v is not None and 0 < ((want - v) & mask) <= mask >> 1:
+            raise LostHookError(f"routing-replay: {where} of forward {forward} holds step stamp {v}, its flush "
+                                f"would have written {want}: the forward did not run the capture hooks of every "
+                                "MoE layer (e.g. a CUDA graph replayed without them). Refusing to publish stale "
+                                "routing.")
+        raise RingReadLost(f"routing-replay: {where} of forward {forward} was reused by a later step (stamp "
+                           f"{'mixed' if v is None else v}, expected {want}) before the producer's thread read it "
+                           "(it fell behind by the ring's size): the batch's rows are lost, never wrong")
+
+    def checkpoint(self, value: int, forward: int) -> None:
+        """The device counter at the batch's hand-over, when the engine had launched `forward` forwards: equal to
+        forward + offset, or some step-ring read of the batch may have taken another forward's slot."""
+        mask = self._mask
+        want = (forward + self.offset) & mask
+        v = value & mask
+        if v == want:
+            return
+        ahead = (v - want) & mask
+        if 0 < ahead <= mask >> 1:
+            self.offset = (v - forward) & mask
+            raise RingReadLost(f"routing-replay: the device counted {ahead} complete flush(es) more than the "
+                               f"engine's forwards by forward {forward} (a forward the engine did not launch through "
+                               "execute_model): this batch's step-ring reads may hold another forward's rows, so its "
+                               "rows are reported lost; later steps use the new offset")
+        raise LostHookError(f"routing-replay: the device counted {(want - v) & mask} complete flush(es) fewer than "
+                            f"the engine's {forward} forwards at the hand-over: a forward did not run the capture "
+                            "hooks of every MoE layer. Refusing to publish stale routing.")
+
 
 class _BatchedRows:
     """Own the PendingRows of consecutive steps on their way through the producer as one delta: the producer's
     thread concatenates them (C speed), refuses rows no router wrote (-1, or a stale step stamp), sends, and
     releases every part."""
 
-    __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "shape", "dtype", "dropped")
+    __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "shape", "dtype", "dropped")
 
-    def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None):
+    def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
+                 ckpt_forward: int | None = None):
         self._parts = parts
+        self._ckpt_forward = ckpt_forward   # step-ring parts: the engine's forward count at the hand-over
         self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
         self._forwards = forwards       # per part: the engine's forward count at its step (stamped parts)
         self._stamps = stamps
@@ -164,12 +213,19 @@ class _BatchedRows:
         launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
         check = self._stamps
+        ring = False
         for i, (p, a, strict) in enumerate(zip(self._parts, arrays, self._strict)):
             if strict and a.size:
-                if check is not None and p.stamped:
+                if getattr(p, "slot", None) is not None:
+                    ring = True
+                    check.exact(p.stamps(), self._forwards[i], f"step ring slot {p.slot[0]}")
+                elif check is not None and p.stamped:
                     check(p.stamps(), self._forwards[i])
                 if int(a.min()) < 0:
                     self._lost_hook(a)
+        if ring:
+            ckpt = next(p.checkpoint() for p in self._parts if getattr(p, "slot", None) is not None)
+            check.checkpoint(ckpt, self._ckpt_forward)
         return arrays
 
     def result(self) -> np.ndarray:
@@ -220,7 +276,7 @@ class _StepBatch:
     starts and counts as arrays): nothing per request is touched on the engine thread; the producer's thread
     flattens them (Producer.publish_steps)."""
 
-    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps")
+    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed")
 
     def __init__(self, top_k: int = 1, stamped: bool = False):
         # used on the producer's thread, one batch after the other
@@ -232,12 +288,15 @@ class _StepBatch:
         self.starts: list = []          # per step: 1-D integer array or list
         self.counts: list = []
         self.rows = 0
+        self.ringed = False             # a part reads the step ring: the hand-over takes a checkpoint
 
     def add(self, pending, keys: list, starts, counts, strict: bool = True, forward: int = 0) -> None:
         """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
         not be modified afterwards; `starts` and `counts` (lists or 1-D integer arrays) must not be either.
         `forward`: the engine's forward count at this step (checked against a stamped step's stamp)."""
         self.parts.append(pending)
+        if getattr(pending, "slot", None) is not None:
+            self.ringed = True
         self.strict.append(strict)
         self.forwards.append(forward)
         self.keys.append(keys)
@@ -245,11 +304,13 @@ class _StepBatch:
         self.counts.append(counts)
         self.rows += pending.shape[0]
 
-    def take_parts(self):
+    def take_parts(self, ckpt_forward: int | None = None):
         """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
-        thread); the batch is empty afterwards."""
+        thread); the batch is empty afterwards. `ckpt_forward`: the engine's forward count when the batch's
+        checkpoint was taken (batches with step-ring parts)."""
         out = (self.keys, self.starts, self.counts,
-               _BatchedRows(self.parts, self.strict, self.stamps, self.forwards))
+               _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward))
+        self.ringed = False
         self.parts, self.strict, self.forwards = [], [], []
         self.keys, self.starts, self.counts, self.rows = [], [], [], 0
         return out
@@ -373,7 +434,26 @@ class WorkerCapture:
             log.info("routing-replay: step stamps need an even top_k (top_k=%d): the -1 fill before each step "
                      "checks the rows instead", top_k)
             stamp = False
-        self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device, stamp=stamp)
+        # the step ring (ROUTING_REPLAY_STEP_STAMP=ring): graph-sized steps need no launch on the engine thread.
+        # It predicts a step's slot from the engine's own forward count, so forwards the engine does not launch
+        # (data-parallel dummy batches) must not happen.
+        slots, ring_rows = 0, 0
+        if stamp and self.settings.step_ring:
+            cc = vc.compilation_config
+            ring_rows = int(getattr(cc, "max_cudagraph_capture_size", 0) or 0) or \
+                max(list(getattr(cc, "cudagraph_capture_sizes", None) or [0]) or [0]) or 512
+            ring_rows = min(ring_rows, max_tokens)
+            if int(pc.data_parallel_size) > 1:
+                log.info("routing-replay: the step ring needs one data-parallel rank (data_parallel_size=%d): "
+                         "step stamps without it", int(pc.data_parallel_size))
+            else:
+                slots = STEP_RING_SLOTS
+        self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device, stamp=stamp, slots=slots,
+                                  slot_rows=ring_rows or None)
+        if slots:
+            log.info("routing-replay: step ring %d slots x %d rows (%.1f MiB on %s): steps of up to %d tokens "
+                     "launch nothing on the engine thread", slots, self.cache.slot_rows,
+                     self.cache.ring.numel() * 2 / 2**20, self.device, self.cache.slot_rows)
         # fill mode: prefix rows share the host ring with computed rows (a GRPO group's shared prompt arrives
         # n times in one step), so it gets room for more steps in flight
         self.copier = AsyncCopier(self.cache, num_slots=4 if self.fill else 2)
@@ -850,7 +930,12 @@ class WorkerCapture:
             return
         # the runner's array changes with the next step: this step's copy
         computed = computed.copy() if sel is None else computed[sel]
-        pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
+        slot = self._ring_slot(segments, so.total_num_scheduled_tokens) if self.cache.slots else None
+        if slot is None:
+            pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
+        else:                                   # the forward's flush put the rows in its slot: nothing to launch
+            pending = self.copier.submit_slot(segments[0][0], segments[0][1], slot)
+            self.stats.ring_steps += 1
         if pending.dropped:                                  # host ring full: publish as lost, keep order
             self._flush()
             self.producer.publish_rows(keys, computed, count, pending)
@@ -862,6 +947,15 @@ class WorkerCapture:
         self.stats.rows += pending.shape[0]
         if t0:
             self._count_host(t0, w0)
+
+    def _ring_slot(self, segments, n: int) -> int | None:
+        """The step-ring slot this step's flush wrote (stamp = forwards + offset, mod the slots), or None where the
+        rows are not in the ring (a step larger than a slot, several runs, no baseline yet)."""
+        off = self.batch.stamps.offset
+        if off is None or len(segments) != 1 or n > self.cache.slot_rows:
+            return None
+        # the device computes (signed counter) mod S; S, a power of two, divides 2**bits: the same slot
+        return ((self.forwards + off) & self.batch.stamps._mask) % self.cache.slots
 
     def _count_host(self, t0: int, w0: int) -> None:
         t1 = time.thread_time_ns()
@@ -878,9 +972,14 @@ class WorkerCapture:
     def _flush(self) -> None:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
-        if self.batch.parts:
-            self.copier.mark_batch(self.batch.parts)
-            self.producer.publish_steps(*self.batch.take_parts())
+        batch = self.batch
+        if batch.parts:
+            if batch.ringed:                # the device counter now: proves which slots the batch's reads take
+                self.copier.mark_batch(batch.parts, checkpoint=True)
+                self.producer.publish_steps(*batch.take_parts(self.forwards))
+            else:
+                self.copier.mark_batch(batch.parts)
+                self.producer.publish_steps(*batch.take_parts())
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -890,11 +989,11 @@ class WorkerCapture:
             self.binding.unbind()
         if self.sink is not None:
             st = self.stats
-            log.info("routing-replay: worker capture closing: steps=%d active_steps=%d rows=%d opened=%d finished=%d "
-                     "aborted=%d derived_keys=%d skipped=%d rebinds=%d prefix_requests=%d prefix_rows=%d "
-                     "store_forgotten=%d", st.steps, st.active_steps, st.rows, st.opened, st.finished, st.aborted,
-                     st.derived_keys, st.skipped, st.rebinds, st.prefix_requests, st.prefix_rows,
-                     st.store_forgotten)
+            log.info("routing-replay: worker capture closing: steps=%d active_steps=%d ring_steps=%d rows=%d "
+                     "opened=%d finished=%d aborted=%d derived_keys=%d skipped=%d rebinds=%d prefix_requests=%d "
+                     "prefix_rows=%d store_forgotten=%d", st.steps, st.active_steps, st.ring_steps, st.rows,
+                     st.opened, st.finished, st.aborted, st.derived_keys, st.skipped, st.rebinds,
+                     st.prefix_requests, st.prefix_rows, st.store_forgotten)
             try:
                 if self.batch.parts and self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)     # close may run off the engine thread and its stream:
