@@ -121,9 +121,7 @@ class PendingRows:
         elif self.slot is not None and not self._pulled:       # CPU: the slot is read now
             self._copier._pull_slot(self)
         if self._lm:
-            n, L, K = self.shape
-            flat = self._copier._host_flat[self._lo * L * K:(self._lo + n) * L * K]
-            view = flat.reshape(L, n, K).transpose(1, 0, 2)
+            view = self._copier._placed(self._copier._host_flat, self._lo, self.shape[0]).transpose(1, 0, 2)
         else:
             view = self._copier._host_np[self._lo:self._lo + self.shape[0]]
         view.flags.writeable = False
@@ -136,9 +134,7 @@ class PendingRows:
             raise RuntimeError("these rows carry no step stamps")
         if not self._waited or self._released:
             raise RuntimeError("stamps() comes after result() and before release()")
-        n, L, K = self.shape
-        at = (self._lo + n) * L * K
-        return self._copier._host_flat[at:at + n * K].reshape(n, K)
+        return self._copier._placed(self._copier._host_flat, self._lo, self.shape[0], stamps=True)
 
     def checkpoint(self) -> int | None:
         """The device step counter when this step's batch was handed over (mark_batch(checkpoint=True)), as read
@@ -306,6 +302,13 @@ class AsyncCopier:
                 runs.append([off, off + n])
         return runs, total
 
+    def _placed(self, flat, lo: int, n: int, stamps: bool = False):
+        """Where an n-row step taken at ring row lo lies in a flat ring (numpy array or tensor): its rows
+        layer-major, (L, n, K), or (stamps=True, stamped caches) its (n, K) stamps right after them."""
+        L, K = self.cache.num_layers, self.cache.top_k
+        a, b = lo * L * K, (lo + n) * L * K
+        return flat[b:b + n * K].reshape(n, K) if stamps else flat[a:b].reshape(L, n, K)
+
     def _ring_rows(self, n: int) -> int:
         """Ring rows an n-row step takes: its rows, then on a stamped cache ceil(n / L) more for its (n, K) stamps."""
         return n + -(-n // self.cache.num_layers) if self._stamped else n
@@ -380,11 +383,9 @@ class AsyncCopier:
 
     def _pull_slot(self, p: PendingRows) -> None:
         """CPU: copy p's rows out of its slot now, then the slot's stamps (the order launch() keeps on CUDA)."""
-        (slot, a), (n, L, K), lo = p.slot, p.shape, p._lo
-        self._host_flat[lo * L * K:(lo + n) * L * K].reshape(L, n, K)[...] = \
-            self.cache.ring[slot, :L, a:a + n].numpy()
-        self._host_flat[(lo + n) * L * K:(lo + n) * L * K + n * K].reshape(n, K)[...] = \
-            self.cache.ring[slot, L, a:a + n].numpy()
+        (slot, a), n, L = p.slot, p.shape[0], self.cache.num_layers
+        self._placed(self._host_flat, p._lo, n)[...] = self.cache.ring[slot, :L, a:a + n].numpy()
+        self._placed(self._host_flat, p._lo, n, stamps=True)[...] = self.cache.ring[slot, L, a:a + n].numpy()
         p._pulled = True
 
     def mark_batch(self, parts, checkpoint: bool = False) -> None:
@@ -557,14 +558,13 @@ class AsyncCopier:
         """On the side stream (after the batch's wait): per part, its rows out of its slot of the step ring into
         the host ring, then the slot's stamps of those rows (after the rows: see capture/cache.py), then each batch's
         checkpoint once; one event after all of them."""
-        ring, L, K = self.cache.ring, self.cache.num_layers, self.cache.top_k
+        ring, L = self.cache.ring, self.cache.num_layers
         flat = self._host.view(-1)
         ckpts = set()
         for p in parts:
-            (slot, a), n, lo = p.slot, p.shape[0], p._lo
-            flat[lo * L * K:(lo + n) * L * K].view(L, n, K).copy_(ring[slot, :L, a:a + n], non_blocking=True)
-            flat[(lo + n) * L * K:(lo + n) * L * K + n * K].view(n, K).copy_(ring[slot, L, a:a + n],
-                                                                            non_blocking=True)
+            (slot, a), n = p.slot, p.shape[0]
+            self._placed(flat, p._lo, n).copy_(ring[slot, :L, a:a + n], non_blocking=True)
+            self._placed(flat, p._lo, n, stamps=True).copy_(ring[slot, L, a:a + n], non_blocking=True)
             if p._ckpt is not None and p._ckpt not in ckpts:
                 ckpts.add(p._ckpt)
                 self._ckpt_host[p._ckpt:p._ckpt + 1].copy_(self._ckpt_dev[p._ckpt:p._ckpt + 1], non_blocking=True)
@@ -577,9 +577,7 @@ class AsyncCopier:
         """Copy the rows of `runs` into dst ((n, L, K) ring rows from lo), in order; a stamped cache's stamps of the
         same rows go right after them, (n, K) at ring row lo + n."""
         if self._stamped:
-            L, K = self.cache.num_layers, self.cache.top_k
-            ring = self._host if not self._cuda else self._stage
-            stamp_dst = ring.view(-1)[(lo + n) * L * K:(lo + n) * L * K + n * K].view(n, K)
+            stamp_dst = self._placed((self._host if not self._cuda else self._stage).view(-1), lo, n, stamps=True)
         if len(runs) == 1:
             a, b = int(runs[0][0]), int(runs[0][1])
             dst.copy_(self._src[a:b])

@@ -213,19 +213,18 @@ class _BatchedRows:
         launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
         check = self._stamps
-        ring = False
+        ring = None                         # a part read from the step ring: it carries the batch's checkpoint
         for i, (p, a, strict) in enumerate(zip(self._parts, arrays, self._strict)):
             if strict and a.size:
                 if getattr(p, "slot", None) is not None:
-                    ring = True
+                    ring = p
                     check.exact(p.stamps(), self._forwards[i], f"step ring slot {p.slot[0]}")
                 elif check is not None and p.stamped:
                     check(p.stamps(), self._forwards[i])
                 if int(a.min()) < 0:
                     self._lost_hook(a)
-        if ring:
-            ckpt = next(p.checkpoint() for p in self._parts if getattr(p, "slot", None) is not None)
-            check.checkpoint(ckpt, self._ckpt_forward)
+        if ring is not None:
+            check.checkpoint(ring.checkpoint(), self._ckpt_forward)
         return arrays
 
     def result(self) -> np.ndarray:
@@ -440,9 +439,9 @@ class WorkerCapture:
         slots, ring_rows = 0, 0
         if stamp and self.settings.step_ring:
             cc = vc.compilation_config
-            ring_rows = int(getattr(cc, "max_cudagraph_capture_size", 0) or 0) or \
-                max(list(getattr(cc, "cudagraph_capture_sizes", None) or [0]) or [0]) or 512
-            ring_rows = min(ring_rows, max_tokens)
+            largest = getattr(cc, "max_cudagraph_capture_size", None) or \
+                max(getattr(cc, "cudagraph_capture_sizes", None) or [512])
+            ring_rows = min(int(largest), max_tokens)
             if int(pc.data_parallel_size) > 1:
                 log.info("routing-replay: the step ring needs one data-parallel rank (data_parallel_size=%d): "
                          "step stamps without it", int(pc.data_parallel_size))
@@ -974,12 +973,9 @@ class WorkerCapture:
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         batch = self.batch
         if batch.parts:
-            if batch.ringed:                # the device counter now: proves which slots the batch's reads take
-                self.copier.mark_batch(batch.parts, checkpoint=True)
-                self.producer.publish_steps(*batch.take_parts(self.forwards))
-            else:
-                self.copier.mark_batch(batch.parts)
-                self.producer.publish_steps(*batch.take_parts())
+            ringed = batch.ringed           # the device counter now: proves which slots the batch's reads take
+            self.copier.mark_batch(batch.parts, checkpoint=ringed)
+            self.producer.publish_steps(*batch.take_parts(self.forwards if ringed else None))
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
