@@ -29,6 +29,9 @@ nothing; the forward's own flush already put the rows into that slot. `mark_batc
 copies the device step counter into a checkpoint ring (one small copy per batch). `launch()` then copies each
 part's rows out of its slot, then that slot's stamps, then the checkpoint, all on the side stream;
 `PendingRows.stamps()` and `.checkpoint()` read them (the check is the worker's: engines/vllm_plugin/worker.py).
+The engine thread can also hand step-ring steps over by reference only: `mark_batch(parts, checkpoint=True,
+slots=k)` returns a `SlotBatch` (checkpoint entry, the batch's event), and the consumer's thread takes their host
+ring rows then (`take_slot`), so a ring step costs the engine thread no allocation and no object.
 Measured costs (compute-stream kernel time, D2H bandwidth, engine-thread CPU per submit): docs/PERFORMANCE.md.
 For many non-adjacent segments pass an (m, 2) int array: long lists are converted and merged with numpy.
 
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -162,6 +165,16 @@ class PendingRows:
 _record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
 # the snapshot of a step submitted with mark=False, until mark_batch() records the batch's one event
 _UNMARKED = object()
+
+
+class SlotBatch(NamedTuple):
+    """What the engine thread hands over with a batch's step-ring steps taken by reference (mark_batch(slots=k)):
+    its entry in the checkpoint ring, the batch's shared event (CUDA; None on CPU) and its sequence number."""
+
+    ckpt: int | None
+    box: Any
+    seq: int
+    steps: int
 
 
 class _BatchEvent:
@@ -388,10 +401,15 @@ class AsyncCopier:
         self._placed(self._host_flat, p._lo, n, stamps=True)[...] = self.cache.ring[slot, L, a:a + n].numpy()
         p._pulled = True
 
-    def mark_batch(self, parts, checkpoint: bool = False) -> None:
+    def mark_batch(self, parts, checkpoint: bool = False, slots: int = 0) -> SlotBatch | None:
         """Record one event on the current stream after the snapshots of `parts` submitted with mark=False (on
         the thread and stream that submitted them, before they are handed to the thread that launches the host
-        copies); parts already marked are left alone. One torch call per batch instead of one per step."""
+        copies); parts already marked are left alone. One torch call per batch instead of one per step.
+
+        checkpoint=True (step ring): the device step counter is copied into the checkpoint ring first. `slots`:
+        how many step-ring steps of the batch were handed over by reference (no PendingRows yet): the returned
+        SlotBatch carries the checkpoint and the event their take_slot() on the consumer's thread uses."""
+        j = None
         if checkpoint and self.cache.slots:
             j = self._ckpt_next
             self._ckpt_next = (j + 1) % len(self._ckpt_host_np)
@@ -403,13 +421,49 @@ class AsyncCopier:
                 if getattr(p, "slot", None) is not None and not p._released:
                     p._ckpt = j
         todo = [p for p in parts if getattr(p, "_staged", None) is _UNMARKED and not p._released]
-        if not todo or not self._cuda:
-            return
-        box = _BatchEvent(self._batch_pool.pop() if self._batch_pool else torch.cuda.Event(), len(todo))
+        if not self._cuda or not (todo or slots):
+            return SlotBatch(j, None, 0, slots) if slots else None
+        box = _BatchEvent(self._batch_pool.pop() if self._batch_pool else torch.cuda.Event(), len(todo) + slots)
         self._record_now(box.event)
         self._seq += 1
         for p in todo:
             p._staged, p._shared, p._seq = box.event, box, self._seq
+        return SlotBatch(j, box, self._seq, slots) if slots else None
+
+    def take_slot(self, first: int, n: int, slot: int, batch: SlotBatch) -> PendingRows:
+        """On the thread that consumes the rows: host-ring rows for a step-ring step the engine thread handed over
+        by reference (its rows [first, first + n) in slot `slot`; `batch` from mark_batch(slots=...)), as
+        submit_slot() would have made them on the engine thread. A dropped PendingRows when the host ring is full
+        (its positions are then lost; its share of the batch's event is given back). Every step counted in `batch`
+        must be taken or forgotten (forget_slot)."""
+        c = self.cache
+        if not (0 <= slot < c.slots and first >= 0 and n > 0 and first + n <= c.slot_rows):
+            raise ValueError(f"slot {slot} rows [{first}, {first + n}) outside the step ring's {c.slots} slots x "
+                             f"{c.slot_rows} rows")
+        m = self._ring_rows(n)
+        got = self._take(n, rows=m)
+        if not isinstance(got, tuple):
+            self.forget_slot(batch)
+            return got
+        lo, handle = got
+        box = batch.box
+        p = PendingRows(self, (n, c.num_layers, c.top_k), lo, handle, None,
+                        staged=None if box is None else box.event, seq=batch.seq, layer_major=True, ring_rows=m,
+                        stamped=True)
+        p._shared = box
+        p.slot = (slot, first)
+        p._ckpt = batch.ckpt
+        return p
+
+    def forget_slot(self, batch: SlotBatch) -> None:
+        """A step counted in `batch` that will never be taken: its share of the batch's event is given back."""
+        box = batch.box
+        if box is None:
+            return
+        with self._launch_lock:
+            box.users -= 1
+            if box.users == 0:
+                self._batch_pool.append(box.event)
 
     def _record_now(self, event) -> None:
         """Record `event` on this thread's current stream: a driver call with the GIL held once torch created it."""

@@ -311,14 +311,18 @@ class Producer:
             raise ValueError(f"{len(request_ids)} id lists, {len(starts)} starts, {len(counts)} counts (one per "
                              "step, at least one step)")
         total = 0
+        sums: dict = {}             # decode steps of one layout share their counts array: checked and summed once
         for ids, st, cn in zip(request_ids, starts, counts):
+            n = sums.get(id(cn))
+            if n is None:
+                if isinstance(cn, np.ndarray):
+                    _check_array(cn, "counts")
+                    n = int(cn.sum())
+                else:
+                    n = sum(cn)
+                sums[id(cn)] = n
             if isinstance(st, np.ndarray):
                 _check_array(st, "starts")
-            if isinstance(cn, np.ndarray):
-                _check_array(cn, "counts")
-                n = int(cn.sum())
-            else:
-                n = sum(cn)
             if not (len(ids) == len(st) == len(cn)):
                 raise ValueError(f"a step of {len(ids)} request ids, {len(st)} starts, {len(cn)} counts")
             total += n

@@ -543,13 +543,15 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     assert copier.in_flight_rows == 0
 
 
-def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_engine_thread():
+@pytest.mark.parametrize("by_ref", [False, True])
+def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_engine_thread(by_ref):
     """ROUTING_REPLAY_STEP_STAMP=ring under CUDA graphs: each replay's flush copies its rows into its slot of the
     step ring inside the graph; the "engine thread" replays and hands over only (no snapshot launch: the copier
     launches nothing per step, one checkpoint copy and one event per batch), and another thread reads every step
     out of its slot, later, with the stamps and checkpoint checked: rows exact over 8 batches x 16 steps of random
     sizes with unchecked replays between. Steps larger than a slot go through submit() as before, in the same
-    batches. Reads that fall behind by the ring's size lose their batch, never hand out wrong rows."""
+    batches. Reads that fall behind by the ring's size lose their batch, never hand out wrong rows. by_ref: ring
+    steps go by reference, as the worker adds them (host-ring rows taken on the reading thread: take_slot)."""
     import threading
     from routing_replay.engines.vllm_plugin.worker import RingReadLost, _StepBatch
 
@@ -587,7 +589,9 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
         torch.cuda.set_sync_debug_mode("error")
         try:
             graphs[min(s for s in SIZES if s >= n)].replay()
-            if checked:
+            if checked and by_ref and n <= cache.slot_rows:
+                batch.add_slot(a, m, slot_of(forwards), ["x"], [0], [m], forwards)
+            elif checked:
                 p = (copier.submit_slot(a, m, slot_of(forwards)) if n <= cache.slot_rows
                      else copier.submit([(a, m)], mark=False))
                 batch.add(p, ["x"], [0], [m], forward=forwards)
@@ -596,6 +600,8 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
         return routers.ref[:, a:n].transpose(0, 1).to(torch.int16).clone()
 
     def hand_over():
+        if by_ref:
+            return batch.hand_over(copier, forwards)[3]
         copier.mark_batch(batch.parts, checkpoint=batch.ringed)
         return batch.take_parts(forwards if batch.ringed else None)[3]
 
@@ -631,3 +637,4 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
     read(rows, "late")
     assert isinstance(out["late"], RingReadLost)
     assert copier.in_flight_rows == 0
+    assert len(copier._batch_pool) == 1                 # each batch's one event came back once read: one in all

@@ -651,8 +651,8 @@ def _ring_step(cache, seed: int, n: int, layers=None) -> np.ndarray:
     return torch.stack(ids, dim=1).numpy().astype(np.int16)
 
 
-@pytest.mark.parametrize("K", [2, 8])           # 32- and 64-bit counters
-def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_steps_rows(K):
+@pytest.mark.parametrize("K,by_ref", [(2, False), (8, False), (8, True)])    # 32- and 64-bit counters
+def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_steps_rows(K, by_ref):
     """ROUTING_REPLAY_STEP_STAMP=ring on the CPU: each complete flush copies its rows into slot (counter mod S);
     the producer's side reads the slot the engine's forward count predicts, later. Rows exact over batches with
     unchecked forwards between; a slot reused before it was read, and a forward the engine did not count (the
@@ -675,10 +675,15 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
             state["forward"] += 1
         want = _ring_step(cache, seed, n, layers)
         f = state["forward"]
-        batch.add(copier.submit_slot(a, m, slot_of(f)), ["x"], [0], [m], forward=f)
+        if by_ref:          # as the worker adds them: by reference, host-ring rows taken on the reading thread
+            batch.add_slot(a, m, slot_of(f), ["x"], [0], [m], f)
+        else:
+            batch.add(copier.submit_slot(a, m, slot_of(f)), ["x"], [0], [m], forward=f)
         return want[a:a + m]
 
     def hand_over():
+        if by_ref:
+            return batch.hand_over(copier, state["forward"])[3]
         copier.mark_batch(batch.parts, checkpoint=True)
         return batch.take_parts(state["forward"])[3]
 
@@ -719,6 +724,20 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     rows = hand_over()
     assert np.array_equal(rows.result(), want)
     rows.release()
+    if by_ref:          # the host ring is full when the reading thread takes the rows: lost, and nothing leaks
+        held = copier.submit([(0, copier.max_rows)])
+        held2 = copier.submit([(0, copier.max_rows)])
+        assert held2.dropped is False
+        while not copier.submit([(0, copier.max_rows)]).dropped:
+            pass
+        free = copier.free_rows
+        step(80)
+        rows = hand_over()
+        with pytest.raises(RingReadLost, match="host ring was full"):
+            rows.result()
+        rows.release()
+        assert copier.free_rows == free and batch.stamps.steps == 11
+        assert copier.stats.dropped_steps >= 2
     # a step larger than a slot is not written there (the worker copies it with submit() instead)
     before = cache.slot_writes
     state["forward"] += 1

@@ -54,7 +54,7 @@ import torch
 
 from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots
 from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_dtype, stamp_lanes
-from routing_replay.capture.copier import launch_rows
+from routing_replay.capture.copier import ROW_DTYPE, launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers
@@ -190,18 +190,27 @@ class _BatchedRows:
     thread concatenates them (C speed), refuses rows no router wrote (-1, or a stale step stamp), sends, and
     releases every part."""
 
-    __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "shape", "dtype", "dropped")
+    __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "_copier", "_slots", "shape",
+                 "dtype", "dropped")
 
     def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
-                 ckpt_forward: int | None = None):
+                 ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None,
+                 rows: int | None = None):
         self._parts = parts
         self._ckpt_forward = ckpt_forward   # step-ring parts: the engine's forward count at the hand-over
         self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
         self._forwards = forwards       # per part: the engine's forward count at its step (stamped parts)
         self._stamps = stamps
-        n = sum(p.shape[0] for p in parts)
-        self.shape = (n, *parts[0].shape[1:])
-        self.dtype = parts[0].dtype
+        self._copier = copier           # parts handed over by reference, (first, n, slot): taken from it here
+        self._slots = slots             # their SlotBatch (mark_batch(slots=...))
+        if rows is None:
+            rows = sum(p[1] if type(p) is tuple else p.shape[0] for p in parts)
+        if copier is not None:
+            self.shape = (rows, copier.cache.num_layers, copier.cache.top_k)
+            self.dtype = ROW_DTYPE
+        else:
+            self.shape = (rows, *parts[0].shape[1:])
+            self.dtype = parts[0].dtype
         self.dropped = False
 
     @property
@@ -209,7 +218,22 @@ class _BatchedRows:
         """result() of several steps is a new array (their concatenation); of one step, a view of the host ring."""
         return len(self._parts) > 1
 
+    def _taken(self) -> None:
+        """The parts handed over by reference get their host-ring rows now (on this thread, not the engine's)."""
+        if self._slots is None:
+            return
+        parts, copier, sb = self._parts, self._copier, self._slots
+        self._slots = None
+        for i, p in enumerate(parts):
+            if type(p) is tuple:
+                parts[i] = copier.take_slot(p[0], p[1], p[2], sb)
+        lost = sum(p.dropped for p in parts)
+        if lost:
+            raise RingReadLost(f"routing-replay: the host ring was full when the producer's thread took this "
+                               f"batch's step-ring rows ({lost} of {len(parts)} steps): the batch's rows are lost")
+
     def _checked(self) -> list:
+        self._taken()
         launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
         check = self._stamps
@@ -253,7 +277,10 @@ class _BatchedRows:
 
     def release(self) -> None:
         for p in self._parts:
-            p.release()
+            if type(p) is tuple:            # never taken: its share of the batch's event goes back
+                self._copier.forget_slot(self._slots)
+            else:
+                p.release()
 
 
 class _Fill:
@@ -275,7 +302,7 @@ class _StepBatch:
     starts and counts as arrays): nothing per request is touched on the engine thread; the producer's thread
     flattens them (Producer.publish_steps)."""
 
-    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed")
+    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed", "by_ref")
 
     def __init__(self, top_k: int = 1, stamped: bool = False):
         # used on the producer's thread, one batch after the other
@@ -288,6 +315,7 @@ class _StepBatch:
         self.counts: list = []
         self.rows = 0
         self.ringed = False             # a part reads the step ring: the hand-over takes a checkpoint
+        self.by_ref = 0                 # step-ring steps added by reference (add_slot)
 
     def add(self, pending, keys: list, starts, counts, strict: bool = True, forward: int = 0) -> None:
         """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
@@ -303,13 +331,36 @@ class _StepBatch:
         self.counts.append(counts)
         self.rows += pending.shape[0]
 
-    def take_parts(self, ckpt_forward: int | None = None):
+    def add_slot(self, first: int, n: int, slot: int, keys: list, starts, counts, forward: int) -> None:
+        """A step-ring step by reference: its rows [first, first + n) of slot `slot` get their host-ring rows on
+        the producer's thread (AsyncCopier.take_slot), so the engine thread makes no object and takes no lock.
+        Hand such a batch over with hand_over()."""
+        self.parts.append((first, n, slot))
+        self.ringed = True
+        self.by_ref += 1
+        self.strict.append(True)
+        self.forwards.append(forward)
+        self.keys.append(keys)
+        self.starts.append(starts)
+        self.counts.append(counts)
+        self.rows += n
+
+    def hand_over(self, copier: AsyncCopier, forward: int):
+        """On the engine thread: the batch's one event (and, with step-ring parts, the checkpoint), then the
+        batch as Producer.publish_steps arguments; `forward`: the engine's forward count now."""
+        ringed = self.ringed
+        sb = copier.mark_batch(self.parts, checkpoint=ringed, slots=self.by_ref)
+        return self.take_parts(forward if ringed else None, copier if sb is not None else None, sb)
+
+    def take_parts(self, ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None):
         """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
         thread); the batch is empty afterwards. `ckpt_forward`: the engine's forward count when the batch's
-        checkpoint was taken (batches with step-ring parts)."""
+        checkpoint was taken (batches with step-ring parts); `copier` and `slots`: for parts added by reference."""
         out = (self.keys, self.starts, self.counts,
-               _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward))
+               _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward, copier, slots,
+                            self.rows))
         self.ringed = False
+        self.by_ref = 0
         self.parts, self.strict, self.forwards = [], [], []
         self.keys, self.starts, self.counts, self.rows = [], [], [], 0
         return out
@@ -930,11 +981,20 @@ class WorkerCapture:
         # the runner's array changes with the next step: this step's copy
         computed = computed.copy() if sel is None else computed[sel]
         slot = self._ring_slot(segments, so.total_num_scheduled_tokens) if self.cache.slots else None
-        if slot is None:
-            pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
-        else:                                   # the forward's flush put the rows in its slot: nothing to launch
-            pending = self.copier.submit_slot(segments[0][0], segments[0][1], slot)
-            self.stats.ring_steps += 1
+        if slot is not None:                    # the forward's flush put the rows in its slot: nothing to launch,
+            first, n = segments[0]              # and the producer's thread takes their host-ring rows
+            batch = self.batch
+            batch.add_slot(first, n, slot, keys, computed, count, self.forwards)
+            if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
+                self._flush()
+            st = self.stats
+            st.ring_steps += 1
+            st.active_steps += 1
+            st.rows += n
+            if t0:
+                self._count_host(t0, w0)
+            return
+        pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
         if pending.dropped:                                  # host ring full: publish as lost, keep order
             self._flush()
             self.producer.publish_rows(keys, computed, count, pending)
@@ -972,10 +1032,8 @@ class WorkerCapture:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         batch = self.batch
-        if batch.parts:
-            ringed = batch.ringed           # the device counter now: proves which slots the batch's reads take
-            self.copier.mark_batch(batch.parts, checkpoint=ringed)
-            self.producer.publish_steps(*batch.take_parts(self.forwards if ringed else None))
+        if batch.parts:                     # (step ring: the device counter now proves which slots it reads)
+            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards))
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
