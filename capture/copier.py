@@ -410,17 +410,19 @@ class AsyncCopier:
         how many step-ring steps of the batch were handed over by reference (no PendingRows yet): the returned
         SlotBatch carries the checkpoint and the event their take_slot() on the consumer's thread uses."""
         j = None
+        mixed = slots < len(parts)          # not every part went by reference: some are PendingRows
         if checkpoint and self.cache.slots:
             j = self._ckpt_next
             self._ckpt_next = (j + 1) % len(self._ckpt_host_np)
             if self._cuda:      # the counter as the compute stream leaves the batch, copied before its event
                 self._ckpt_dev[j:j + 1].copy_(self.cache._counter)
             else:
-                self._ckpt_host_np[j] = int(self.cache._counter[0])
-            for p in parts:
-                if getattr(p, "slot", None) is not None and not p._released:
-                    p._ckpt = j
-        todo = [p for p in parts if getattr(p, "_staged", None) is _UNMARKED and not p._released]
+                self._ckpt_host_np[j] = self.cache._counter.numpy()[0]
+            if mixed:
+                for p in parts:
+                    if getattr(p, "slot", None) is not None and not p._released:
+                        p._ckpt = j
+        todo = [p for p in parts if getattr(p, "_staged", None) is _UNMARKED and not p._released] if mixed else ()
         if not self._cuda or not (todo or slots):
             return SlotBatch(j, None, 0, slots) if slots else None
         box = _BatchEvent(self._batch_pool.pop() if self._batch_pool else torch.cuda.Event(), len(todo) + slots)

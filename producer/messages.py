@@ -314,6 +314,7 @@ class RequestBook:
         self._lost: dict[str, list] = {}
         self._refused: set[str] = set()
         self._known: set[str] = set()
+        self.refusals = 0               # moves on every refuse(): a screen that passed before may not pass now
 
     def problem(self, request_id: Any) -> str | None:
         """Why this id's parts may not travel (None if they may). Caller holds no lock."""
@@ -356,6 +357,7 @@ class RequestBook:
         with self.lock:
             self._refused.add(request_id)
             self._lost.pop(request_id, None)
+            self.refusals += 1
 
     def is_refused(self, request_id: Any) -> bool:
         with self.lock:

@@ -156,6 +156,7 @@ class Producer:
         self.stats = ProducerStats()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._book = RequestBook()
+        self._screened: tuple = (None, -1)      # publish_steps: the last id list that passed, book.refusals then
         self._lock = self._book.lock
         self._ledger = QueueLedger(self._lock)
         self._closed = False
@@ -299,17 +300,23 @@ class Producer:
         return False
 
     def publish_steps(self, request_ids: Sequence[Sequence[str]], starts: Sequence, counts: Sequence,
-                      rows: Any) -> bool:
+                      rows: Any, *, checked: bool = False) -> bool:
         """Publish consecutive steps as one: per step, its request ids, starts and counts as publish_rows takes
         them (starts/counts: lists or 1-D integer arrays), `rows` all their rows in order (ndarray or deferred).
         Only references go to the producer's thread, which flattens them; ids are screened once per distinct id
-        list (decode steps that share one list cost one screen). The lists and arrays must not be modified
-        afterwards. Same result as publish_rows of the flattened lists (which it falls back to when an id cannot
-        travel or was refused)."""
+        list (decode steps that share one list cost one screen; the same list as the last call's, with no id
+        refused since, none). The lists and arrays must not be modified afterwards. Same result as publish_rows
+        of the flattened lists (which it falls back to when an id cannot travel or was refused).
+
+        checked=True: the caller built the per-step lists and arrays itself and vouches for their lengths and
+        types, and `rows` has a `shape` whose first entry is the rows of all steps (the vLLM plugin's worker):
+        the per-step checks are skipped. The ids are still screened."""
         self._check()
         if not (len(request_ids) == len(starts) == len(counts)) or not request_ids:
             raise ValueError(f"{len(request_ids)} id lists, {len(starts)} starts, {len(counts)} counts (one per "
                              "step, at least one step)")
+        if checked:
+            return self._publish_parts(request_ids, starts, counts, rows, rows.shape[0])
         total = 0
         sums: dict = {}             # decode steps of one layout share their counts array: checked and summed once
         for ids, st, cn in zip(request_ids, starts, counts):
@@ -331,9 +338,19 @@ class Producer:
             self._check_rows_shape(shape, getattr(rows, "dtype", wire.ROW_DTYPE))
             if shape[0] != total:
                 raise ValueError(f"rows has {shape[0]} rows, counts add up to {total}")
+        return self._publish_parts(request_ids, starts, counts, rows, total)
+
+    def _publish_parts(self, request_ids: Sequence, starts: Sequence, counts: Sequence, rows: Any,
+                       total: int) -> bool:
+        book = self._book
+        last, refusals = self._screened
         for ids in {id(x): x for x in request_ids}.values():
-            if self._book.screen(ids).keep is not None:     # some id cannot travel: the per-entry path says which
+            if ids is last and refusals == book.refusals:
+                continue
+            seen = book.refusals            # read before the screen: a refusal during it is not missed
+            if book.screen(ids).keep is not None:     # some id cannot travel: the per-entry path says which
                 return self.publish_rows(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows)
+            self._screened = (ids, seen)
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
         if not getattr(rows, "dropped", False) and self._put(item, total * self.row_bytes, True):
             return True

@@ -355,6 +355,38 @@ def test_publish_steps_sends_what_publish_rows_sends_for_the_flattened_steps(ctx
         fake.close()
 
 
+def test_publish_steps_screens_a_repeated_id_list_again_after_a_refusal(ctx, tmp_path):
+    """The screen of an id list that passed is kept for the next call with the same list (decode batches), and
+    dropped once any id is refused: the refused request's parts are then dropped and counted, the others sent.
+    checked=True (the plugin's worker) skips the per-step shape checks only."""
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        p.open("a", prompt_len=3)
+        p.open("b", prompt_len=3)
+        shared = ["a", "b"]
+        ones = np.ones(2, np.int32)
+        got = [fake.recv() for _ in range(2)]
+        assert p.publish_steps([shared], [np.array([3, 3])], [ones], rows(2, 10)) is True
+        got.append(fake.recv())                 # (each delta sent before the next call: none coalesced)
+        assert p.publish_steps([shared], [np.array([4, 4])], [ones], rows(2, 20), checked=True) is True
+        got.append(fake.recv())
+        with pytest.raises(ValueError, match="num_cached_tokens"):
+            p.open("b", prompt_len=1, num_cached_tokens=5)          # refuses "b"
+        assert p.publish_steps([shared], [np.array([5, 5])], [ones], rows(2, 30), checked=True) is True
+        assert p.stats.dropped_parts == 1
+        got.append(fake.recv())
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("delta", shared),
+                                                     ("delta", shared), ("delta", ["a"])]
+        d = wire.parse_delta(got[4][0])
+        assert (d.starts.tolist(), d.counts.tolist()) == ([5], [1])
+        assert bytes(got[4][1][0]) == rows(2, 30)[:1].tobytes()
+        assert bytes(got[3][1][0]) == rows(2, 20).tobytes()
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+
+
 def test_publish_steps_refused_by_the_queue_bound_reports_every_position_lost(ctx, tmp_path):
     fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
     p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0, max_queue_bytes=8)

@@ -1033,7 +1033,7 @@ class WorkerCapture:
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         batch = self.batch
         if batch.parts:                     # (step ring: the device counter now proves which slots it reads)
-            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards))
+            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards), checked=True)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
