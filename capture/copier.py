@@ -255,10 +255,18 @@ class AsyncCopier:
         # the cache's step ring (submit_slot): the device counter at each batch hand-over, one entry per batch in
         # flight (a batch holds ring rows until released, so never more than capacity_rows batches)
         self._ckpt_next = 0
-        if cache.slots:
-            self._ckpt_dev = torch.zeros(cap, dtype=torch.int64, device=cache.device)
-            self._ckpt_host = torch.zeros(cap, dtype=torch.int64, pin_memory=self._cuda)
+        if cache.slots:         # (the counter's own dtype: a checkpoint is a plain copy of its bytes)
+            cdt = cache._counter.dtype
+            self._ckpt_dev = torch.zeros(cap, dtype=cdt, device=cache.device)
+            self._ckpt_host = torch.zeros(cap, dtype=cdt, pin_memory=self._cuda)
             self._ckpt_host_np = self._ckpt_host.numpy()
+            if self._drv is not None:       # the checkpoint as one driver copy with the GIL held, like the snapshot
+                size = cache._counter.element_size()
+                self._ckpt_m = self._drv.copy_desc()
+                self._ckpt_m.srcDevice = cache._counter.data_ptr()
+                self._ckpt_m.srcPitch = self._ckpt_m.dstPitch = self._ckpt_m.WidthInBytes = size
+                self._ckpt_m.Height = 1
+                self._ckpt_ptr = self._ckpt_dev.data_ptr()
         self._idx_np = self._idx_host.numpy()
         self._views: dict = {}          # (lo, a, b) -> ((L, n, K) view of ring rows [lo, lo + n), cache rows [a, b))
 
@@ -415,7 +423,7 @@ class AsyncCopier:
             j = self._ckpt_next
             self._ckpt_next = (j + 1) % len(self._ckpt_host_np)
             if self._cuda:      # the counter as the compute stream leaves the batch, copied before its event
-                self._ckpt_dev[j:j + 1].copy_(self.cache._counter)
+                self._checkpoint(j)
             else:
                 self._ckpt_host_np[j] = self.cache._counter.numpy()[0]
             if mixed:
@@ -431,6 +439,18 @@ class AsyncCopier:
         for p in todo:
             p._staged, p._shared, p._seq = box.event, box, self._seq
         return SlotBatch(j, box, self._seq, slots) if slots else None
+
+    def _checkpoint(self, j: int) -> None:
+        """Copy the device step counter into entry j of the checkpoint ring, on this thread's current stream."""
+        if self._drv is not None:
+            m = self._ckpt_m
+            m.dstDevice = self._ckpt_ptr + j * m.WidthInBytes
+            try:
+                self._drv.copy_2d(m, cudriver.current_stream(self._dev_index))
+                return
+            except cudriver.DriverError as e:       # refused at launch (nothing ran): torch calls from now on
+                self._drv = cudriver.give_up(e)
+        self._ckpt_dev[j:j + 1].copy_(self.cache._counter)
 
     def take_slot(self, first: int, n: int, slot: int, batch: SlotBatch) -> PendingRows:
         """On the thread that consumes the rows: host-ring rows for a step-ring step the engine thread handed over

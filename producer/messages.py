@@ -143,6 +143,29 @@ class Encoded(NamedTuple):
     payload: int              # routing-row bytes
 
 
+_TOKEN_KEYS = {"open": "n_prompt_tokens", "finish": "n_output_tokens"}
+
+
+def token_frames(item: Announce) -> tuple[Announce, str | None]:
+    """The announce with its token ids as int32 arrays: the caller's thread handed a list as a tuple
+    (producer._tokens). Ids that are not int32 integers are left out, with the body's count of them: the
+    announce still travels (the record has no token ids then), and the error is returned to be reported."""
+    if not any(type(x) is tuple for x in item.frames):
+        return item, None
+    try:
+        frames = []
+        for x in item.frames:
+            a = np.asarray(x, dtype=wire.TOKEN_DTYPE) if type(x) is tuple else x
+            if a.ndim != 1:
+                raise ValueError(f"token ids must be a flat sequence, got shape {a.shape}")
+            frames.append(a)
+    except (TypeError, ValueError, OverflowError) as e:
+        body = dict(item.body)
+        body.pop(_TOKEN_KEYS.get(item.kind, ""), None)
+        return item._replace(body=body, frames=[]), f"{type(e).__name__}: {str(e)[:200]}"
+    return item._replace(frames=frames), None
+
+
 def encode_announce(item: Announce, producer_id: str, epoch: int, seq: int) -> Encoded:
     head = wire.pack_header(item.kind, producer_id, epoch, seq, item.request_id, item.body)
     extra = [memoryview(np.ascontiguousarray(x)).cast("B") for x in item.frames]

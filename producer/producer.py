@@ -41,6 +41,7 @@ class ProducerStats:
     bad_replies: int = 0
     dropped_parts: int = 0      # request parts (delta part, finish, abort) of an id that cannot travel or was refused
     encode_errors: int = 0      # messages the thread could not encode (dropped; a delta's positions reported lost)
+    token_ids_dropped: int = 0  # opens/finishes sent without their token ids: a list that was not int32 integers
     refused_by_broker: int = 0  # data messages the broker accepted-and-dropped as undecodable (error refused_seq)
 
 
@@ -50,6 +51,15 @@ def _positions(values: Any, name: str) -> Any:
         _check_array(values, name)
         return values.tolist()
     return values
+
+
+def _tokens(ids: Any) -> Any:
+    """Token ids on the caller's thread: a list or tuple is only copied (a tuple; C speed, about 0.5 us for 512
+    ids, against about 7 us to convert them), the producer's thread converts it (messages.token_frames); anything
+    else becomes an int32 array here."""
+    if type(ids) is list or type(ids) is tuple:
+        return tuple(ids)
+    return np.ascontiguousarray(ids, dtype=wire.TOKEN_DTYPE)
 
 
 def _check_array(values: np.ndarray, name: str) -> None:
@@ -229,7 +239,7 @@ class Producer:
                 body["prefix_filled"] = True
             frames = []
             if prompt_token_ids is not None:
-                toks = np.ascontiguousarray(prompt_token_ids, dtype=wire.TOKEN_DTYPE)
+                toks = _tokens(prompt_token_ids)
                 body["n_prompt_tokens"] = len(toks)
                 frames.append(toks)
         except BaseException:
@@ -391,7 +401,7 @@ class Producer:
             body["lost"] = lost
         frames = []
         if output_token_ids is not None:
-            toks = np.ascontiguousarray(output_token_ids, dtype=wire.TOKEN_DTYPE)
+            toks = _tokens(output_token_ids)
             body["n_output_tokens"] = len(toks)
             frames.append(toks)
         self._put(Announce("finish", request_id, body, frames), 0, False)

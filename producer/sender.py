@@ -19,7 +19,7 @@ from routing_replay.protocol.loop import start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, StepParts,
                                               encode_announce, encode_step, encode_steps, escaped_id, step_rows,
-                                              with_lost)
+                                              token_frames, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
@@ -337,6 +337,11 @@ class Sender:
                 item = with_lost(item, late)
         elif item.kind == "abort":
             self._late_lost.pop(rid, None)
+        item, bad = token_frames(item)
+        if bad is not None:
+            self.stats.token_ids_dropped += 1
+            log.warning("producer %s sends the %s of request %s without its token ids (%s); token_ids_dropped=%d",
+                        self.cfg.producer_id, item.kind, escaped_id(rid), bad, self.stats.token_ids_dropped)
         try:
             enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
         except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)

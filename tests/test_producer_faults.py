@@ -355,6 +355,37 @@ def test_publish_steps_sends_what_publish_rows_sends_for_the_flattened_steps(ctx
         fake.close()
 
 
+def test_token_id_lists_are_copied_at_the_call_and_converted_on_the_thread(ctx, tmp_path):
+    """Token ids given as a list or tuple are copied on the caller's thread (changing the list afterwards changes
+    nothing sent) and become int32 on the producer's thread; ids that are not int32 integers leave the open or
+    finish without token ids (counted, and the request's routing still travels); arrays are converted at once."""
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        toks = [5, 6, 70000]
+        p.open("a", prompt_len=3, prompt_token_ids=toks)
+        toks[0] = 99
+        p.open("b", prompt_len=2, prompt_token_ids=[1, "x"])
+        p.open("c", prompt_len=2, prompt_token_ids=np.array([3, 4], np.int64))
+        p.publish_rows(["b"], [0], [2], rows(2, 7))
+        p.finish("a", num_output_tokens=2, output_token_ids=(9, 2 ** 40))
+        p.finish("b", num_output_tokens=1, output_token_ids=(8,))
+        got = [fake.recv() for _ in range(6)]
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("open", "c"), ("delta", ["b"]),
+                                                     ("finish", "a"), ("finish", "b")]
+        (ha, fa), (hb, fb), (hc, fc) = got[:3]
+        assert ha.body["n_prompt_tokens"] == 3 and bytes(fa[0]) == np.array([5, 6, 70000], "<i4").tobytes()
+        assert "n_prompt_tokens" not in hb.body and hb.body["prompt_len"] == 2 and fb == []
+        assert bytes(fc[0]) == np.array([3, 4], "<i4").tobytes()
+        assert bytes(got[3][1][0]) == rows(2, 7).tobytes()
+        assert "n_output_tokens" not in got[4][0].body and got[4][1] == [] and got[4][0].body["num_output"] == 2
+        assert got[5][0].body["n_output_tokens"] == 1 and bytes(got[5][1][0]) == np.array([8], "<i4").tobytes()
+        assert p.stats.token_ids_dropped == 2 and p.stats.encode_errors == 0
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+
+
 def test_publish_steps_screens_a_repeated_id_list_again_after_a_refusal(ctx, tmp_path):
     """The screen of an id list that passed is kept for the next call with the same list (decode batches), and
     dropped once any id is refused: the refused request's parts are then dropped and counted, the others sent.
