@@ -69,39 +69,44 @@ def ctx():
     c.term()
 
 
-def test_a_bad_request_id_is_refused_at_open_and_never_stops_the_stream(ctx, tmp_path):
+@pytest.fixture
+def fake_and_producer(ctx, tmp_path):
+    """A FakeBroker and a Producer connected to it (closed after the test)."""
     fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
     p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
-    try:
-        with pytest.raises(wire.ProtocolError) as err:
-            p.open(BAD, prompt_len=4)
-        assert err.value.reason == "bad_request_id" and "'req-\\udc80-lone'" in str(err.value)
-        with pytest.raises(wire.ProtocolError, match="bad_request_id|1025 characters"):
-            p.open("x" * 1025, prompt_len=1)
-        # its parts are dropped and counted, never raised; a step shared with a good request keeps the good part
-        assert p.publish_rows([BAD], [0], [4], rows(4)) is True
-        p.open("good", prompt_len=4)
-        assert p.publish_rows([BAD, "good", 7], [0, 0, 0], [2, 4, 1], rows(7)) is True
-        p.finish(BAD, num_output_tokens=1)
-        p.abort(BAD)
-        p.finish("good", num_output_tokens=1)
-        assert p.stats.dropped_parts == 1 + 2 + 1 + 1
-        got = [fake.recv() for _ in range(3)]
-        assert [(h.kind, h.seq, h.key) for h, _ in got] == [("open", 1, "good"), ("delta", 2, ["good"]),
-                                                            ("finish", 3, "good")]
-        d = wire.parse_delta(got[1][0])
-        assert d.starts.tolist() == [0] and d.counts.tolist() == [4]
-        assert got[1][1][0] == rows(7)[2:6].tobytes()
-        assert "lost" not in got[2][0].body
-        assert p.stats.encode_errors == 0 and p._failure is None
-        p.open("after", prompt_len=1)                       # the thread still takes work
-        assert fake.recv()[0].key == "after"
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
+    yield fake, p
+    p.close(timeout_s=1)
+    fake.close()
 
 
-def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(ctx, tmp_path):
+def test_a_bad_request_id_is_refused_at_open_and_never_stops_the_stream(fake_and_producer):
+    fake, p = fake_and_producer
+    with pytest.raises(wire.ProtocolError) as err:
+        p.open(BAD, prompt_len=4)
+    assert err.value.reason == "bad_request_id" and "'req-\\udc80-lone'" in str(err.value)
+    with pytest.raises(wire.ProtocolError, match="bad_request_id|1025 characters"):
+        p.open("x" * 1025, prompt_len=1)
+    # its parts are dropped and counted, never raised; a step shared with a good request keeps the good part
+    assert p.publish_rows([BAD], [0], [4], rows(4)) is True
+    p.open("good", prompt_len=4)
+    assert p.publish_rows([BAD, "good", 7], [0, 0, 0], [2, 4, 1], rows(7)) is True
+    p.finish(BAD, num_output_tokens=1)
+    p.abort(BAD)
+    p.finish("good", num_output_tokens=1)
+    assert p.stats.dropped_parts == 1 + 2 + 1 + 1
+    got = [fake.recv() for _ in range(3)]
+    assert [(h.kind, h.seq, h.key) for h, _ in got] == [("open", 1, "good"), ("delta", 2, ["good"]),
+                                                        ("finish", 3, "good")]
+    d = wire.parse_delta(got[1][0])
+    assert d.starts.tolist() == [0] and d.counts.tolist() == [4]
+    assert got[1][1][0] == rows(7)[2:6].tobytes()
+    assert "lost" not in got[2][0].body
+    assert p.stats.encode_errors == 0 and p._failure is None
+    p.open("after", prompt_len=1)                       # the thread still takes work
+    assert fake.recv()[0].key == "after"
+
+
+def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(fake_and_producer):
     class Broken:
         shape = (3, L, K)
         dtype = np.int16
@@ -113,20 +118,15 @@ def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(ctx, tm
         def release(self):
             Broken.released += 1
 
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
-    try:
-        p.open("a", prompt_len=3)
-        p.publish_rows(["a"], [0], [3], Broken())
-        wait_for(lambda: p.stats.encode_errors == 1)
-        p.publish_rows(["a"], [3], [1], rows(1))
-        p.finish("a", num_output_tokens=2)
-        got = [fake.recv() for _ in range(3)]
-        assert [(h.kind, h.seq) for h, _ in got] == [("open", 1), ("delta", 2), ("finish", 3)]
-        assert got[2][0].body["lost"] == [[0, 3]] and Broken.released == 1
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
+    fake, p = fake_and_producer
+    p.open("a", prompt_len=3)
+    p.publish_rows(["a"], [0], [3], Broken())
+    wait_for(lambda: p.stats.encode_errors == 1)
+    p.publish_rows(["a"], [3], [1], rows(1))
+    p.finish("a", num_output_tokens=2)
+    got = [fake.recv() for _ in range(3)]
+    assert [(h.kind, h.seq) for h, _ in got] == [("open", 1), ("delta", 2), ("finish", 3)]
+    assert got[2][0].body["lost"] == [[0, 3]] and Broken.released == 1
 
 
 def test_a_refused_delta_is_reported_lost_and_a_refused_open_drops_its_request(ctx, tmp_path, caplog):
@@ -298,124 +298,104 @@ def test_steps_queued_together_leave_as_one_delta_and_a_failed_one_is_reported_l
         fake.close()
 
 
-def test_publish_rows_takes_numpy_positions_and_refuses_bad_ones(ctx, tmp_path):
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
-    try:
-        p.open("a", prompt_len=2)
-        for bad in (np.array([[0]]), np.array([0.0])):
-            with pytest.raises(ValueError, match="1-D integer array"):
-                p.publish_rows(["a"], bad, [1], rows(1))
+def test_publish_rows_takes_numpy_positions_and_refuses_bad_ones(fake_and_producer):
+    fake, p = fake_and_producer
+    p.open("a", prompt_len=2)
+    for bad in (np.array([[0]]), np.array([0.0])):
         with pytest.raises(ValueError, match="1-D integer array"):
-            p.publish_rows(["a"], [0], np.array([1.0]), rows(1))
-        p.publish_rows(["a"], np.array([0], np.int32), np.array([2], np.uint16), rows(2, 5))
-        got = [fake.recv() for _ in range(2)]
-        h, f = got[1]
-        d = wire.parse_delta(h)
-        assert (h.kind, d.starts.tolist(), d.counts.tolist()) == ("delta", [0], [2])
-        assert bytes(f[0]) == rows(2, 5).tobytes()
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
+            p.publish_rows(["a"], bad, [1], rows(1))
+    with pytest.raises(ValueError, match="1-D integer array"):
+        p.publish_rows(["a"], [0], np.array([1.0]), rows(1))
+    p.publish_rows(["a"], np.array([0], np.int32), np.array([2], np.uint16), rows(2, 5))
+    got = [fake.recv() for _ in range(2)]
+    h, f = got[1]
+    d = wire.parse_delta(h)
+    assert (h.kind, d.starts.tolist(), d.counts.tolist()) == ("delta", [0], [2])
+    assert bytes(f[0]) == rows(2, 5).tobytes()
 
 
-def test_publish_steps_sends_what_publish_rows_sends_for_the_flattened_steps(ctx, tmp_path):
+def test_publish_steps_sends_what_publish_rows_sends_for_the_flattened_steps(fake_and_producer):
     """Per-step references (a key list two steps share, positions as arrays or lists) leave as the one delta
     publish_rows makes of the flattened lists; an id that cannot travel falls back to publish_rows' per-entry
     screen (its part dropped and counted, the rest kept); bad shapes are refused on the caller's thread."""
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
-    try:
-        p.open("a", prompt_len=3)
-        p.open("b", prompt_len=2)
-        shared = ["a", "b"]
-        steps = (shared, shared, ["b"])
-        starts = (np.array([3, 2], np.int32), np.array([4, 3], np.int64), [4])
-        counts = (np.array([1, 1], np.int32), np.array([1, 2], np.int32), [1])
-        assert p.publish_steps(steps, starts, counts, rows(6, 40)) is True
-        got = [fake.recv() for _ in range(3)]
-        assert p.publish_steps([["a", BAD]], [np.array([5, 0])], [np.array([2, 1])], rows(3, 80)) is True
-        assert p.stats.dropped_parts == 1
-        for bad, match in ((([["a"]], [[0]], [np.array([1.0])], rows(1)), "1-D integer array"),
-                           (([["a"], ["b"]], [[0]], [[1]], rows(1)), "one per step"),
-                           (([["a", "b"]], [[0]], [[1]], rows(1)), "a step of 2 request ids"),
-                           (([["a"]], [np.array([0])], [np.array([2])], rows(1)), "counts add up to 2")):
-            with pytest.raises(ValueError, match=match):
-                p.publish_steps(*bad)
-        got.append(fake.recv())
-        assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("delta", ["a", "b", "a", "b", "b"]),
-                                                     ("delta", ["a"])]
-        d = wire.parse_delta(got[2][0])
-        assert (d.starts.tolist(), d.counts.tolist()) == ([3, 2, 4, 3, 4], [1, 1, 1, 2, 1])
-        assert b"".join(bytes(f) for f in got[2][1]) == rows(6, 40).tobytes()
-        d = wire.parse_delta(got[3][0])
-        assert (d.starts.tolist(), d.counts.tolist()) == ([5], [2]) and bytes(got[3][1][0]) == rows(3, 80)[:2].tobytes()
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
+    fake, p = fake_and_producer
+    p.open("a", prompt_len=3)
+    p.open("b", prompt_len=2)
+    shared = ["a", "b"]
+    steps = (shared, shared, ["b"])
+    starts = (np.array([3, 2], np.int32), np.array([4, 3], np.int64), [4])
+    counts = (np.array([1, 1], np.int32), np.array([1, 2], np.int32), [1])
+    assert p.publish_steps(steps, starts, counts, rows(6, 40)) is True
+    got = [fake.recv() for _ in range(3)]
+    assert p.publish_steps([["a", BAD]], [np.array([5, 0])], [np.array([2, 1])], rows(3, 80)) is True
+    assert p.stats.dropped_parts == 1
+    for bad, match in ((([["a"]], [[0]], [np.array([1.0])], rows(1)), "1-D integer array"),
+                       (([["a"], ["b"]], [[0]], [[1]], rows(1)), "one per step"),
+                       (([["a", "b"]], [[0]], [[1]], rows(1)), "a step of 2 request ids"),
+                       (([["a"]], [np.array([0])], [np.array([2])], rows(1)), "counts add up to 2")):
+        with pytest.raises(ValueError, match=match):
+            p.publish_steps(*bad)
+    got.append(fake.recv())
+    assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("delta", ["a", "b", "a", "b", "b"]),
+                                                 ("delta", ["a"])]
+    d = wire.parse_delta(got[2][0])
+    assert (d.starts.tolist(), d.counts.tolist()) == ([3, 2, 4, 3, 4], [1, 1, 1, 2, 1])
+    assert b"".join(bytes(f) for f in got[2][1]) == rows(6, 40).tobytes()
+    d = wire.parse_delta(got[3][0])
+    assert (d.starts.tolist(), d.counts.tolist()) == ([5], [2]) and bytes(got[3][1][0]) == rows(3, 80)[:2].tobytes()
 
 
-def test_token_id_lists_are_copied_at_the_call_and_converted_on_the_thread(ctx, tmp_path):
+def test_token_id_lists_are_copied_at_the_call_and_converted_on_the_thread(fake_and_producer):
     """Token ids given as a list or tuple are copied on the caller's thread (changing the list afterwards changes
     nothing sent) and become int32 on the producer's thread; ids that are not int32 integers leave the open or
     finish without token ids (counted, and the request's routing still travels); arrays are converted at once."""
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
-    try:
-        toks = [5, 6, 70000]
-        p.open("a", prompt_len=3, prompt_token_ids=toks)
-        toks[0] = 99
-        p.open("b", prompt_len=2, prompt_token_ids=[1, "x"])
-        p.open("c", prompt_len=2, prompt_token_ids=np.array([3, 4], np.int64))
-        p.publish_rows(["b"], [0], [2], rows(2, 7))
-        p.finish("a", num_output_tokens=2, output_token_ids=(9, 2 ** 40))
-        p.finish("b", num_output_tokens=1, output_token_ids=(8,))
-        got = [fake.recv() for _ in range(6)]
-        assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("open", "c"), ("delta", ["b"]),
-                                                     ("finish", "a"), ("finish", "b")]
-        (ha, fa), (hb, fb), (hc, fc) = got[:3]
-        assert ha.body["n_prompt_tokens"] == 3 and bytes(fa[0]) == np.array([5, 6, 70000], "<i4").tobytes()
-        assert "n_prompt_tokens" not in hb.body and hb.body["prompt_len"] == 2 and fb == []
-        assert bytes(fc[0]) == np.array([3, 4], "<i4").tobytes()
-        assert bytes(got[3][1][0]) == rows(2, 7).tobytes()
-        assert "n_output_tokens" not in got[4][0].body and got[4][1] == [] and got[4][0].body["num_output"] == 2
-        assert got[5][0].body["n_output_tokens"] == 1 and bytes(got[5][1][0]) == np.array([8], "<i4").tobytes()
-        assert p.stats.token_ids_dropped == 2 and p.stats.encode_errors == 0
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
+    fake, p = fake_and_producer
+    toks = [5, 6, 70000]
+    p.open("a", prompt_len=3, prompt_token_ids=toks)
+    toks[0] = 99
+    p.open("b", prompt_len=2, prompt_token_ids=[1, "x"])
+    p.open("c", prompt_len=2, prompt_token_ids=np.array([3, 4], np.int64))
+    p.publish_rows(["b"], [0], [2], rows(2, 7))
+    p.finish("a", num_output_tokens=2, output_token_ids=(9, 2 ** 40))
+    p.finish("b", num_output_tokens=1, output_token_ids=(8,))
+    got = [fake.recv() for _ in range(6)]
+    assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("open", "c"), ("delta", ["b"]),
+                                                 ("finish", "a"), ("finish", "b")]
+    (ha, fa), (hb, fb), (hc, fc) = got[:3]
+    assert ha.body["n_prompt_tokens"] == 3 and bytes(fa[0]) == np.array([5, 6, 70000], "<i4").tobytes()
+    assert "n_prompt_tokens" not in hb.body and hb.body["prompt_len"] == 2 and fb == []
+    assert bytes(fc[0]) == np.array([3, 4], "<i4").tobytes()
+    assert bytes(got[3][1][0]) == rows(2, 7).tobytes()
+    assert "n_output_tokens" not in got[4][0].body and got[4][1] == [] and got[4][0].body["num_output"] == 2
+    assert got[5][0].body["n_output_tokens"] == 1 and bytes(got[5][1][0]) == np.array([8], "<i4").tobytes()
+    assert p.stats.token_ids_dropped == 2 and p.stats.encode_errors == 0
 
 
-def test_publish_steps_screens_a_repeated_id_list_again_after_a_refusal(ctx, tmp_path):
+def test_publish_steps_screens_a_repeated_id_list_again_after_a_refusal(fake_and_producer):
     """The screen of an id list that passed is kept for the next call with the same list (decode batches), and
     dropped once any id is refused: the refused request's parts are then dropped and counted, the others sent.
     checked=True (the plugin's worker) skips the per-step shape checks only."""
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
-    try:
-        p.open("a", prompt_len=3)
-        p.open("b", prompt_len=3)
-        shared = ["a", "b"]
-        ones = np.ones(2, np.int32)
-        got = [fake.recv() for _ in range(2)]
-        assert p.publish_steps([shared], [np.array([3, 3])], [ones], rows(2, 10)) is True
-        got.append(fake.recv())                 # (each delta sent before the next call: none coalesced)
-        assert p.publish_steps([shared], [np.array([4, 4])], [ones], rows(2, 20), checked=True) is True
-        got.append(fake.recv())
-        with pytest.raises(ValueError, match="num_cached_tokens"):
-            p.open("b", prompt_len=1, num_cached_tokens=5)          # refuses "b"
-        assert p.publish_steps([shared], [np.array([5, 5])], [ones], rows(2, 30), checked=True) is True
-        assert p.stats.dropped_parts == 1
-        got.append(fake.recv())
-        assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("delta", shared),
-                                                     ("delta", shared), ("delta", ["a"])]
-        d = wire.parse_delta(got[4][0])
-        assert (d.starts.tolist(), d.counts.tolist()) == ([5], [1])
-        assert bytes(got[4][1][0]) == rows(2, 30)[:1].tobytes()
-        assert bytes(got[3][1][0]) == rows(2, 20).tobytes()
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
+    fake, p = fake_and_producer
+    p.open("a", prompt_len=3)
+    p.open("b", prompt_len=3)
+    shared = ["a", "b"]
+    ones = np.ones(2, np.int32)
+    got = [fake.recv() for _ in range(2)]
+    assert p.publish_steps([shared], [np.array([3, 3])], [ones], rows(2, 10)) is True
+    got.append(fake.recv())                 # (each delta sent before the next call: none coalesced)
+    assert p.publish_steps([shared], [np.array([4, 4])], [ones], rows(2, 20), checked=True) is True
+    got.append(fake.recv())
+    with pytest.raises(ValueError, match="num_cached_tokens"):
+        p.open("b", prompt_len=1, num_cached_tokens=5)          # refuses "b"
+    assert p.publish_steps([shared], [np.array([5, 5])], [ones], rows(2, 30), checked=True) is True
+    assert p.stats.dropped_parts == 1
+    got.append(fake.recv())
+    assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "b"), ("delta", shared),
+                                                 ("delta", shared), ("delta", ["a"])]
+    d = wire.parse_delta(got[4][0])
+    assert (d.starts.tolist(), d.counts.tolist()) == ([5], [1])
+    assert bytes(got[4][1][0]) == rows(2, 30)[:1].tobytes()
+    assert bytes(got[3][1][0]) == rows(2, 20).tobytes()
 
 
 def test_publish_steps_refused_by_the_queue_bound_reports_every_position_lost(ctx, tmp_path):
@@ -442,47 +422,42 @@ def _request_major(a: np.ndarray, steps: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("deferred", [False, True])
-def test_decode_steps_of_an_unchanged_batch_leave_as_one_entry_per_request(ctx, tmp_path, deferred):
+def test_decode_steps_of_an_unchanged_batch_leave_as_one_entry_per_request(fake_and_producer, deferred):
     """publish_steps of decode steps that share one id list, one row per request, each request one position further
     per step: one entry per request (its first position, `steps` rows), rows request-major, bit for bit; the
     deferred rows are released once and not copied again. Steps that are not like that keep one entry per row."""
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
-    try:
-        for r in "abc":
-            p.open(r, prompt_len=4)
-        shared = ["a", "b", "c"]
-        first = np.array([5, 9, 2], np.int32)
-        ones = np.ones(3, np.int64)
-        src = rows(12, 7)
-        arg = _Deferred(src) if deferred else src
-        got = [fake.recv() for _ in range(3)]
-        assert p.publish_steps([shared] * 4, [first + s for s in range(4)], [ones] * 4, arg) is True
-        got.append(fake.recv())         # one at a time: steps queued together would leave as one message
-        # not mergeable: a position that does not advance by one (a preempted request's recompute, say)
-        starts = [first, first + 1, np.array([7, 11, 3])]
-        assert p.publish_steps([shared] * 3, starts, [ones] * 3, rows(9, 50)) is True
-        got.append(fake.recv())
-        # not mergeable: two steps with equal lists but a count of 2
-        assert p.publish_steps([shared, list(shared)], [first, first + 1], [ones, np.array([1, 2, 1])],
-                               rows(7, 90)) is True
-        got.append(fake.recv())
-        (h1, f1), (h2, f2), (h3, f3) = got[3:]
-        d1 = wire.parse_delta(h1)
-        assert (h1.key, d1.starts.tolist(), d1.counts.tolist()) == (shared, [5, 9, 2], [4, 4, 4])
-        assert b"".join(bytes(f) for f in f1) == _request_major(src, 4).tobytes()
-        wire.check_payload(d1, f1)
-        if deferred:
-            assert arg.released == 1
-        d2 = wire.parse_delta(h2)
-        assert (h2.key, d2.starts.tolist(), d2.counts.tolist()) == (shared * 3, [5, 9, 2, 6, 10, 3, 7, 11, 3],
-                                                                     [1] * 9)
-        assert b"".join(bytes(f) for f in f2) == rows(9, 50).tobytes()
-        d3 = wire.parse_delta(h3)
-        assert (d3.starts.tolist(), d3.counts.tolist()) == ([5, 9, 2, 6, 10, 3], [1, 1, 1, 1, 2, 1])
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
+    fake, p = fake_and_producer
+    for r in "abc":
+        p.open(r, prompt_len=4)
+    shared = ["a", "b", "c"]
+    first = np.array([5, 9, 2], np.int32)
+    ones = np.ones(3, np.int64)
+    src = rows(12, 7)
+    arg = _Deferred(src) if deferred else src
+    got = [fake.recv() for _ in range(3)]
+    assert p.publish_steps([shared] * 4, [first + s for s in range(4)], [ones] * 4, arg) is True
+    got.append(fake.recv())         # one at a time: steps queued together would leave as one message
+    # not mergeable: a position that does not advance by one (a preempted request's recompute, say)
+    starts = [first, first + 1, np.array([7, 11, 3])]
+    assert p.publish_steps([shared] * 3, starts, [ones] * 3, rows(9, 50)) is True
+    got.append(fake.recv())
+    # not mergeable: two steps with equal lists but a count of 2
+    assert p.publish_steps([shared, list(shared)], [first, first + 1], [ones, np.array([1, 2, 1])],
+                           rows(7, 90)) is True
+    got.append(fake.recv())
+    (h1, f1), (h2, f2), (h3, f3) = got[3:]
+    d1 = wire.parse_delta(h1)
+    assert (h1.key, d1.starts.tolist(), d1.counts.tolist()) == (shared, [5, 9, 2], [4, 4, 4])
+    assert b"".join(bytes(f) for f in f1) == _request_major(src, 4).tobytes()
+    wire.check_payload(d1, f1)
+    if deferred:
+        assert arg.released == 1
+    d2 = wire.parse_delta(h2)
+    assert (h2.key, d2.starts.tolist(), d2.counts.tolist()) == (shared * 3, [5, 9, 2, 6, 10, 3, 7, 11, 3],
+                                                                 [1] * 9)
+    assert b"".join(bytes(f) for f in f2) == rows(9, 50).tobytes()
+    d3 = wire.parse_delta(h3)
+    assert (d3.starts.tolist(), d3.counts.tolist()) == ([5, 9, 2, 6, 10, 3], [1, 1, 1, 1, 2, 1])
 
 
 def test_merged_decode_steps_make_the_same_records_through_broker_and_consumer(ctx, tmp_path):
