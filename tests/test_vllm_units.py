@@ -738,6 +738,9 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
         rows.release()
         assert copier.free_rows == free and batch.stamps.steps == 11
         assert copier.stats.dropped_steps >= 2
+        step(81)                                    # a batch released unread (dropped by the producer's queue bound)
+        hand_over().release()
+        assert copier.free_rows == free
     # a step larger than a slot is not written there (the worker copies it with submit() instead)
     before = cache.slot_writes
     state["forward"] += 1

@@ -223,8 +223,7 @@ class _BatchedRows:
         if self._slots is None:
             return
         parts, copier, sb = self._parts, self._copier, self._slots
-        self._slots = None
-        for i, p in enumerate(parts):
+        for i, p in enumerate(parts):           # (a part taken is no tuple: a second call takes the rest only)
             if type(p) is tuple:
                 parts[i] = copier.take_slot(p[0], p[1], p[2], sb)
         lost = sum(p.dropped for p in parts)
