@@ -174,7 +174,6 @@ class SlotBatch(NamedTuple):
     ckpt: int | None
     box: Any
     seq: int
-    steps: int
 
 
 class _BatchEvent:
@@ -432,13 +431,13 @@ class AsyncCopier:
                         p._ckpt = j
         todo = [p for p in parts if getattr(p, "_staged", None) is _UNMARKED and not p._released] if mixed else ()
         if not self._cuda or not (todo or slots):
-            return SlotBatch(j, None, 0, slots) if slots else None
+            return SlotBatch(j, None, 0) if slots else None
         box = _BatchEvent(self._batch_pool.pop() if self._batch_pool else torch.cuda.Event(), len(todo) + slots)
         self._record_now(box.event)
         self._seq += 1
         for p in todo:
             p._staged, p._shared, p._seq = box.event, box, self._seq
-        return SlotBatch(j, box, self._seq, slots) if slots else None
+        return SlotBatch(j, box, self._seq) if slots else None
 
     def _checkpoint(self, j: int) -> None:
         """Copy the device step counter into entry j of the checkpoint ring, on this thread's current stream."""
