@@ -31,7 +31,7 @@ check against the engine's own count of forwards is StampCheck in engines/vllm_p
 Step ring (`slots=S`, a power of two, stamped caches): a complete flush of n <=
 `slot_rows` rows also copies the step's rows and stamps into slot (counter mod S) of a device ring (S, L + 1,
 slot_rows, K), stamps first: `torch.remainder` of the counter, then two `index_copy_` (three small kernels, part of
-the graph under CUDA graphs). The engine thread then launches nothing per step: a reader (AsyncCopier.submit_slot,
+the graph under CUDA graphs). The engine thread then launches nothing per step: a reader (AsyncCopier.take_slot,
 on the producer's thread) copies the rows out of the slot the engine's forward count predicts, then the slot's
 stamps, and keeps the rows only if those stamps are the step's own. A later step that reuses the slot writes its
 stamp before its rows, so a read that raced with it sees a stamp that is not the step's (the rows are then lost,

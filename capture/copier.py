@@ -385,10 +385,15 @@ class AsyncCopier:
         (RoutingCache(slots=...)): nothing is launched here (the slot is read by launch() on the consumer's thread,
         after the batch's event), only ring rows are taken. Returns None for no rows, a dropped PendingRows when the
         ring is full. Hand the step over with mark_batch(parts, checkpoint=True)."""
-        c = self.cache
-        if not c.slots:
+        if not self.cache.slots:
             raise RuntimeError("the cache has no step ring (RoutingCache(slots=...))")
-        if not (0 <= slot < c.slots and first >= 0 and n >= 0 and first + n <= c.slot_rows):
+        return self._slot_part(first, n, slot, 0, _UNMARKED if self._cuda else None)
+
+    def _slot_part(self, first: int, n: int, slot: int, min_rows: int, staged) -> PendingRows | None:
+        """Host-ring rows for rows [first, first + n) of step-ring slot `slot` (at least min_rows of them): the
+        PendingRows its copy out of the slot goes to, a dropped one when the ring is full, None for no rows."""
+        c = self.cache
+        if not (0 <= slot < c.slots and first >= 0 and n >= min_rows and first + n <= c.slot_rows):
             raise ValueError(f"slot {slot} rows [{first}, {first + n}) outside the step ring's {c.slots} slots x "
                              f"{c.slot_rows} rows")
         m = self._ring_rows(n)
@@ -396,8 +401,8 @@ class AsyncCopier:
         if not isinstance(got, tuple):
             return got
         lo, handle = got
-        p = PendingRows(self, (n, c.num_layers, c.top_k), lo, handle, None,
-                        staged=_UNMARKED if self._cuda else None, layer_major=True, ring_rows=m, stamped=True)
+        p = PendingRows(self, (n, c.num_layers, c.top_k), lo, handle, None, staged=staged, layer_major=True,
+                        ring_rows=m, stamped=True)
         p.slot = (slot, first)
         return p
 
@@ -457,23 +462,12 @@ class AsyncCopier:
         submit_slot() would have made them on the engine thread. A dropped PendingRows when the host ring is full
         (its positions are then lost; its share of the batch's event is given back). Every step counted in `batch`
         must be taken or forgotten (forget_slot)."""
-        c = self.cache
-        if not (0 <= slot < c.slots and first >= 0 and n > 0 and first + n <= c.slot_rows):
-            raise ValueError(f"slot {slot} rows [{first}, {first + n}) outside the step ring's {c.slots} slots x "
-                             f"{c.slot_rows} rows")
-        m = self._ring_rows(n)
-        got = self._take(n, rows=m)
-        if not isinstance(got, tuple):
-            self.forget_slot(batch)
-            return got
-        lo, handle = got
         box = batch.box
-        p = PendingRows(self, (n, c.num_layers, c.top_k), lo, handle, None,
-                        staged=None if box is None else box.event, seq=batch.seq, layer_major=True, ring_rows=m,
-                        stamped=True)
-        p._shared = box
-        p.slot = (slot, first)
-        p._ckpt = batch.ckpt
+        p = self._slot_part(first, n, slot, 1, None if box is None else box.event)
+        if p.dropped:
+            self.forget_slot(batch)
+            return p
+        p._shared, p._seq, p._ckpt = box, batch.seq, batch.ckpt
         return p
 
     def forget_slot(self, batch: SlotBatch) -> None:

@@ -194,8 +194,7 @@ class _BatchedRows:
                  "dtype", "dropped")
 
     def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
-                 ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None,
-                 rows: int | None = None):
+                 ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0):
         self._parts = parts
         self._ckpt_forward = ckpt_forward   # step-ring parts: the engine's forward count at the hand-over
         self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
@@ -203,8 +202,6 @@ class _BatchedRows:
         self._stamps = stamps
         self._copier = copier           # parts handed over by reference, (first, n, slot): taken from it here
         self._slots = slots             # their SlotBatch (mark_batch(slots=...))
-        if rows is None:
-            rows = sum(p[1] if type(p) is tuple else p.shape[0] for p in parts)
         if copier is not None:
             self.shape = (rows, copier.cache.num_layers, copier.cache.top_k)
             self.dtype = ROW_DTYPE
@@ -979,30 +976,24 @@ class WorkerCapture:
             return
         # the runner's array changes with the next step: this step's copy
         computed = computed.copy() if sel is None else computed[sel]
+        batch = self.batch
         slot = self._ring_slot(segments, so.total_num_scheduled_tokens) if self.cache.slots else None
         if slot is not None:                    # the forward's flush put the rows in its slot: nothing to launch,
             first, n = segments[0]              # and the producer's thread takes their host-ring rows
-            batch = self.batch
             batch.add_slot(first, n, slot, keys, computed, count, self.forwards)
-            if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
-                self._flush()
-            st = self.stats
-            st.ring_steps += 1
-            st.active_steps += 1
-            st.rows += n
-            if t0:
-                self._count_host(t0, w0)
-            return
-        pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
-        if pending.dropped:                                  # host ring full: publish as lost, keep order
-            self._flush()
-            self.producer.publish_rows(keys, computed, count, pending)
+            self.stats.ring_steps += 1
         else:
-            self.batch.add(pending, keys, computed, count, forward=self.forwards)
-            if len(self.batch.parts) >= self.max_batch_steps or self.batch.rows >= self.max_batch_rows:
+            pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
+            n = pending.shape[0]
+            if pending.dropped:                                  # host ring full: publish as lost, keep order
                 self._flush()
+                self.producer.publish_rows(keys, computed, count, pending)
+            else:
+                batch.add(pending, keys, computed, count, forward=self.forwards)
+        if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
+            self._flush()
         self.stats.active_steps += 1
-        self.stats.rows += pending.shape[0]
+        self.stats.rows += n
         if t0:
             self._count_host(t0, w0)
 
