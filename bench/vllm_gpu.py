@@ -283,6 +283,17 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
                "stamp_us": timed(cache._stamp) if cache.stamped else 0.0,
                "snapshot_us": timed(snapshot), "store_write_us": timed(store_write)}
         row["compute_stream_us"] = row["fill_minus_one_us"] + row["fused_cache_write_us"] + row["snapshot_us"]
+        if cache.slots and n <= cache.slot_rows:
+            # the step ring's stamp add + slot write alone, as the engine runs it and with the other path
+            kern = cache._kernels
+            row["ring_kernels"] = "triton" if kern is not None else "torch"
+            row["stamp_slot_write_us"] = timed(lambda: cache._stamp_and_slot(n))
+            cache._kernels = None if kern is not None else _ring_kernels(cache)
+            try:
+                if cache._kernels is not None or kern is not None:
+                    row["stamp_slot_write_other_us"] = timed(lambda: cache._stamp_and_slot(n))
+            finally:
+                cache._kernels = kern
         # the D2H into the pinned ring, as submit() issues it (side stream; overlaps compute)
         host = copier._host[:n]
         torch.cuda.synchronize(dev)
@@ -312,6 +323,14 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
         p.release()
     res["submit_host_us"] = float(np.median(t) / 1e3)
     return res
+
+
+def _ring_kernels(cache):
+    """The Triton slot write for `cache` where it runs here, else None."""
+    from routing_replay.capture import ring_kernels
+    if ring_kernels.triton is None or not ring_kernels.check(cache.device):
+        return None
+    return ring_kernels.RingKernels(cache._full, cache.ring, cache._slot)
 
 
 # ---- this process --------------------------------------------------------------------------------------------
@@ -677,6 +696,11 @@ def _print_summary(r: dict) -> None:
             print(f"  GPU per step at {n} tokens: {fill} + snapshot {g['snapshot_us']:.2f} = "
                   f"{g['compute_stream_us']:.2f} us compute stream (+ prefix store write {g['store_write_us']:.2f} us "
                   f"in fill mode); D2H {g['d2h_side_stream_us']:.1f} us on the side stream ({g['bytes_per_step']} B)")
+            if "stamp_slot_write_us" in g:
+                other = {"triton": "torch", "torch": "triton"}[g["ring_kernels"]]
+                print(f"    step ring: stamp add + slot write {g['stamp_slot_write_us']:.2f} us ({g['ring_kernels']}"
+                      f" kernels, the engine's)" + (f", {g['stamp_slot_write_other_us']:.2f} us with the {other} "
+                      "ones" if "stamp_slot_write_other_us" in g else ""))
     m = r["memory"]
     dev, cache = m["device_cache_bytes"] + m["device_copier_bytes"], m["device_cache_bytes"]
     print(f"  memory: device {dev / 2**20:.1f} MiB (cache {cache / 2**20:.1f} + staging "

@@ -30,8 +30,10 @@ check against the engine's own count of forwards is StampCheck in engines/vllm_p
 
 Step ring (`slots=S`, a power of two, stamped caches): a complete flush of n <=
 `slot_rows` rows also copies the step's rows and stamps into slot (counter mod S) of a device ring (S, L + 1,
-slot_rows, K), stamps first: `torch.remainder` of the counter, then two `index_copy_` (three small kernels, part of
-the graph under CUDA graphs). The engine thread then launches nothing per step: a reader (AsyncCopier.take_slot,
+slot_rows, K), stamps first (every slot row's stamp lanes), then the step's rows. On CUDA with Triton that is two
+kernels (capture/ring_kernels.py: the stamp add that also writes the slot's stamps and index, then the rows); else
+the stamp add, `torch.remainder` of the counter and two `index_copy_`. Either way part of the graph under CUDA
+graphs, and bit-identical. The engine thread then launches nothing per step: a reader (AsyncCopier.take_slot,
 on the producer's thread) copies the rows out of the slot the engine's forward count predicts, then the slot's
 stamps, and keeps the rows only if those stamps are the step's own. A later step that reuses the slot writes its
 stamp before its rows, so a read that raced with it sees a stamp that is not the step's (the rows are then lost,
@@ -47,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from routing_replay.capture import cudriver
+from routing_replay.capture import cudriver, ring_kernels
 
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -126,6 +128,10 @@ class RoutingCache:
             self._slot = torch.zeros(1, dtype=torch.int64, device=self.buffer.device)
             self._counter = self._stamp_lanes[0, :1]
             self._slot_views: dict = {}
+        # the stamp add and slot write as two Triton kernels where they run and match the torch path bit for bit
+        self._kernels = None
+        if self.slots and ring_kernels.available(self.device) and ring_kernels.check(self.device):
+            self._kernels = ring_kernels.RingKernels(self._full, self.ring, self._slot)
         self.slot_writes = 0                     # slot writes issued from Python (eager steps, graph captures)
         self._views = [self.buffer[i] for i in range(num_layers)]
         self._held: list[torch.Tensor | None] = [None] * num_layers
@@ -148,19 +154,35 @@ class RoutingCache:
         return self._full.numel() * self._full.element_size() + ring
 
     def _write_slot(self, n: int) -> None:
-        """Copy the step's n rows and their stamps into slot (counter mod slots) of the ring: stamps first (see the
-        module docstring). Graph-safe: three kernels, no host read."""
+        """Copy the slot rows' stamps (all slot_rows of them), then the step's n rows, into slot (counter mod slots)
+        of the ring: stamps first (see the module docstring). Graph-safe: three kernels, no host read. (The
+        Triton path does the same in the stamp add and one more kernel: _stamp_and_slot.)"""
         views = self._slot_views.get(n)
         if views is None:
             if len(self._slot_views) >= 4096:
                 self._slot_views.clear()
             L = self.num_layers
-            views = self._slot_views[n] = (self.ring[:, L, :n], self.stamp_rows[:n].unsqueeze(0),
+            views = self._slot_views[n] = (self.ring[:, L], self.stamp_rows[:self.slot_rows].unsqueeze(0),
                                            self.ring[:, :L, :n], self.buffer[:, :n].unsqueeze(0))
         torch.remainder(self._counter, self.slots, out=self._slot)
         views[0].index_copy_(0, self._slot, views[1])
         views[2].index_copy_(0, self._slot, views[3])
         self.slot_writes += 1
+
+    def _stamp_and_slot(self, n: int) -> None:
+        """The stamp add, then (steps of up to slot_rows rows) the slot write: two Triton kernels where they run,
+        else the torch kernels."""
+        into_slot = n <= self.slot_rows
+        k = self._kernels
+        if k is None:
+            self._stamp()
+            if into_slot:
+                self._write_slot(n)
+            return
+        k.stamp_slot(into_slot)
+        if into_slot:
+            k.rows_to_slot(n)
+            self.slot_writes += 1
 
     def step_rows(self, n: int) -> torch.Tensor:
         """buffer[:, :n], every layer's rows of an n-token step (the view is kept per n: one torch call less
@@ -272,10 +294,10 @@ class RoutingCache:
             torch._foreach_copy_(dsts, srcs)
         if not complete:
             self.incomplete_flushes += 1
+        elif self.slots:
+            self._stamp_and_slot(n)
         elif self.stamped:
             self._stamp()
-            if self.slots and n <= self.slot_rows:
-                self._write_slot(n)
         if self._store is None:
             return
         store, slot_mapping = self._store

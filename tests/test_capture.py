@@ -466,3 +466,64 @@ def test_hit_slots_follow_the_block_table():
     row = np.array([7, 3, 9, 0, 0], dtype=np.int32)
     np.testing.assert_array_equal(hit_slots(row, 4, 10), [28, 29, 30, 31, 12, 13, 14, 15, 36, 37])
     assert hit_slots(row, 4, 0).shape == (0,)
+
+
+_RING_KERNELS_SCRIPT = r'''
+import os, sys
+import numpy as np, torch
+from routing_replay.capture import RoutingCache
+from routing_replay.capture import ring_kernels
+
+L, T, S, R = 3, 40, 8, 16
+out = []
+for K in (8, 6):                                   # 64-bit and 32-bit stamp lanes
+    caches = {}
+    for mode in ("0", "1"):
+        os.environ["ROUTING_REPLAY_RING_KERNELS"] = mode
+        caches[mode] = RoutingCache(T, L, K, stamp=True, slots=S, slot_rows=R)
+    torch_c, fused_c = caches["0"], caches["1"]
+    assert torch_c._kernels is None and fused_c._kernels is not None, (torch_c._kernels, fused_c._kernels)
+    lane = torch.int64 if K % 4 == 0 else torch.int32
+    for c in (torch_c, fused_c):                   # the counter wraps after the third step
+        c.stamp_rows.view(lane).fill_(torch.iinfo(lane).max - 2)
+    rng = np.random.default_rng(K)
+    slotted = 0
+    for step in range(30):
+        n = int(rng.integers(1, T + 1)) if step % 5 == 4 else int(rng.integers(1, R + 1))
+        skip = step % 7 == 6                        # a step missing a layer: no stamp, no slot write
+        ids = torch.from_numpy(rng.integers(0, 64, (L, n, K))).to(torch.int32)
+        for c in (torch_c, fused_c):
+            for layer in range(L):
+                if not (skip and layer == 1):
+                    c.record(layer, ids[layer])
+            c.flush()
+        assert torch.equal(torch_c._full, fused_c._full), step
+        assert torch.equal(torch_c.ring, fused_c.ring), step
+        assert torch.equal(torch_c._slot, fused_c._slot), step
+        if not skip and n <= R:                     # independently: the slot the counter names holds the step
+            slotted += 1
+            v = int(fused_c.stamp_rows.view(lane)[0, 0])
+            s = v % S
+            assert s == int(fused_c._slot[0]), (v, s)
+            assert torch.equal(fused_c.ring[s, :L, :n], ids.to(torch.int16)), step
+            assert bool((fused_c.ring[s, L].view(lane) == v).all()), step
+    assert torch_c.slot_writes == fused_c.slot_writes == slotted
+    out.append(f"K={K}:{slotted}")
+print("OK", *out)
+'''
+
+
+def test_step_ring_triton_kernels_equal_the_torch_path_in_the_interpreter(tmp_path):
+    """capture/ring_kernels.py, run by Triton's CPU interpreter (TRITON_INTERPRET=1, in a fresh process: the flag is
+    read when the kernels are defined): over 30 steps of random sizes (some larger than a slot, some missing a
+    layer, the counter wrapping), the cache, the step ring and the slot index are bit-equal to the torch path's
+    after every step, and the slot the counter names holds the step's rows and stamps."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _RING_KERNELS_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["OK", "K=8:22", "K=6:23"], r.stdout

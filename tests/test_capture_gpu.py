@@ -543,21 +543,28 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     assert copier.in_flight_rows == 0
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("by_ref", [False, True])
-def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_engine_thread(by_ref):
+def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_engine_thread(by_ref, kernels,
+                                                                                           monkeypatch):
     """ROUTING_REPLAY_STEP_STAMP=ring under CUDA graphs: each replay's flush copies its rows into its slot of the
     step ring inside the graph; the "engine thread" replays and hands over only (no snapshot launch: the copier
     launches nothing per step, one checkpoint copy and one event per batch), and another thread reads every step
     out of its slot, later, with the stamps and checkpoint checked: rows exact over 8 batches x 16 steps of random
     sizes with unchecked replays between. Steps larger than a slot go through submit() as before, in the same
     batches. Reads that fall behind by the ring's size lose their batch, never hand out wrong rows. by_ref: ring
-    steps go by reference, as the worker adds them (host-ring rows taken on the reading thread: take_slot)."""
+    steps go by reference, as the worker adds them (host-ring rows taken on the reading thread: take_slot).
+    kernels: the flush's slot write as the two Triton kernels (capture/ring_kernels.py) or the torch ones."""
     import threading
     from routing_replay.engines.vllm_plugin.worker import RingReadLost, _StepBatch
 
     max_tokens = max(SIZES)
     S = 32                          # more slots than a batch's forwards (16 checked + 4 unchecked) before its read
+    if kernels:
+        pytest.importorskip("triton")
+    monkeypatch.setenv("ROUTING_REPLAY_RING_KERNELS", "1" if kernels else "0")
     cache = RoutingCache(max_tokens, L, K, device="cuda", stamp=True, slots=S, slot_rows=64)
+    assert (cache._kernels is not None) == kernels
     copier = AsyncCopier(cache, num_slots=64)
     routers = ToyRouters(cache, max_tokens, seed=21)
     x_static, graphs = _capture(routers, max_tokens)

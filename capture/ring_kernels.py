@@ -1,0 +1,167 @@
+"""The step ring's device writes as two Triton kernels (CUDA), in place of four torch kernels.
+
+RoutingCache.flush with a step ring (capture/cache.py) ends every complete step with: the stamp add (+1 in every
+lane of the stamp layer), `torch.remainder` of the counter into the slot index, then two `index_copy_` (the
+stamps, then the rows, into that slot). Four small kernels, part of every captured CUDA graph: on the H100/H200
+hosts they made the step's capture work on the compute stream 8.2 µs at 256 tokens, against 4.1 µs for stamps
+and a snapshot (docs/PERFORMANCE.md). Here the same writes are two kernels:
+
+- `stamp_slot`: every lane of the stamp layer v -> v + 1, and the same new value into the stamp lanes of slot
+  (v + 1) mod S of the ring, and the slot index into a one-element tensor. Every element reads only its own lane
+  (all lanes hold the same counter), so no element sees another's write;
+- `rows_to_slot`: the step's n rows of every layer into that slot, the slot index read from that tensor. It runs
+  after `stamp_slot` on the same stream: the stamps land before the rows, the order the reader relies on
+  (capture/cache.py, "Step ring").
+
+Bits are moved as 64-bit lanes (top_k a multiple of 4) or 32-bit ones (even top_k), the stamps' own lane type.
+`available(device)` says whether Triton can run here; `check(device)` runs both kernels once on scratch memory of
+that device against the torch path and says whether the results are bit-exact (RoutingCache falls back to the
+torch kernels otherwise, and with ROUTING_REPLAY_RING_KERNELS=0). With TRITON_INTERPRET=1 the same kernels run on
+CPU tensors (the tests check them against the torch path that way, on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("routing_replay.capture")
+
+try:                                    # Triton comes with torch's CUDA wheels and with vLLM on GPU machines
+    import triton
+    import triton.language as tl
+except Exception:                       # noqa: BLE001 -- not installed, or a broken install: the torch path
+    triton = None
+
+_BLOCK = 1024                           # lanes per program (one compile per kernel: sizes are not specialized)
+_checked: dict = {}                     # device -> whether check() passed
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device`: Triton importable, a CUDA device (or CPU under the interpreter),
+    and not switched off by ROUTING_REPLAY_RING_KERNELS=0."""
+    if triton is None or os.environ.get("ROUTING_REPLAY_RING_KERNELS", "1") == "0":
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["n_lanes", "slot_lanes"])
+    def _stamp_slot_kernel(lanes_ptr, ring_ptr, slot_ptr, n_lanes, slot_lanes, slot_stride, stamp_offset,
+                           MASK: tl.constexpr, WRITE_SLOT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n_lanes
+        v = tl.load(lanes_ptr + offs, mask=valid) + 1
+        tl.store(lanes_ptr + offs, v, mask=valid)
+        if WRITE_SLOT:
+            slot = (v & MASK).to(tl.int64)      # two's complement: (signed counter) mod S for a power of two S
+            tl.store(ring_ptr + slot * slot_stride + stamp_offset + offs, v, mask=valid & (offs < slot_lanes))
+            tl.store(slot_ptr + offs * 0, slot, mask=offs == 0)
+
+    @triton.jit(do_not_specialize=["row_lanes"])
+    def _rows_to_slot_kernel(src_ptr, ring_ptr, slot_ptr, row_lanes, src_layer_stride, dst_layer_stride,
+                             slot_stride, BLOCK: tl.constexpr):
+        layer = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < row_lanes
+        slot = tl.load(slot_ptr)
+        x = tl.load(src_ptr + layer * src_layer_stride + offs, mask=valid)
+        tl.store(ring_ptr + slot * slot_stride + layer * dst_layer_stride + offs, x, mask=valid)
+
+
+class RingKernels:
+    """The two launches for one RoutingCache's stamp layer and step ring (shapes and lane views fixed at
+    construction; each call is one kernel launch on the current stream, graph-safe, no host read)."""
+
+    def __init__(self, full: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor):
+        # full: (L + 1, T, K) int16, the cache with its stamp layer last; ring: (S, L + 1, R, K) int16;
+        # slot: (1,) int64, where stamp_slot leaves the slot index for rows_to_slot
+        if triton is None:
+            raise RuntimeError("Triton is not importable")
+        L1, T, K = full.shape
+        S, _, R, _ = ring.shape
+        lane = torch.int64 if K % 4 == 0 else torch.int32
+        per = K // (4 if lane == torch.int64 else 2)            # lanes per row
+        self._full = full.view(lane)                              # (L + 1, T, per)
+        self._ring = ring.view(lane)                              # (S, L + 1, R, per)
+        self._slot = slot
+        self._stamp_lanes = self._full[L1 - 1]                    # (T, per)
+        self._per = per
+        self._n_lanes = T * per
+        self._slot_lanes = R * per
+        self._slot_stride = L1 * R * per
+        self._stamp_offset = (L1 - 1) * R * per
+        self._src_layer_stride = T * per
+        self._dst_layer_stride = R * per
+        self._layers = L1 - 1
+        self._mask = S - 1
+        self._stamp_grid = (triton.cdiv(self._n_lanes, _BLOCK),)
+
+    def stamp_slot(self, write_slot: bool = True) -> None:
+        """+1 in every stamp lane; with write_slot, the new stamps into slot (counter mod S) and its index into
+        the slot tensor."""
+        _stamp_slot_kernel[self._stamp_grid](
+            self._stamp_lanes, self._ring, self._slot, self._n_lanes, self._slot_lanes, self._slot_stride,
+            self._stamp_offset, MASK=self._mask, WRITE_SLOT=write_slot, BLOCK=_BLOCK)
+
+    def rows_to_slot(self, n: int) -> None:
+        """Rows [0, n) of every routing layer into the slot stamp_slot picked (n <= the ring's rows per slot)."""
+        row_lanes = n * self._per
+        _rows_to_slot_kernel[(triton.cdiv(row_lanes, _BLOCK), self._layers)](
+            self._full, self._ring, self._slot, row_lanes, self._src_layer_stride, self._dst_layer_stride,
+            self._slot_stride, BLOCK=_BLOCK)
+
+
+def check(device: torch.device) -> bool:
+    """Run both kernels on scratch memory of `device` beside the torch path (capture/cache.py's) and compare bit
+    for bit: a counter near a lane type's wrap, a slot write and a step of a few rows, twice. Cached per device;
+    False (and one WARNING) when they differ or fail, so the caller keeps the torch kernels."""
+    key = str(device)
+    ok = _checked.get(key)
+    if ok is not None:
+        return ok
+    ok = False
+    try:
+        ok = _compare(device)
+        if not ok:
+            log.warning("routing-replay: the step ring's Triton kernels differ from the torch path on %s; using "
+                        "the torch kernels", device)
+    except Exception as e:              # noqa: BLE001 -- a compile or launch failure: the torch path
+        log.warning("routing-replay: the step ring's Triton kernels failed on %s (%s: %s); using the torch "
+                    "kernels", device, type(e).__name__, str(e)[:200])
+    _checked[key] = ok
+    return ok
+
+
+def _compare(device: torch.device) -> bool:
+    results = []
+    for fused in (False, True):
+        for K in (8, 6):                # 64-bit and 32-bit lanes
+            L, T, S, R = 3, 20, 4, 12
+            g = torch.Generator().manual_seed(K)
+            full = torch.randint(-1, 127, (L + 1, T, K), generator=g, dtype=torch.int16).to(device)
+            lane = torch.int64 if K % 4 == 0 else torch.int32
+            full[L].view(lane).fill_(torch.iinfo(lane).max - 1)     # wraps on the second step
+            ring = torch.full((S, L + 1, R, K), -1, dtype=torch.int16, device=device)
+            slot = torch.zeros(1, dtype=torch.int64, device=device)
+            kern = RingKernels(full, ring, slot) if fused else None
+            for n in (5, 12):
+                full[:L, :n] += 1
+                if fused:
+                    kern.stamp_slot()
+                    kern.rows_to_slot(n)
+                else:
+                    full[L].view(lane).add_(1)
+                    torch.remainder(full[L].view(lane)[0, :1], S, out=slot)
+                    ring[:, L].index_copy_(0, slot, full[L, :R].unsqueeze(0))
+                    ring[:, :L, :n].index_copy_(0, slot, full[:L, :n].unsqueeze(0))
+            results.append((full.cpu(), ring.cpu(), slot.cpu()))
+    half = len(results) // 2
+    return all(torch.equal(a, b) for x, y in zip(results[:half], results[half:]) for a, b in zip(x, y))
