@@ -18,6 +18,9 @@
                               also copies the step's rows into a device step ring that the producer's thread reads:
                               no launch at all on the engine thread for a captured step (one data-parallel rank,
                               even top_k; else `on`; docs/VLLM.md, "Step ring").
+    ROUTING_REPLAY_RING_KERNELS `1`: with `ring`, the flush's stamp add and slot write run as two Triton kernels
+                              (capture/ring_kernels.py, read there; checked bit for bit at start-up); `0` (default):
+                              the torch kernels.
     ROUTING_REPLAY_CURVE_SECRET  external broker only: this engine's CURVE secret key file (NAME.key_secret, from
                               `routing-replay keys`); needs ROUTING_REPLAY_BROKER_KEY. The broker must allow-list
                               the matching public key (`--curve-allow`).
