@@ -135,6 +135,10 @@ class RoutingCache:
         self.slot_writes = 0                     # slot writes issued from Python (eager steps, graph captures)
         self._views = [self.buffer[i] for i in range(num_layers)]
         self._held: list[torch.Tensor | None] = [None] * num_layers
+        self._held_count = 0                     # layers held for the fused copy since the last flush
+        self._held_sig = None                    # (rows, dtype) of the first of them
+        self._held_mixed = False                 # a later one differs in rows or dtype
+        self._flush_views: dict = {}             # n -> [layer view [:n] for every layer] (the fused copy's targets)
         self._step_views: dict = {}
         self._step_n: int | None = None          # rows of the step being recorded; None once flushed
         self._recorded = 0                       # layers recorded since the last flush
@@ -262,12 +266,22 @@ class RoutingCache:
         n = topk_ids.shape[0]
         self._step_n = n
         self._recorded += 1
+        held = self._held
         if not self.fused or not topk_ids.is_contiguous():
             # A strided source would push the whole fused list off the multi-tensor fast path.
             self._views[layer][:n].copy_(topk_ids)
-            self._held[layer] = None
+            if held[layer] is not None:
+                self._held_count -= 1
+                held[layer] = None
         else:
-            self._held[layer] = topk_ids
+            if held[layer] is None:
+                self._held_count += 1
+            held[layer] = topk_ids
+            sig = (n, topk_ids.dtype)
+            if self._held_sig is None:
+                self._held_sig = sig
+            elif sig != self._held_sig:
+                self._held_mixed = True
         if layer == self.num_layers - 1:
             self.flush()
 
@@ -283,15 +297,28 @@ class RoutingCache:
         complete = self._recorded == self.num_layers
         self._step_n, self._recorded = None, 0
         held = self._held
-        by_dtype: dict = {}
-        for layer, src in enumerate(held):
-            if src is not None:
-                dsts, srcs = by_dtype.setdefault(src.dtype, ([], []))
-                dsts.append(self._views[layer][:src.shape[0]])
-                srcs.append(src)
-                held[layer] = None
-        for dsts, srcs in by_dtype.values():
-            torch._foreach_copy_(dsts, srcs)
+        if self._held_count == self.num_layers and not self._held_mixed:
+            # every layer held, same rows and dtype (every step of a model whose routers all recorded): one copy
+            # into the cached views of n rows, no per-layer slicing
+            m = self._held_sig[0]
+            dsts = self._flush_views.get(m)
+            if dsts is None:
+                if len(self._flush_views) >= 4096:
+                    self._flush_views.clear()
+                dsts = self._flush_views[m] = [v[:m] for v in self._views]
+            torch._foreach_copy_(dsts, held)
+            self._held = [None] * self.num_layers
+        elif self._held_count:
+            by_dtype: dict = {}
+            for layer, src in enumerate(held):
+                if src is not None:
+                    dsts, srcs = by_dtype.setdefault(src.dtype, ([], []))
+                    dsts.append(self._views[layer][:src.shape[0]])
+                    srcs.append(src)
+                    held[layer] = None
+            for dsts, srcs in by_dtype.values():
+                torch._foreach_copy_(dsts, srcs)
+        self._held_count, self._held_sig, self._held_mixed = 0, None, False
         if not complete:
             self.incomplete_flushes += 1
         elif self.slots:

@@ -141,6 +141,34 @@ def test_fused_cache_flush_handles_a_partial_step_and_strided_input():
     assert (cache.layer_view(2) == -1).all()
 
 
+def test_fused_flush_one_copy_path_and_mixed_steps_write_the_same_rows():
+    """The fused copy's paths: every layer held with the same rows and dtype (one copy into views cached per row
+    count), then steps that mix dtypes, row counts, a strided layer and a layer recorded twice (per-dtype copies),
+    then the uniform path again at a size seen before: every step's rows exact, nothing stale left held."""
+    L, T, K = 4, 32, 2
+    cache = RoutingCache(T, L, K, fused=True)
+    ref = torch.full((L, T, K), -1, dtype=torch.int16)
+    plans = [                                   # per layer: (rows, dtype, strided)
+        [(7, torch.int64, False)] * L,
+        [(3, torch.int32, False)] * L,
+        [(5, torch.int64, False), (5, torch.int32, False), (5, torch.int64, True), (5, torch.int16, False)],
+        [(6, torch.int64, False), (2, torch.int64, False), (6, torch.int64, False), (6, torch.int64, False)],
+        [(7, torch.int64, False)] * L,
+    ]
+    for step, plan in enumerate(plans):
+        for layer, (n, dt, strided) in enumerate(plan):
+            ids = _ids(n, 2 * K if strided else K, 8, 10 * step + layer).to(dt)
+            if strided:
+                ids = ids[:, ::2]
+            if step == 3 and layer == 1:        # recorded twice in one step: the later ids count
+                cache.record(layer, _ids(n, K, 8, 99))
+            cache.record(layer, ids)
+            ref[layer, :n] = ids.to(torch.int16)
+        assert torch.equal(cache.buffer, ref), step
+        assert cache._held_count == 0 and all(h is None for h in cache._held), step
+    assert sorted(cache._flush_views) == [3, 7]     # the uniform steps' views, kept per row count
+
+
 def test_cache_direct_topk_out_into_int64_view():
     cache = RoutingCache(8, 2, 3, dtype=torch.int64)
     logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
