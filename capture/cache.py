@@ -262,8 +262,11 @@ class RoutingCache:
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Router hook: store this step's (n, K) top-k expert ids of MoE layer `layer` (0-based among MoE
         layers). Graph-safe; with fused=True the write happens when the last layer records (or at flush())."""
-        self._check(layer, topk_ids)
-        n = topk_ids.shape[0]
+        shape = topk_ids.shape
+        if not (0 <= layer < self.num_layers and len(shape) == 2 and shape[1] == self.top_k
+                and shape[0] <= self.max_tokens and topk_ids.dtype in _ID_DTYPES and topk_ids.device == self.device):
+            self._check(layer, topk_ids)            # raises, naming what is wrong
+        n = shape[0]
         self._step_n = n
         self._recorded += 1
         held = self._held
