@@ -53,7 +53,8 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
-if triton is not None:
+def _define():
+    """The two kernels, or None where Triton cannot define them (then the torch path)."""
     # Nothing is specialized on values (sizes, strides, pointer alignment): one compile per lane type (and
     # WRITE_SLOT), all made by check() at start-up, so no compile ever happens under CUDA graph capture.
     @triton.jit(do_not_specialize=["lanes_ptr", "ring_ptr", "slot_ptr", "n_lanes", "slot_lanes", "slot_stride",
@@ -79,6 +80,16 @@ if triton is not None:
         slot = tl.load(slot_ptr)
         x = tl.load(src_ptr + layer * src_layer_stride + offs, mask=valid)
         tl.store(ring_ptr + slot * slot_stride + layer * dst_layer_stride + offs, x, mask=valid)
+    return _stamp_slot_kernel, _rows_to_slot_kernel
+
+
+_stamp_slot_kernel = _rows_to_slot_kernel = None
+if triton is not None:
+    try:
+        _stamp_slot_kernel, _rows_to_slot_kernel = _define()
+    except Exception as e:              # noqa: BLE001 -- an incompatible Triton: never breaks the import
+        log.warning("routing-replay: Triton could not define the step ring's kernels (%s: %s)", type(e).__name__, e)
+        triton = None
 
 
 class RingKernels:
