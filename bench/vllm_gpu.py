@@ -328,7 +328,7 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
 def _ring_kernels(cache):
     """The Triton slot write for `cache` where it runs here, else None."""
     from routing_replay.capture import ring_kernels
-    if ring_kernels.triton is None or not ring_kernels.check(cache.device):
+    if ring_kernels._triton() is None or not ring_kernels.check(cache.device):
         return None
     return ring_kernels.RingKernels(cache._full, cache.ring, cache._slot)
 

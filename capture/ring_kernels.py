@@ -30,14 +30,9 @@ import torch
 
 log = logging.getLogger("routing_replay.capture")
 
-try:                                    # Triton comes with torch's CUDA wheels and with vLLM on GPU machines
-    import triton
-    import triton.language as tl
-except Exception:                       # noqa: BLE001 -- not installed, or a broken install: the torch path
-    triton = None
-
 _BLOCK = 1024                           # lanes per program (one compile per kernel: sizes are not specialized)
 _checked: dict = {}                     # device -> whether check() passed
+_module = None                          # capture/_ring_triton.py once imported; False: it cannot be
 
 
 def interpreting() -> bool:
@@ -45,51 +40,29 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _triton():
+    """capture/_ring_triton.py (the kernels), imported on first use; None where Triton cannot be imported or cannot
+    define them (one WARNING)."""
+    global _module
+    if _module is None:
+        try:
+            from routing_replay.capture import _ring_triton
+            _module = _ring_triton
+        except Exception as e:          # noqa: BLE001 -- not installed, or an incompatible Triton: the torch path
+            log.warning("routing-replay: the step ring's Triton kernels are not available (%s: %s); using the torch "
+                        "kernels", type(e).__name__, str(e)[:200])
+            _module = False
+    return _module or None
+
+
 def available(device: torch.device) -> bool:
     """Whether the kernels are asked for (ROUTING_REPLAY_RING_KERNELS=1: opt-in until they are measured on a GPU)
-    and can run on `device`: Triton importable, a CUDA device (or CPU under the interpreter)."""
-    if triton is None or os.environ.get("ROUTING_REPLAY_RING_KERNELS", "0") != "1":
+    and can run on `device`: a CUDA device (or CPU under Triton's interpreter), and Triton importable."""
+    if os.environ.get("ROUTING_REPLAY_RING_KERNELS", "0") != "1":
         return False
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
-
-
-def _define():
-    """The two kernels, or None where Triton cannot define them (then the torch path)."""
-    # Nothing is specialized on values (sizes, strides, pointer alignment): one compile per lane type (and
-    # WRITE_SLOT), all made by check() at start-up, so no compile ever happens under CUDA graph capture.
-    @triton.jit(do_not_specialize=["lanes_ptr", "ring_ptr", "slot_ptr", "n_lanes", "slot_lanes", "slot_stride",
-                                   "stamp_offset", "mask"])
-    def _stamp_slot_kernel(lanes_ptr, ring_ptr, slot_ptr, n_lanes, slot_lanes, slot_stride, stamp_offset, mask,
-                           WRITE_SLOT: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n_lanes
-        v = tl.load(lanes_ptr + offs, mask=valid) + 1
-        tl.store(lanes_ptr + offs, v, mask=valid)
-        if WRITE_SLOT:
-            slot = (v & mask).to(tl.int64)      # two's complement: (signed counter) mod S for a power of two S
-            tl.store(ring_ptr + slot * slot_stride + stamp_offset + offs, v, mask=valid & (offs < slot_lanes))
-            tl.store(slot_ptr + offs * 0, slot, mask=offs == 0)
-
-    @triton.jit(do_not_specialize=["src_ptr", "ring_ptr", "slot_ptr", "row_lanes", "src_layer_stride",
-                                   "dst_layer_stride", "slot_stride"])
-    def _rows_to_slot_kernel(src_ptr, ring_ptr, slot_ptr, row_lanes, src_layer_stride, dst_layer_stride,
-                             slot_stride, BLOCK: tl.constexpr):
-        layer = tl.program_id(1).to(tl.int64)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < row_lanes
-        slot = tl.load(slot_ptr)
-        x = tl.load(src_ptr + layer * src_layer_stride + offs, mask=valid)
-        tl.store(ring_ptr + slot * slot_stride + layer * dst_layer_stride + offs, x, mask=valid)
-    return _stamp_slot_kernel, _rows_to_slot_kernel
-
-
-_stamp_slot_kernel = _rows_to_slot_kernel = None
-if triton is not None:
-    try:
-        _stamp_slot_kernel, _rows_to_slot_kernel = _define()
-    except Exception as e:              # noqa: BLE001 -- an incompatible Triton: never breaks the import
-        log.warning("routing-replay: Triton could not define the step ring's kernels (%s: %s)", type(e).__name__, e)
-        triton = None
+    if not (device.type == "cuda" or (device.type == "cpu" and interpreting())):
+        return False
+    return _triton() is not None
 
 
 class RingKernels:
@@ -99,8 +72,10 @@ class RingKernels:
     def __init__(self, full: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor):
         # full: (L + 1, T, K) int16, the cache with its stamp layer last; ring: (S, L + 1, R, K) int16;
         # slot: (1,) int64, where stamp_slot leaves the slot index for rows_to_slot
-        if triton is None:
-            raise RuntimeError("Triton is not importable")
+        k = _triton()
+        if k is None:
+            raise RuntimeError("the step ring's Triton kernels are not available")
+        self._k = k
         L1, T, K = full.shape
         S, _, R, _ = ring.shape
         lane = torch.int64 if K % 4 == 0 else torch.int32
@@ -118,19 +93,19 @@ class RingKernels:
         self._dst_layer_stride = R * per
         self._layers = L1 - 1
         self._mask = S - 1
-        self._stamp_grid = (triton.cdiv(self._n_lanes, _BLOCK),)
+        self._stamp_grid = (-(-self._n_lanes // _BLOCK),)
 
     def stamp_slot(self, write_slot: bool = True) -> None:
         """+1 in every stamp lane; with write_slot, the new stamps into slot (counter mod S) and its index into
         the slot tensor."""
-        _stamp_slot_kernel[self._stamp_grid](
+        self._k._stamp_slot_kernel[self._stamp_grid](
             self._stamp_lanes, self._ring, self._slot, self._n_lanes, self._slot_lanes, self._slot_stride,
             self._stamp_offset, self._mask, WRITE_SLOT=write_slot, BLOCK=_BLOCK)
 
     def rows_to_slot(self, n: int) -> None:
         """Rows [0, n) of every routing layer into the slot stamp_slot picked (n <= the ring's rows per slot)."""
         row_lanes = n * self._per
-        _rows_to_slot_kernel[(triton.cdiv(row_lanes, _BLOCK), self._layers)](
+        self._k._rows_to_slot_kernel[(-(-row_lanes // _BLOCK), self._layers)](
             self._full, self._ring, self._slot, row_lanes, self._src_layer_stride, self._dst_layer_stride,
             self._slot_stride, BLOCK=_BLOCK)
 
