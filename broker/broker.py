@@ -56,9 +56,11 @@ class BrokerStats:
     msgs_out: int = 0
     bytes_out: int = 0
     deltas_split: int = 0
+    split_gathered: int = 0           # owners' shares of split deltas that had to be gathered (copied) from runs
     requests_opened: int = 0
     requests_closed: int = 0
     reassigned: int = 0
+    owner_hints_out: int = 0          # request -> owner group hints sent to producers (on their acks)
     dropped_no_consumer: int = 0
     dropped_slow_consumer: int = 0
     dropped_unreachable: int = 0
@@ -125,6 +127,7 @@ class Broker(ServiceThread):
         self.bad: dict[str, int] = defaultdict(int)
         self.links: dict[bytes, ConsumerLink] = {}    # consumer id -> its live link
         self._gen = 0                                 # link generations, broker-wide, increasing
+        self._link_nums = 0                           # links made so far (each link's owner group number)
         self.intake = Intake(rewind_interval_s=max(0.5, self.heartbeat_interval_s))
         self.ownership = Ownership(max_open_requests)
         self._pending: deque[Held] = deque()          # held in arrival order
@@ -246,12 +249,13 @@ class Broker(ServiceThread):
 
     def log_stats(self) -> None:
         s = self.stats
-        log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d open_requests=%d closing=%d consumers=%d "
+        log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d split_gathered=%d owner_hints_out=%d "
+                 "open_requests=%d closing=%d consumers=%d "
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d links_lost=%d producers_lost=%d "
                  "aborted_for_lost_producer=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
-                 s.bytes_out / 1e6, s.deltas_split, len(self.ownership), self.ownership.closing, len(self._live), len(self.intake),
+                 s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, len(self.ownership), self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.links_lost,
@@ -303,7 +307,8 @@ class Broker(ServiceThread):
             if len(self.links) >= MAX_CONSUMERS:
                 raise wire.ProtocolError("too_many_consumers", f"{len(self.links)} consumers, limit {MAX_CONSUMERS}")
             self._gen += 1
-            link = self.links[cid] = ConsumerLink(cid, h.epoch, self._gen, now)
+            self._link_nums += 1
+            link = self.links[cid] = ConsumerLink(cid, h.epoch, self._gen, now, self._link_nums)
             if seen not in (0, self.epoch) and now < self._started + self.restart_grace_s:
                 self._restart_seen = True          # it was with an earlier broker: this one is a restart
             self._set_live()
@@ -496,10 +501,21 @@ class Broker(ServiceThread):
     def _send_acks(self) -> None:
         for ps, ack in self.intake.acks_due():
             self.ownership.release(ps, ack.upto)
+            due = ps.hints_due
+            if due:                                 # owner hints ride on the ack, at most MAX_OWNER_HINTS each
+                if len(due) <= wire.MAX_OWNER_HINTS:
+                    hints, ps.hints_due = due, {}
+                else:
+                    hints = {k: due.pop(k) for k in list(due)[:wire.MAX_OWNER_HINTS]}
+                ack = ack._replace(owners=(list(hints), list(hints.values())))
             ok = self._reply(ps.ident, "ack", ps.pid, wire.producer_ack_body(ack))
             self.intake.ack_sent(ps, ack, ok)
             if ok:
                 self.stats.acks_out += 1
+                if ack.owners:
+                    self.stats.owner_hints_out += len(ack.owners[0])
+            elif ack.owners:                        # not sent: due again with the next ack
+                ps.hints_due.update(zip(*ack.owners))
 
     def _producer_lost(self, ps: ProducerIntake, reason: str, now: float) -> None:
         """The producer is gone: tell the owners of the requests it opened, so they emit them now."""
@@ -526,12 +542,17 @@ class Broker(ServiceThread):
         else:
             self._route_request(h, frames, tok, ps)
 
-    def _owner_of(self, rid: str) -> ConsumerLink:
+    def _owner_of(self, rid: str, ps: ProducerIntake | None = None) -> ConsumerLink:
         o = self.ownership.owner_of(rid)
         if o.reassigned:
             self.stats.reassigned += 1
             if o.reopen is not None:
                 self._send(o.link, o.reopen.reassigned_head(), o.reopen.frames, None)
+        if ps is not None and ps.hint_of.get(rid) != o.link.num:
+            # owner hint for the producer (its next ack): it may put each owner's requests together in its deltas
+            if len(ps.hint_of) >= self.ownership.max_open_requests:
+                ps.hint_of.clear()                  # (requests evicted from the table leave theirs behind)
+            ps.hint_of[rid] = ps.hints_due[rid] = o.link.num
         return o.link
 
     def _route_request(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
@@ -540,13 +561,16 @@ class Broker(ServiceThread):
             wire.parse_open(h)
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
-        owner = self._owner_of(rid)
         if h.kind == "open":
+            owner = self._owner_of(rid, ps)
             self.stats.requests_opened += 1
             self.ownership.opened(rid, ps, OpenMsg(frames[1].bytes, frames[2:]))
         else:
+            owner = self._owner_of(rid)
             self.ownership.close(rid, ps, tok.seq)     # kept as closing until this seq is acked
             self.stats.requests_closed += 1
+            ps.hint_of.pop(rid, None)
+            ps.hints_due.pop(rid, None)
         if not self._send(owner, frames[1].buffer, frames[2:], tok):
             self._unaccept(tok)
 
@@ -565,13 +589,14 @@ class Broker(ServiceThread):
         if plan is None or plan.version != own.version or plan.counts != counts_raw or plan.ids != d.request_ids:
             owners = own.lookup(d.request_ids)
             if owners is None:
-                links = [self._owner_of(r) for r in d.request_ids]
+                links = [self._owner_of(r, ps) for r in d.request_ids]
                 owners = (links, set(links))
             plan = ps.plan = plan_split(d, counts_raw, owners[0], owners[1], own.version)
         if len(plan.parts) == 1:
             ok = self._send(plan.parts[0].owner, frames[1].buffer, payload, tok)      # payload untouched, zero-copy
         else:
             self.stats.deltas_split += 1
+            self.stats.split_gathered += plan.gathered
             ok = all(self._send(p.owner, p.head, p.frames, tok) for p in apply_plan(h, d, plan, payload))
         if not ok:
             self._unaccept(tok)

@@ -64,7 +64,7 @@ class ProducerIntake:
     seqs completed so far, what was acked to the producer, and when it last asked the producer to rewind."""
 
     __slots__ = ("pid", "epoch", "ident", "next", "frontier", "done", "acked_sent", "last_seen", "nacked_at",
-                 "nacked_for", "held", "plan")
+                 "nacked_for", "held", "plan", "hint_of", "hints_due")
 
     def __init__(self, pid: str, epoch: int, ident: bytes, unacked_from: int, now: float):
         self.pid = pid
@@ -80,6 +80,8 @@ class ProducerIntake:
         self.held: set = set()              # seqs waiting in the pending queue
         self.plan = None                    # the split plan of its last delta (broker.split.Plan), reused while
                                             # its key list, counts and the ownership table stay the same
+        self.hint_of: dict = {}             # request id -> the owner group told (or due to be told) to it
+        self.hints_due: dict = {}           # request id -> owner group not sent yet (the next ack carries them)
 
     def admit(self, seq: int) -> Admission:
         """Decide on a data message by its seq; every decision but GAP makes `seq + 1` the next one expected."""
@@ -146,10 +148,11 @@ class ConsumerLink:
     """Own the broker's side of one consumer incarnation: its link generation, its lseq numbering and the parts
     sent on it that it has not acked."""
 
-    __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "alive", "last_seen", "name")
+    __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "alive", "last_seen", "name", "num")
 
-    def __init__(self, cid: bytes, epoch: int, gen: int, now: float):
+    def __init__(self, cid: bytes, epoch: int, gen: int, now: float, num: int = 0):
         self.cid = cid                      # its routing id on the backend socket
+        self.num = num                      # the owner group producers are told (a number per link object)
         self.epoch = epoch
         self.gen = gen
         self.lseq = 0                       # the last lseq sent in this generation

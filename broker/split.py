@@ -50,6 +50,7 @@ class Plan(NamedTuple):
     counts: bytes
     version: int
     parts: list
+    gathered: int = 0             # parts whose rows are gathered (copied) rather than sliced
 
 
 def plan_split(d: wire.Delta, counts_raw: bytes, owners: list, distinct: set, version: int) -> Plan:
@@ -90,7 +91,7 @@ def plan_split(d: wire.Delta, counts_raw: bytes, owners: list, distinct: set, ve
             first = np.cumsum(lens) - lens
             rows = np.repeat(a_bytes // rb - first, lens) + np.arange(int(lens.sum()))
             parts.append(PlanPart(o, idx, key, None, rows, rb))
-    return Plan(ids, counts_raw, version, parts)
+    return Plan(ids, counts_raw, version, parts, sum(p.rows is not None for p in parts))
 
 
 def apply_plan(h: wire.Header, d: wire.Delta, plan: Plan, payload: Sequence) -> list[Part]:

@@ -49,14 +49,65 @@ class StepParts(NamedTuple):
     counts: list
     rows: Any
 
-    def step(self) -> Step:
-        merged = merge_decode_steps(self)
+    def step(self, hints: OwnerHints | None = None) -> Step:
+        merged = merge_decode_steps(self, hints)
         if merged is not None:
             return merged
         return Step(flat_ids(self.request_ids), flat_ints(self.starts), flat_ints(self.counts), self.rows, None)
 
 
-def merge_decode_steps(parts: StepParts) -> Step | None:
+class OwnerHints:
+    """Which consumer owns each request, as far as the broker told this producer (owner groups on its acks), and
+    the order that puts one owner's requests next to each other in a delta, kept per id list.
+
+    A delta whose requests of one owner are contiguous is split by the broker into one slice of the received
+    payload per owner, sent without copying; requests interleaved across owners make it gather each owner's rows
+    into a new frame. The producer's thread reorders merged decode steps (the vLLM plugin's message) in the copy
+    it makes anyway (RequestMajor), so the broker's copy goes away. Hints are advice: a missing or stale one only
+    costs that gather, never correctness."""
+
+    __slots__ = ("groups", "version", "_last")
+
+    MAX_REQUESTS = 1 << 20          # beyond this many (finishes lost?) the table starts over
+
+    def __init__(self):
+        self.groups: dict = {}      # request id -> owner group
+        self.version = 0
+        self._last = (None, -1, None)
+
+    def update(self, ids: list, groups: list) -> None:
+        if len(self.groups) + len(ids) > self.MAX_REQUESTS:
+            self.groups.clear()
+        self.groups.update(zip(ids, groups))
+        self.version += 1
+
+    def forget(self, rid: str) -> None:
+        """`rid` ended (its later deltas do not exist: cached orders of lists that hold it stay right)."""
+        self.groups.pop(rid, None)
+
+    def order(self, ids: list):
+        """(order, inverse) that groups `ids` by owner (stable: unknown owners first, then by group, each group in
+        its original order), or None when they are grouped already or nothing is known. Cached for the same list
+        object while no hint arrived."""
+        last_ids, version, cached = self._last
+        if last_ids is ids and version == self.version:
+            return cached
+        out = None
+        groups = self.groups
+        if groups and len(ids) > 1:
+            get = groups.get
+            g = np.fromiter((get(r, -1) for r in ids), dtype=np.int64, count=len(ids))
+            changes = int(np.count_nonzero(g[1:] != g[:-1]))
+            if changes and changes + 1 > len(np.unique(g)):      # some group is split into several runs
+                order = np.argsort(g, kind="stable")
+                inverse = np.empty_like(order)
+                inverse[order] = np.arange(len(order))
+                out = (order, inverse)
+        self._last = (ids, self.version, out)
+        return out
+
+
+def merge_decode_steps(parts: StepParts, hints: OwnerHints | None = None) -> Step | None:
     """Consecutive decode steps of one unchanged batch (every step the same id list, one row per request, each
     request one position further than in the step before) as one entry per request: its rows of all the steps
     in a row, at its first position. The records are the same; the delta carries n entries instead of steps x n
@@ -80,7 +131,12 @@ def merge_decode_steps(parts: StepParts) -> Step | None:
         return None
     if not (starts == starts[0] + np.arange(k, dtype=np.int64)[:, None]).all():
         return None
-    return Step(list(first), starts[0].tolist(), [k] * n, RequestMajor(parts.rows, k), None)
+    grouped = hints.order(first) if hints is not None else None
+    if grouped is None:
+        return Step(list(first), starts[0].tolist(), [k] * n, RequestMajor(parts.rows, k), None)
+    order, inverse = grouped              # requests of one owner together (OwnerHints), in the same one copy
+    return Step([first[i] for i in order.tolist()], starts[0][order].tolist(), [k] * n,
+                RequestMajor(parts.rows, k, inverse), None)
 
 
 class RequestMajor:
@@ -89,11 +145,12 @@ class RequestMajor:
     deferred object's own `result_request_major(steps)` when it has one, else a reordering copy of its result.
     The result is the caller's own array (`owns_result`), not a view of the source's memory."""
 
-    __slots__ = ("_rows", "_steps", "shape", "dtype", "dropped")
+    __slots__ = ("_rows", "_steps", "_inverse", "shape", "dtype", "dropped")
     owns_result = True
 
-    def __init__(self, rows: Any, steps: int):
-        self._rows, self._steps = rows, steps
+    def __init__(self, rows: Any, steps: int, inverse: np.ndarray | None = None):
+        # inverse: request i of each step goes to place inverse[i] (OwnerHints.order), else the steps' order
+        self._rows, self._steps, self._inverse = rows, steps, inverse
         self.shape = tuple(rows.shape)
         self.dtype = rows.dtype
         self.dropped = bool(getattr(rows, "dropped", False))
@@ -102,11 +159,15 @@ class RequestMajor:
         rows, k = self._rows, self._steps
         direct = getattr(rows, "result_request_major", None)
         if direct is not None:
-            return direct(k)
+            return direct(k) if self._inverse is None else direct(k, self._inverse)
         a = np.asarray(rows if isinstance(rows, np.ndarray) else rows.result())
         out = np.empty(a.shape, dtype=a.dtype)
         n = a.shape[0] // k
-        out.reshape(n, k, *a.shape[1:])[...] = a.reshape(k, n, *a.shape[1:]).swapaxes(0, 1)
+        src = a.reshape(k, n, *a.shape[1:]).swapaxes(0, 1)
+        if self._inverse is None:
+            out.reshape(n, k, *a.shape[1:])[...] = src
+        else:
+            out.reshape(n, k, *a.shape[1:])[self._inverse] = src
         return out
 
     def release(self) -> None:

@@ -43,6 +43,7 @@ class ProducerStats:
     encode_errors: int = 0      # messages the thread could not encode (dropped; a delta's positions reported lost)
     token_ids_dropped: int = 0  # opens/finishes sent without their token ids: a list that was not int32 integers
     refused_by_broker: int = 0  # data messages the broker accepted-and-dropped as undecodable (error refused_seq)
+    owner_hints: int = 0        # request -> owner group hints received (the broker's acks; messages.OwnerHints)
 
 
 def _positions(values: Any, name: str) -> Any:

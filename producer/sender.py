@@ -17,7 +17,7 @@ import zmq
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
-from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, StepParts,
+from routing_replay.producer.messages import (Announce, Geometry, OwnerHints, QueueLedger, RequestBook, Step, StepParts,
                                               encode_announce, encode_step, encode_steps, escaped_id, step_rows,
                                               token_frames, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
@@ -73,6 +73,7 @@ class Sender:
         self.closing = False
         self.close_deadline = math.inf
         self.failure: BaseException | None = None
+        self.hints = OwnerHints()            # owner groups from the broker's acks (this thread only)
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"rr-producer-{cfg.producer_id}", daemon=True)
 
@@ -197,7 +198,7 @@ class Sender:
                     break
             item, stash = stash, None
             if type(item) is StepParts:             # the caller's per-step references, flattened here
-                item = item.step()
+                item = item.step(self.hints)
             if item is STOP:
                 self._stopping = True
             elif isinstance(item, Step):
@@ -226,7 +227,7 @@ class Sender:
             except queue.Empty:
                 return batch, None
             if type(nxt) is StepParts:
-                nxt = nxt.step()
+                nxt = nxt.step(self.hints)
             if not isinstance(nxt, Step):
                 return batch, nxt
             b = step_rows(nxt) * rb
@@ -331,6 +332,8 @@ class Sender:
             self._late_lost.pop(rid, None)
             self.stats.dropped_parts += 1
             return
+        if item.kind != "open":
+            self.hints.forget(rid)
         if item.kind == "finish":
             late = self._late_lost.pop(rid, None)
             if late:
@@ -550,6 +553,9 @@ class Sender:
                     if h.body.get("epoch") != self.cfg.epoch:
                         continue
                     ack = wire.parse_producer_ack(h)
+                    if ack.owners is not None:
+                        self.hints.update(*ack.owners)
+                        self.stats.owner_hints += len(ack.owners[0])
                     self._acked(ack.upto, now)
                     if ack.rewind:
                         self._on_rewind_request(ack, now)

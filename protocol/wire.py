@@ -496,10 +496,17 @@ class ProducerAck(NamedTuple):
     rewind: bool = False      # send a hello, then resend everything unacknowledged, in seq order
     expect: int | None = None  # with rewind: the seq the broker expects next
     hello: bool = False       # with rewind: the broker does not know this producer (send a hello first)
+    owners: tuple | None = None  # (request ids, owner groups): owner hints, see PROTOCOL.md
+
+
+MAX_OWNER_HINTS = 4096         # per ack (the broker sends more in later acks)
+_OWNER_GROUP_MAX = (1 << 31) - 1
 
 
 def producer_ack_body(ack: ProducerAck) -> dict:
     body = {"epoch": ack.epoch, "upto": ack.upto}
+    if ack.owners:
+        body["owners"] = [list(ack.owners[0]), list(ack.owners[1])]
     if ack.rewind:
         body["rewind"] = True
         if ack.expect is not None:
@@ -514,8 +521,17 @@ def parse_producer_ack(h: Header) -> ProducerAck:
     expect = b.get("expect")
     if expect is not None:
         expect = int_field(b, "expect", 0, _U63)
+    owners = b.get("owners")
+    if owners is not None:
+        if (not isinstance(owners, list) or len(owners) != 2 or not isinstance(owners[0], list)
+                or not isinstance(owners[1], list) or len(owners[0]) != len(owners[1])
+                or len(owners[0]) > MAX_OWNER_HINTS or not all(type(r) is str for r in owners[0])
+                or not all(type(g) is int and 0 <= g <= _OWNER_GROUP_MAX for g in owners[1])):
+            raise _bad("bad_field", f"ack owners must be [request ids, owner groups in [0, 2**31)], two lists of "
+                                    f"equal length <= {MAX_OWNER_HINTS}, got {str(owners)[:80]}")
+        owners = (owners[0], owners[1]) if owners[0] else None
     return ProducerAck(int_field(b, "epoch", 0, _U63), int_field(b, "upto", -1, _U63), bool(b.get("rewind")),
-                       expect, bool(b.get("hello")))
+                       expect, bool(b.get("hello")), owners)
 
 
 class LinkAck(NamedTuple):

@@ -501,3 +501,100 @@ def test_merged_decode_steps_make_the_same_records_through_broker_and_consumer(c
         p.close(timeout_s=2)
         cons.close()
         broker.close()
+
+
+def test_owner_hints_order_groups_requests_stably_and_only_when_it_helps():
+    """OwnerHints.order: nothing known, one group, or groups already contiguous: None (no reordering); else the
+    stable order by group (unknown owners first) and its inverse; cached per list object until a hint arrives;
+    the generic RequestMajor (ndarray rows) applies it in its one copy."""
+    from routing_replay.producer.messages import OwnerHints, RequestMajor
+    h = OwnerHints()
+    ids = ["a", "b", "c", "d", "e"]
+    assert h.order(ids) is None
+    h.update(["a", "b", "c", "d", "e"], [2, 2, 5, 5, 5])
+    assert h.order(ids) is None                         # grouped already
+    assert h.order(["a", "c", "b"]) is not None
+    h.update(["b", "d"], [5, 2])                        # a:2 b:5 c:5 d:2 e:5
+    order, inverse = h.order(ids)
+    assert order.tolist() == [0, 3, 1, 2, 4] and inverse.tolist() == [0, 2, 3, 1, 4]
+    assert h.order(ids)[0] is order                     # cached for this list object
+    assert h.order(list(ids))[0] is not order           # another list: computed again (equal)
+    h.update(["x"], [9])                                # a new hint: computed again
+    assert h.order(ids)[0] is not order
+    order, _ = h.order(["x", "zz", "a", "y"])           # unknown owners (-1) first, stable
+    assert order.tolist() == [1, 3, 2, 0]
+    h.forget("a")
+    assert "a" not in h.groups
+    k, n = 3, 5
+    src = np.arange(k * n * 2 * 2, dtype=np.int16).reshape(k * n, 2, 2)
+    got = RequestMajor(src, k, np.array([0, 2, 3, 1, 4])).result()     # the (order, inverse) found above
+    want = _request_major(src, k).reshape(n, k, 2, 2)[[0, 3, 1, 2, 4]].reshape(k * n, 2, 2)
+    assert np.array_equal(got, want)
+
+
+def test_ack_owner_hints_round_trip_and_bad_ones_are_refused():
+    ack = wire.ProducerAck(3, 7, owners=(["a", "b"], [1, 2]))
+    h = wire.decode_header(wire.pack_header("ack", "p", 0, 0, "p", wire.producer_ack_body(ack)))
+    assert wire.parse_producer_ack(h) == ack
+    assert "owners" not in wire.producer_ack_body(wire.ProducerAck(3, 7))
+    for bad in ({"a": 1}, [["a"], [1, 2]], [["a"], [-1]], [[1], [1]], [["a"], [1 << 31]], [["a"] * 4097, [1] * 4097],
+                [["a"], ["b"]]):
+        h = wire.decode_header(wire.pack_header("ack", "p", 0, 0, "p", {"epoch": 3, "upto": 7, "owners": bad}))
+        with pytest.raises(wire.ProtocolError, match="ack owners"):
+            wire.parse_producer_ack(h)
+
+
+def test_owner_hints_group_merged_decode_steps_so_the_broker_only_slices(ctx, tmp_path):
+    """Owner hints: the broker tells the producer each request's owner group on its acks; the producer's thread
+    puts each owner's requests together when it merges decode steps (in the one request-major copy), so the
+    broker sends each consumer one slice of the payload and gathers nothing. Through a real broker and two
+    consumers whose rendezvous interleaves the requests: records bit-exact, every split delta sliced."""
+    from routing_replay.broker.ownership import rendezvous
+    from routing_replay.consumer import Consumer
+    fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
+    broker = Broker(fe, be, context=ctx)
+    broker.start()
+    got: dict = {}
+    cons = [Consumer(be, consumer_id=c, on_record=lambda r: got.__setitem__(r.request_id, r), context=ctx,
+                     finish_grace_s=0.0) for c in ("c1", "c2")]
+    for c in cons:
+        c.start()
+    wait_for(lambda: len(broker.ownership.live) == 2)
+    L2, K2 = 48, 8                  # Qwen3-30B-A3B's rows (768 B): each owner's run is over wire.COPY_THRESHOLD
+    p = Producer(fe, num_layers=L2, top_k=K2, context=ctx, linger_ms=0)
+    try:
+        n, steps, batches = 24, 8, 3
+        ids = [f"req-{i:02d}" for i in range(n)]
+        owner = [rendezvous(r.encode(), [b"c1", b"c2"]) for r in ids]
+        assert sum(a != b for a, b in zip(owner, owner[1:])) >= 4          # interleaved in the engine's order
+        rng = np.random.default_rng(7)
+        routing = rng.integers(0, 100, (n, 2 + steps * batches, L2, K2)).astype(np.int16)
+        for r in ids:
+            p.open(r, prompt_len=2)
+        p.publish_rows(ids, [0] * n, [2] * n, routing[:, :2].reshape(-1, L2, K2).copy())
+        wait_for(lambda: p.stats.owner_hints == n)                          # on the acks of those messages
+        split0, gathered0 = broker.stats.deltas_split, broker.stats.split_gathered
+        ones = np.ones(n, dtype=np.int64)
+        for b in range(batches):
+            pos = [2 + b * steps + s for s in range(steps)]
+            step_major = np.ascontiguousarray(routing[:, pos].swapaxes(0, 1)).reshape(-1, L2, K2)
+            assert p.publish_steps([ids] * steps, [np.full(n, q) for q in pos], [ones] * steps, step_major)
+        for r in ids:
+            p.finish(r, num_output_tokens=steps * batches + 1)
+        wait_for(lambda: len(got) == n)
+        for i, r in enumerate(ids):
+            rec = got[r]
+            assert rec.complete, rec
+            assert np.array_equal(rec.prompt_routed_experts, routing[i, :2])
+            assert np.array_equal(rec.routed_experts[:steps * batches], routing[i, 2:])
+        # every merged batch went to both consumers (coalesced or not) as slices: nothing gathered after the
+        # hints; the prompt rows (one message, before the hints, 2 rows per request: short runs) were gathered
+        assert 1 <= broker.stats.deltas_split - split0 <= batches
+        assert broker.stats.split_gathered == gathered0 == 2
+        assert broker.stats.owner_hints_out == n
+        wait_for(lambda: p._sender.hints.groups == {})                      # forgotten at the finishes
+    finally:
+        p.close(timeout_s=2)
+        for c in cons:
+            c.close()
+        broker.close()

@@ -639,6 +639,21 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     _, _, _, rows = batch.take_parts()
     assert not rows.owns_result
     rows.release()
+    # with owner hints (b and d on one consumer, a and c on another): the same copy puts each owner's requests
+    # together, ids, starts and rows alike
+    from routing_replay.producer.messages import OwnerHints
+    hints = OwnerHints()
+    hints.update(["a", "b", "c", "d"], [7, 3, 7, 3])
+    for s in range(3):
+        batch.add(_stamped_step(cache, copier, 4, seed=20 + s), keys_, np.arange(4) + 10 + s, np.ones(4, int),
+                  forward=7 + s)
+    ids, starts, counts, rows = batch.take_parts()
+    flat = rows.result().copy()
+    step = StepParts(ids, starts, counts, rows).step(hints)
+    assert (step.request_ids, step.starts, step.counts) == (["b", "d", "a", "c"], [11, 13, 10, 12], [3] * 4)
+    want = flat.reshape(3, 4, 3, 8).swapaxes(0, 1)[[1, 3, 0, 2]].reshape(12, 3, 8)
+    assert np.array_equal(step.rows.result(), want)
+    step.rows.release()
 
 
 def _ring_step(cache, seed: int, n: int, layers=None) -> np.ndarray:

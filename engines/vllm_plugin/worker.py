@@ -251,16 +251,21 @@ class _BatchedRows:
         arrays = self._checked()
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
-    def result_request_major(self, steps: int) -> np.ndarray:
+    def result_request_major(self, steps: int, inverse: np.ndarray | None = None) -> np.ndarray:
         """The rows of `steps` steps of n rows each, request-major (producer.messages.RequestMajor): one copy out
-        of the host ring, as result() makes."""
+        of the host ring, as result() makes. With `inverse`, request i of each step goes to place inverse[i] (the
+        producer's owner grouping), in the same copy."""
         arrays = self._checked()
         if len(arrays) != steps or len({a.shape for a in arrays}) != 1:
             raise ValueError(f"{len(arrays)} parts of shapes {sorted({a.shape for a in arrays})}: not {steps} "
                              "steps of equal size")
         n = arrays[0].shape[0]
         out = np.empty((n, steps, *arrays[0].shape[1:]), dtype=arrays[0].dtype)      # C order: the wire layout
-        np.stack(arrays, axis=1, out=out)
+        if inverse is None:
+            np.stack(arrays, axis=1, out=out)
+        else:
+            for s, a in enumerate(arrays):
+                out[inverse, s] = a
         return out.reshape(n * steps, *arrays[0].shape[1:])
 
     @staticmethod
