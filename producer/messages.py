@@ -139,6 +139,55 @@ def merge_decode_steps(parts: StepParts, hints: OwnerHints | None = None) -> Ste
                 RequestMajor(parts.rows, k, inverse), None)
 
 
+class StepRows:
+    """The rows of consecutive steps as the caller handed them, one (n, L, K) array per step: step-major through
+    result(), request-major through result_request_major() in one copy (merge_coalesced_steps)."""
+
+    __slots__ = ("_arrays", "shape", "dtype", "dropped")
+    owns_result = True
+
+    def __init__(self, arrays: list):
+        self._arrays = arrays
+        a = arrays[0]
+        self.shape = (sum(len(x) for x in arrays), *a.shape[1:])
+        self.dtype = a.dtype
+        self.dropped = False
+
+    def result(self) -> np.ndarray:
+        return np.concatenate(self._arrays)
+
+    def result_request_major(self, steps: int, inverse: np.ndarray | None = None) -> np.ndarray:
+        arrays = self._arrays
+        n = arrays[0].shape[0]
+        out = np.empty((n, steps, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
+        if inverse is None:
+            np.stack(arrays, axis=1, out=out)
+        else:
+            for s, a in enumerate(arrays):
+                out[inverse, s] = a
+        return out.reshape(n * steps, *arrays[0].shape[1:])
+
+
+def merge_coalesced_steps(items: Sequence[Step], row_shape: tuple, hints: OwnerHints | None = None) -> Step | None:
+    """Steps published one by one (publish_rows, the caller's arrays) that queued up behind the producer's thread
+    and go out as one message: when they are decode steps of one unchanged batch (as merge_decode_steps wants),
+    one entry per request, its rows of every step in a row (and each owner's requests together, with `hints`),
+    in one copy. None when they are not like that, or a step was screened or holds deferred rows."""
+    if len(items) < 2:
+        return None
+    first = items[0].request_ids
+    n = len(first)
+    arrays = []
+    for it in items:
+        rows = it.rows
+        if (it.keep is not None or type(rows) is not np.ndarray or rows.dtype != wire.ROW_DTYPE
+                or rows.shape != (n, *row_shape)):
+            return None
+        arrays.append(rows)
+    return merge_decode_steps(StepParts([it.request_ids for it in items], [it.starts for it in items],
+                                        [it.counts for it in items], StepRows(arrays)), hints)
+
+
 class RequestMajor:
     """Deferred rows of `steps` steps of n rows each (step-major, as the caller handed them: an ndarray or a
     deferred object) handed out request-major: request i's rows of every step, then request i + 1's. One copy: a

@@ -44,6 +44,7 @@ class ProducerStats:
     token_ids_dropped: int = 0  # opens/finishes sent without their token ids: a list that was not int32 integers
     refused_by_broker: int = 0  # data messages the broker accepted-and-dropped as undecodable (error refused_seq)
     owner_hints: int = 0        # request -> owner group hints received (the broker's acks; messages.OwnerHints)
+    merged_steps: int = 0       # publish_rows steps that queued up and went out merged (messages.merge_coalesced_steps)
 
 
 def _positions(values: Any, name: str) -> Any:

@@ -18,6 +18,7 @@ from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Geometry, OwnerHints, QueueLedger, RequestBook, Step, StepParts,
+                                              merge_coalesced_steps,
                                               encode_announce, encode_step, encode_steps, escaped_id, step_rows,
                                               token_frames, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
@@ -251,6 +252,11 @@ class Sender:
                     items.append(item)
             if not items:
                 return
+            row_shape = (self.cfg.geometry.layer_hi - self.cfg.geometry.layer_lo, self.cfg.geometry.top_k)
+            merged = merge_coalesced_steps(items, row_shape, self.hints)
+            if merged is not None:
+                items = [merged]
+                self.stats.merged_steps += len(batch)
             seq = self._replay.next_seq
             try:
                 enc, failed = encode_steps(items, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry,

@@ -568,7 +568,8 @@ def test_owner_hints_group_merged_decode_steps_so_the_broker_only_slices(ctx, tm
         owner = [rendezvous(r.encode(), [b"c1", b"c2"]) for r in ids]
         assert sum(a != b for a, b in zip(owner, owner[1:])) >= 4          # interleaved in the engine's order
         rng = np.random.default_rng(7)
-        routing = rng.integers(0, 100, (n, 2 + steps * batches, L2, K2)).astype(np.int16)
+        burst = 16                  # then decode steps one publish_rows each: those that queue up go merged
+        routing = rng.integers(0, 100, (n, 2 + steps * batches + burst, L2, K2)).astype(np.int16)
         for r in ids:
             p.open(r, prompt_len=2)
         p.publish_rows(ids, [0] * n, [2] * n, routing[:, :2].reshape(-1, L2, K2).copy())
@@ -579,18 +580,23 @@ def test_owner_hints_group_merged_decode_steps_so_the_broker_only_slices(ctx, tm
             pos = [2 + b * steps + s for s in range(steps)]
             step_major = np.ascontiguousarray(routing[:, pos].swapaxes(0, 1)).reshape(-1, L2, K2)
             assert p.publish_steps([ids] * steps, [np.full(n, q) for q in pos], [ones] * steps, step_major)
+        assert p.wait_acked(10)
+        # every merged batch went to both consumers (coalesced or not) as slices: nothing gathered after the
+        # hints; the prompt rows (one message, before the hints, 2 rows per request: short runs) were gathered
+        assert 1 <= broker.stats.deltas_split - split0 <= batches
+        assert broker.stats.split_gathered == gathered0 == 2
+        for q in range(2 + steps * batches, 2 + steps * batches + burst):
+            assert p.publish_rows(ids, [q] * n, [1] * n, np.ascontiguousarray(routing[:, q]))
         for r in ids:
-            p.finish(r, num_output_tokens=steps * batches + 1)
+            p.finish(r, num_output_tokens=steps * batches + burst + 1)
         wait_for(lambda: len(got) == n)
         for i, r in enumerate(ids):
             rec = got[r]
             assert rec.complete, rec
             assert np.array_equal(rec.prompt_routed_experts, routing[i, :2])
-            assert np.array_equal(rec.routed_experts[:steps * batches], routing[i, 2:])
+            assert np.array_equal(rec.routed_experts[:steps * batches + burst], routing[i, 2:])
         # every merged batch went to both consumers (coalesced or not) as slices: nothing gathered after the
         # hints; the prompt rows (one message, before the hints, 2 rows per request: short runs) were gathered
-        assert 1 <= broker.stats.deltas_split - split0 <= batches
-        assert broker.stats.split_gathered == gathered0 == 2
         assert broker.stats.owner_hints_out == n
         wait_for(lambda: p._sender.hints.groups == {})                      # forgotten at the finishes
     finally:
@@ -598,3 +604,53 @@ def test_owner_hints_group_merged_decode_steps_so_the_broker_only_slices(ctx, tm
         for c in cons:
             c.close()
         broker.close()
+
+
+def test_coalesced_decode_steps_merge_into_one_entry_per_request_in_one_copy():
+    """merge_coalesced_steps: publish_rows steps of one unchanged decode batch that queued up together become one
+    entry per request (its rows of every step in a row), owner-grouped with hints; anything else is left as it
+    is: a screened step, deferred rows, a count of 2, a position that does not advance, another id list, wrong
+    rows. The encoded delta carries exactly the same routing."""
+    from routing_replay.producer.messages import (Geometry, OwnerHints, Step, encode_steps,
+                                                  merge_coalesced_steps)
+    rng = np.random.default_rng(5)
+    ids, n, k = ["a", "b", "c"], 3, 4
+    src = rng.integers(0, 50, (k, n, L, K)).astype(np.int16)
+
+    def steps(**change):
+        out = [Step(list(ids) if s else ids, [10 + s, 20 + s, 30 + s], [1] * n, src[s].copy(), None)
+               for s in range(k)]
+        for s, field in change.items():
+            out[int(s[1:])] = out[int(s[1:])]._replace(**field)
+        return out
+
+    m = merge_coalesced_steps(steps(), (L, K))
+    assert (m.request_ids, m.starts, m.counts) == (ids, [10, 20, 30], [k] * n)
+    assert np.array_equal(m.rows.result(), src.swapaxes(0, 1).reshape(-1, L, K))
+    hints = OwnerHints()
+    hints.update(ids, [4, 2, 4])
+    m = merge_coalesced_steps(steps(), (L, K), hints)
+    assert (m.request_ids, m.starts) == (["b", "a", "c"], [20, 10, 30])
+    assert np.array_equal(m.rows.result(), src.swapaxes(0, 1)[[1, 0, 2]].reshape(-1, L, K))
+    g = Geometry(L, K, 0, L)
+    enc, failed = encode_steps([merge_coalesced_steps(steps(), (L, K), hints)], "p", 1, 5, g, (L, K))
+    h = wire.decode_header(enc.frames[0])
+    d = wire.parse_delta(h)
+    assert not failed and h.key == ["b", "a", "c"] and d.counts.tolist() == [k] * n
+    assert (list(enc.parts.request_ids), list(enc.parts.starts)) == (["b", "a", "c"], [20, 10, 30])
+    payload = b"".join(bytes(f) for f in enc.frames[1:])
+    assert payload == src.swapaxes(0, 1)[[1, 0, 2]].tobytes()
+    for bad in (steps(s1={"keep": [True, False, True]}), steps(s2={"counts": [1, 2, 1]}),
+                steps(s3={"starts": [13, 23, 34]}), steps(s1={"request_ids": ["a", "b", "x"]}),
+                steps(s2={"rows": src[2, :2].copy()}), steps(s0={"rows": RowsLike(src[0])}), steps()[:1]):
+        assert merge_coalesced_steps(bad, (L, K)) is None
+
+
+class RowsLike:
+    """Deferred rows (not an ndarray)."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, a.shape, a.dtype
+
+    def result(self):
+        return self.a

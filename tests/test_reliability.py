@@ -571,7 +571,8 @@ def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(t
         assert not prod.poll(100)
         cons.send(wire.pack_header("ack", "c1", 3, 2, "c1", {"link": [b.epoch, 1, 3]}))
         h, _ = recv(prod, "ack")
-        assert h.body == {"epoch": 7, "upto": 2}
+        # with the owner hint of the request opened (its consumer link's number), once
+        assert h.body == {"epoch": 7, "upto": 2, "owners": [["a"], [b.links[b"c1"].num]]} and b.links[b"c1"].num == 1
         # an ack from the wrong link generation or consumer epoch moves nothing
         cons.send(wire.pack_header("ack", "c1", 3, 3, "c1", {"link": [b.epoch, 0, 4]}))
         cons.send(wire.pack_header("ack", "c1", 4, 3, "c1", {"link": [b.epoch, 1, 4]}))
