@@ -204,8 +204,12 @@ def consumer_proc(back, q, latency):
                     t = time.monotonic()
                     # dict.fromkeys, not np.unique: numpy 2's unique imports numpy.ma on its first call (80 ms
                     # on a host without that module's .pyc), which stalled the first steps of this measurement
-                    for pos in dict.fromkeys(np.frombuffer(h[6]["start"], "<i4").tolist()):
-                        recv_times.setdefault(pos, t)
+                    # every position an entry carries (a merged decode entry carries several steps)
+                    starts = np.frombuffer(h[6]["start"], "<i4")
+                    counts = np.frombuffer(h[6]["count"], "<i4")
+                    for a, c in dict.fromkeys(zip(starts.tolist(), counts.tolist())):
+                        for pos in range(a, a + c):
+                            recv_times.setdefault(pos, t)
             state["held_peak"] = max(state["held_peak"], self.acc.bytes_held)
 
     def on_record(rec):

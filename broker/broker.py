@@ -255,7 +255,8 @@ class Broker(ServiceThread):
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d links_lost=%d producers_lost=%d "
                  "aborted_for_lost_producer=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
-                 s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, len(self.ownership), self.ownership.closing, len(self._live), len(self.intake),
+                 s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, len(self.ownership),
+                 self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.links_lost,
