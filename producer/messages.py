@@ -157,15 +157,20 @@ class StepRows:
         return np.concatenate(self._arrays)
 
     def result_request_major(self, steps: int, inverse: np.ndarray | None = None) -> np.ndarray:
-        arrays = self._arrays
-        n = arrays[0].shape[0]
-        out = np.empty((n, steps, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
-        if inverse is None:
-            np.stack(arrays, axis=1, out=out)
-        else:
-            for s, a in enumerate(arrays):
-                out[inverse, s] = a
-        return out.reshape(n * steps, *arrays[0].shape[1:])
+        return request_major(self._arrays, inverse)
+
+
+def request_major(arrays: list, inverse: np.ndarray | None = None) -> np.ndarray:
+    """Steps of n rows each (one (n, L, K) array per step) as one new C-order array, request-major: request i's rows
+    of every step in a row, then request i + 1's; with `inverse`, request i goes to place inverse[i]. One copy."""
+    n = arrays[0].shape[0]
+    out = np.empty((n, len(arrays), *arrays[0].shape[1:]), dtype=arrays[0].dtype)
+    if inverse is None:
+        np.stack(arrays, axis=1, out=out)
+    else:
+        for s, a in enumerate(arrays):
+            out[inverse, s] = a
+    return out.reshape(n * len(arrays), *arrays[0].shape[1:])
 
 
 def merge_coalesced_steps(items: Sequence[Step], row_shape: tuple, hints: OwnerHints | None = None) -> Step | None:

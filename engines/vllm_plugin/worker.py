@@ -61,7 +61,7 @@ from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
-from routing_replay.producer.messages import flat_ids, flat_ints
+from routing_replay.producer.messages import flat_ids, flat_ints, request_major
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -259,14 +259,7 @@ class _BatchedRows:
         if len(arrays) != steps or len({a.shape for a in arrays}) != 1:
             raise ValueError(f"{len(arrays)} parts of shapes {sorted({a.shape for a in arrays})}: not {steps} "
                              "steps of equal size")
-        n = arrays[0].shape[0]
-        out = np.empty((n, steps, *arrays[0].shape[1:]), dtype=arrays[0].dtype)      # C order: the wire layout
-        if inverse is None:
-            np.stack(arrays, axis=1, out=out)
-        else:
-            for s, a in enumerate(arrays):
-                out[inverse, s] = a
-        return out.reshape(n * steps, *arrays[0].shape[1:])
+        return request_major(arrays, inverse)
 
     @staticmethod
     def _lost_hook(rows: np.ndarray):
