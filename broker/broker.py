@@ -502,13 +502,8 @@ class Broker(ServiceThread):
     def _send_acks(self) -> None:
         for ps, ack in self.intake.acks_due():
             self.ownership.release(ps, ack.upto)
-            due = ps.hints_due
-            if due:                                 # owner hints ride on the ack, at most MAX_OWNER_HINTS each
-                if len(due) <= wire.MAX_OWNER_HINTS:
-                    hints, ps.hints_due = due, {}
-                else:
-                    hints = {k: due.pop(k) for k in list(due)[:wire.MAX_OWNER_HINTS]}
-                ack = ack._replace(owners=(list(hints), list(hints.values())))
+            if ps.hints_due:                        # owner hints ride on the ack (wire.take_owner_hints bounds them)
+                ack = ack._replace(owners=wire.take_owner_hints(ps.hints_due))
             ok = self._reply(ps.ident, "ack", ps.pid, wire.producer_ack_body(ack))
             self.intake.ack_sent(ps, ack, ok)
             if ok:

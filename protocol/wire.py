@@ -500,7 +500,22 @@ class ProducerAck(NamedTuple):
 
 
 MAX_OWNER_HINTS = 4096         # per ack (the broker sends more in later acks)
+OWNER_HINT_ID_BYTES = 1 << 20  # request id bytes per ack: the ack stays far below MAX_HEADER_BYTES
 _OWNER_GROUP_MAX = (1 << 31) - 1
+
+
+def take_owner_hints(due: dict) -> tuple[list, list]:
+    """Take the owner hints one ack carries out of `due` (request id -> group), oldest first: at most
+    MAX_OWNER_HINTS, and ids of at most OWNER_HINT_ID_BYTES in all (at least one)."""
+    ids, groups, nbytes = [], [], 0
+    for rid in due:
+        nbytes += len(rid.encode("utf-8", "surrogatepass"))
+        if ids and (len(ids) == MAX_OWNER_HINTS or nbytes > OWNER_HINT_ID_BYTES):
+            break
+        ids.append(rid)
+    for rid in ids:
+        groups.append(due.pop(rid))
+    return ids, groups
 
 
 def producer_ack_body(ack: ProducerAck) -> dict:

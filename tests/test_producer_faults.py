@@ -532,6 +532,21 @@ def test_owner_hints_order_groups_requests_stably_and_only_when_it_helps():
     assert np.array_equal(got, want)
 
 
+def test_owner_hints_per_ack_are_bounded_by_count_and_by_id_bytes():
+    """The broker takes at most MAX_OWNER_HINTS hints, and ids of at most OWNER_HINT_ID_BYTES, per ack (oldest
+    first; the rest wait for the next ack), so an ack stays far below the header limit whatever the ids' lengths."""
+    due = {f"r{i}": i % 3 for i in range(5000)}
+    ids, groups = wire.take_owner_hints(due)
+    assert ids == [f"r{i}" for i in range(4096)] and groups == [i % 3 for i in range(4096)] and len(due) == 904
+    assert wire.take_owner_hints(due)[0] == [f"r{i}" for i in range(4096, 5000)] and due == {}
+    long = {f"{i:04d}" + "x" * 1020: 1 for i in range(2000)}             # 1,024-byte ids (the longest allowed)
+    ids, _ = wire.take_owner_hints(long)
+    assert len(ids) == 1024 and len(long) == 976
+    head = wire.pack_header("ack", "p", 0, 0, "p", wire.producer_ack_body(wire.ProducerAck(1, 2,
+                                                                                       owners=(ids, [1] * 1024))))
+    assert len(head) < wire.MAX_HEADER_BYTES // 3 and wire.parse_producer_ack(wire.decode_header(head)).owners[0] == ids
+
+
 def test_ack_owner_hints_round_trip_and_bad_ones_are_refused():
     ack = wire.ProducerAck(3, 7, owners=(["a", "b"], [1, 2]))
     h = wire.decode_header(wire.pack_header("ack", "p", 0, 0, "p", wire.producer_ack_body(ack)))
