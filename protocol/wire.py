@@ -50,9 +50,10 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                                                           producer id
                 consumer -> broker      {broker = 0}
     bye         producer -> broker, consumer -> broker, trainer -> consumer: {}
-    ack         broker -> producer      key: the producer id; {epoch, upto[, rewind][, expect][, hello]}
-                                        (ProducerAck, producer_ack_body, parse_producer_ack); upto = -1: nothing
-                                        yet; expect and hello come only with rewind: true
+    ack         broker -> producer      key: the producer id; {epoch, upto[, rewind][, expect][, hello]
+                                        [, owners]} (ProducerAck, producer_ack_body, parse_producer_ack); upto = -1:
+                                        nothing yet; expect and hello come only with rewind: true; owners:
+                                        [[request ids], [owner groups]] (owner hints, take_owner_hints)
                 consumer -> broker      {link: [broker_epoch, gen, upto][, gap]} (LinkAck, link_ack_body,
                                         parse_link_ack)
     error       broker -> producer or consumer, consumer -> trainer: {reason[, refused_seq, epoch]}; refused_seq

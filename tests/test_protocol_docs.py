@@ -19,7 +19,7 @@ def _code_fields() -> set:
     src = src[src.index('"""', src.index('"""') + 3):]                      # the code, not the docstring
     fields = set(re.findall(r'(?:int_field\(\w+(?:\.body)?, |\.get\()"(\w+)"', src))
     fields |= set(wire.delta_body([0], [1], 4, 2, 1, 3))
-    fields |= set(wire.producer_ack_body(wire.ProducerAck(1, 2, True, 3, True)))
+    fields |= set(wire.producer_ack_body(wire.ProducerAck(1, 2, True, 3, True, (["r"], [1]))))
     fields |= set(wire.link_ack_body(wire.LinkAck(1, 2, 3, 4)))
     rec = wire.Record("r", wire.np.zeros((1, 1, 1), "<i2"), wire.np.zeros((1, 1, 1), "<i2"), 0,
                       wire.np.zeros(1, "<i4"), True)
