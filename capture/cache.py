@@ -52,6 +52,7 @@ import torch
 from routing_replay.capture import cudriver, ring_kernels
 
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)
+_compiling = torch.compiler.is_compiling
 
 
 def stamp_dtype(top_k: int):
@@ -300,9 +301,10 @@ class RoutingCache:
         complete = self._recorded == self.num_layers
         self._step_n, self._recorded = None, 0
         held = self._held
-        if self._held_count == self.num_layers and not self._held_mixed:
+        if self._held_count == self.num_layers and not self._held_mixed and not _compiling():
             # every layer held, same rows and dtype (every step of a model whose routers all recorded): one copy
-            # into the cached views of n rows, no per-layer slicing
+            # into the cached views of n rows, no per-layer slicing. Not while torch.compile traces the hooks (the
+            # CPU build compiles the MoE block): a dict keyed by the row count would specialize a dynamic size.
             m = self._held_sig[0]
             dsts = self._flush_views.get(m)
             if dsts is None:
