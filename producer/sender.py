@@ -260,8 +260,7 @@ class Sender:
             seq = self._replay.next_seq
             try:
                 enc, failed = encode_steps(items, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry,
-                                           (self.cfg.geometry.layer_hi - self.cfg.geometry.layer_lo,
-                                            self.cfg.geometry.top_k))
+                                           row_shape)
             except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
                 enc, failed = None, [(item, e) for item in items]
             for item, e in failed:
