@@ -1,5 +1,5 @@
 """The step ring's two Triton kernels (capture/ring_kernels.py says what they do). A module of its own so that
-Triton is imported only where they are asked for (ROUTING_REPLAY_RING_KERNELS=1 with a step ring)."""
+Triton is imported only where a step ring asks for them (ROUTING_REPLAY_RING_KERNELS is not 0)."""
 
 import triton
 import triton.language as tl

@@ -16,9 +16,13 @@ and a snapshot (docs/PERFORMANCE.md). Here the same writes are two kernels:
 Bits are moved as 64-bit lanes (top_k a multiple of 4) or 32-bit ones (even top_k), the stamps' own lane type.
 `available(device)` says whether Triton can run here; `check(device)` runs both kernels once on scratch memory of
 that device against the torch path and says whether the results are bit-exact (RoutingCache falls back to the
-torch kernels otherwise). Opt-in for now, ROUTING_REPLAY_RING_KERNELS=1: they are checked bit for bit against the
-torch path in Triton's CPU interpreter (TRITON_INTERPRET=1 runs the same kernels on CPU tensors: the tests do that
-on machines without a GPU) and on the device at start-up, but their GPU time is not measured yet.
+torch kernels otherwise). On by default (ROUTING_REPLAY_RING_KERNELS=0 turns them off). They are checked bit for
+bit against the torch path in Triton's CPU interpreter (TRITON_INTERPRET=1 runs the same kernels on CPU tensors:
+the tests do that on machines without a GPU), on CUDA by tests/test_capture_gpu.py, and on the device at start-up.
+Measured on the H100 host (session 23, vLLM 0.25.1, 16 layers, top-8, 256 tokens): stamp add + slot write 3.00 µs
+against 7.78 µs with the torch kernels, so a ring step's capture work on the compute stream is 3.88 µs, below the
+4.40 µs of stamps and a snapshot (docs/PERFORMANCE.md). With them, ROUTING_REPLAY_STEP_STAMP=auto (the default)
+uses the ring.
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ def _triton():
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernels are asked for (ROUTING_REPLAY_RING_KERNELS=1: opt-in until they are measured on a GPU)
+    """Whether the kernels are wanted (ROUTING_REPLAY_RING_KERNELS, `1` by default; `0` keeps the torch kernels)
     and can run on `device`: a CUDA device (or CPU under Triton's interpreter), and Triton importable."""
-    if os.environ.get("ROUTING_REPLAY_RING_KERNELS", "0") != "1":
+    if os.environ.get("ROUTING_REPLAY_RING_KERNELS", "1").strip() == "0":
         return False
     if not (device.type == "cuda" or (device.type == "cpu" and interpreting())):
         return False

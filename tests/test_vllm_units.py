@@ -100,14 +100,15 @@ def test_settings_embedded(env):
 def test_settings_step_stamp(env):
     env.setenv(settings.ENV_BROKER, "tcp://10.0.0.1:5557")
     s = settings.current()
-    assert (s.step_stamp, s.step_ring) == (True, False)     # on unless turned off
-    for raw, want in (("on", (True, False)), ("1", (True, False)), ("OFF", (False, False)), ("0", (False, False)),
-                      ("", (True, False)), ("Ring", (True, True))):
+    assert (s.step_stamp, s.step_ring, s.ring_needs_kernels) == (True, True, True)   # auto unless set
+    for raw, want in (("on", (True, False, False)), ("1", (True, False, False)), ("OFF", (False, False, False)),
+                      ("0", (False, False, False)), ("", (True, True, True)), ("Ring", (True, True, False)),
+                      (" AUTO ", (True, True, True))):
         env.setenv(settings.ENV_STEP_STAMP, raw)
         s = settings.current()
-        assert (s.step_stamp, s.step_ring) == want, raw
+        assert (s.step_stamp, s.step_ring, s.ring_needs_kernels) == want, raw
     env.setenv(settings.ENV_STEP_STAMP, "maybe")
-    with pytest.raises(ValueError, match="ROUTING_REPLAY_STEP_STAMP='maybe': choose on, off or ring"):
+    with pytest.raises(ValueError, match="ROUTING_REPLAY_STEP_STAMP='maybe': choose auto, on, off or ring"):
         settings.current()
 
 

@@ -10,17 +10,19 @@
     ROUTING_REPLAY_PREFIX_ROWS `sentinel` (default): a record's prompt rows below num_cached_tokens (prefix-cache
                               hits) are -1. `fill`: they carry the routing that computed the cached KV, from a
                               per-KV-slot store in the worker (docs/VLLM.md, "Prefix rows").
-    ROUTING_REPLAY_STEP_STAMP `on` (default): under CUDA graphs every step's rows carry a step stamp written inside
-                              the forward, checked against the engine's count of forwards (even top_k; odd top_k
-                              uses the fill). `off`: a -1 fill of the step's cache rows is launched on the engine
-                              thread before every step, so rows a lost hook did not write read -1: one launch more
-                              per step (docs/VLLM.md, "Step stamps"). `ring`: stamps, and the graphs' flush
-                              also copies the step's rows into a device step ring that the producer's thread reads:
-                              no launch at all on the engine thread for a captured step (one data-parallel rank,
-                              even top_k; else `on`; docs/VLLM.md, "Step ring").
-    ROUTING_REPLAY_RING_KERNELS `1`: with `ring`, the flush's stamp add and slot write run as two Triton kernels
-                              (capture/ring_kernels.py, read there; checked bit for bit at start-up); `0` (default):
-                              the torch kernels.
+    ROUTING_REPLAY_STEP_STAMP `auto` (default): `ring` where the step ring's Triton kernels run on the device (CUDA
+                              and Triton, checked bit for bit at start-up), else `on`. `on`: under CUDA graphs every
+                              step's rows carry a step stamp written inside the forward, checked against the
+                              engine's count of forwards (even top_k; odd top_k uses the fill). `off`: a -1 fill of
+                              the step's cache rows is launched on the engine thread before every step, so rows a
+                              lost hook did not write read -1: one launch more per step (docs/VLLM.md, "Step
+                              stamps"). `ring`: stamps, and the graphs' flush also copies the step's rows into a
+                              device step ring that the producer's thread reads: no launch at all on the engine
+                              thread for a captured step (one data-parallel rank, even top_k; else `on`; with the
+                              torch kernels where Triton's cannot run; docs/VLLM.md, "Step ring").
+    ROUTING_REPLAY_RING_KERNELS `1` (default): the step ring's stamp add and slot write run as two Triton kernels
+                              where they can (capture/ring_kernels.py, read there; checked bit for bit at start-up);
+                              `0`: the four torch kernels (then `auto` means `on`).
     ROUTING_REPLAY_CURVE_SECRET  external broker only: this engine's CURVE secret key file (NAME.key_secret, from
                               `routing-replay keys`); needs ROUTING_REPLAY_BROKER_KEY. The broker must allow-list
                               the matching public key (`--curve-allow`).
@@ -62,7 +64,8 @@ class Settings:
     broker_key: str | None = None
     prefix_rows: str = "sentinel"    # "fill": prefix-cached prompt rows carry real routing (PrefixStore)
     step_stamp: bool = True          # under CUDA graphs: step stamps instead of a -1 fill per step
-    step_ring: bool = False          # and the step ring (ROUTING_REPLAY_STEP_STAMP=ring)
+    step_ring: bool = True           # and the step ring (ROUTING_REPLAY_STEP_STAMP=ring, or auto)
+    ring_needs_kernels: bool = True  # auto: the ring only where its Triton kernels run (else stamps alone)
 
     @property
     def enabled(self) -> bool:
@@ -94,12 +97,13 @@ def _truthy(value: Any, what: str) -> bool:
 
 
 def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
-              broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "on") -> Settings:
-    ring = isinstance(step_stamp, str) and step_stamp.strip().lower() == "ring"
+              broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "auto") -> Settings:
+    mode = step_stamp.strip().lower() if isinstance(step_stamp, str) else step_stamp
+    ring, auto = mode in ("ring", "auto"), mode == "auto"
     try:
         stamp = ring or _truthy(step_stamp, ENV_STEP_STAMP)
     except ValueError:
-        raise ValueError(f"{ENV_STEP_STAMP}={step_stamp!r}: choose on, off or ring") from None
+        raise ValueError(f"{ENV_STEP_STAMP}={step_stamp!r}: choose auto, on, off or ring") from None
     if prefix_rows not in PREFIX_MODES:
         raise ValueError(f"{ENV_PREFIX_ROWS}={prefix_rows!r}: choose one of {', '.join(PREFIX_MODES)}")
     if requests not in REQUEST_MODES:
@@ -117,7 +121,7 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
         raise ValueError(f"{ENV_CURVE_SECRET}/{ENV_BROKER_KEY} apply to an external broker; the embedded pipeline "
                          f"talks to its broker over ipc inside this machine")
     return Settings(broker, npz_dir or None, serve or None, requests, curve_secret or None, broker_key or None,
-                    prefix_rows, stamp, ring)
+                    prefix_rows, stamp, ring, auto)
 
 
 _cache: tuple[tuple, Settings] | None = None
@@ -130,7 +134,7 @@ def current() -> Settings:
     raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
            env.get(ENV_REQUESTS, "all").strip().lower() or "all", env.get(ENV_CURVE_SECRET, "").strip(),
            env.get(ENV_BROKER_KEY, "").strip(), env.get(ENV_PREFIX_ROWS, "sentinel").strip().lower() or "sentinel",
-           env.get(ENV_STEP_STAMP, "on").strip().lower() or "on")
+           env.get(ENV_STEP_STAMP, "auto").strip().lower() or "auto")
     cached = _cache
     if cached is not None and cached[0] == raw:
         return cached[1]

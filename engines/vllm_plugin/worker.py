@@ -45,6 +45,7 @@ length) need no special case here.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots
+from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots, ring_kernels
 from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_dtype, stamp_lanes
 from routing_replay.capture.copier import ROW_DTYPE, launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
@@ -490,14 +491,22 @@ class WorkerCapture:
             if int(pc.data_parallel_size) > 1:
                 log.info("routing-replay: the step ring needs one data-parallel rank (data_parallel_size=%d): "
                          "step stamps without it", int(pc.data_parallel_size))
+            elif self.settings.ring_needs_kernels and not (ring_kernels.available(self.device)
+                                                           and ring_kernels.check(self.device)):
+                # auto: the ring's torch slot write costs the compute stream ~4 µs more per step than stamps and
+                # a snapshot (docs/PERFORMANCE.md, "Step ring"); with the Triton kernels it costs less
+                log.info("routing-replay: ROUTING_REPLAY_STEP_STAMP=auto: the step ring's Triton kernels do not "
+                         "run here (ROUTING_REPLAY_RING_KERNELS=%s): step stamps without the ring",
+                         os.environ.get("ROUTING_REPLAY_RING_KERNELS", "1"))
             else:
                 slots = STEP_RING_SLOTS
         self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device, stamp=stamp, slots=slots,
                                   slot_rows=ring_rows or None)
         if slots:
             log.info("routing-replay: step ring %d slots x %d rows (%.1f MiB on %s): steps of up to %d tokens "
-                     "launch nothing on the engine thread", slots, self.cache.slot_rows,
-                     self.cache.ring.numel() * 2 / 2**20, self.device, self.cache.slot_rows)
+                     "launch nothing on the engine thread; slot write: %s", slots, self.cache.slot_rows,
+                     self.cache.ring.numel() * 2 / 2**20, self.device, self.cache.slot_rows,
+                     "2 Triton kernels" if self.cache._kernels is not None else "4 torch kernels")
         # fill mode: prefix rows share the host ring with computed rows (a GRPO group's shared prompt arrives
         # n times in one step), so it gets room for more steps in flight
         self.copier = AsyncCopier(self.cache, num_slots=4 if self.fill else 2)
