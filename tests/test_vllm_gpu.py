@@ -431,13 +431,17 @@ def test_embedded_bfloat16_agreement_and_near_ties(env, tmp_path, results_dir):
     env.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all")
     env.pop("ROUTING_REPLAY_SERVE", None)
     env.pop("TRITON_F32_DEFAULT", None)
+    env.pop("ROUTING_REPLAY_STEP_STAMP", None)          # the plugin's defaults: auto, the ring's Triton kernels
+    env.pop("ROUTING_REPLAY_RING_KERNELS", None)
     model = tiny_model("qwen3_moe", dtype="bfloat16")
     llm = inprocess_llm(model, dtype="bfloat16", enforce_eager=ON_CPU, enable_prefix_caching=True,
                         max_model_len=2048, gpu_memory_utilization=GPU_MEM, kv_cache_memory_bytes=1 << 30)
     try:
         cfg = engine_config(llm.llm_engine.vllm_config)
         assert_defaults(cfg)
+        cap = capture_of(worker_of(llm))
         warm_outs, outs, recs = run_workload(llm, npz, 3)
+        ring_steps, kernels = cap.stats.ring_steps, cap.cache._kernels is not None
     finally:
         shutdown(llm)
     rep = near_tie_report(str(model), warm_outs + outs, recs)
@@ -446,4 +450,6 @@ def test_embedded_bfloat16_agreement_and_near_ties(env, tmp_path, results_dir):
     print("\n" + json.dumps({k: v for k, v in rep.items() if k != "examples"}))
     assert rep["sentinel_errors"] == 0
     assert rep["agreement"] > 0.9
+    if not ON_CPU:                  # auto under CUDA graphs: the step ring, its slot write as the Triton kernels
+        assert kernels and ring_steps > 0, (kernels, ring_steps)
     _free_gpu()

@@ -112,6 +112,45 @@ def test_settings_step_stamp(env):
         settings.current()
 
 
+_RING_SLOTS_SCRIPT = r'''
+import os, torch
+from routing_replay.engines.vllm_plugin import settings
+from routing_replay.engines.vllm_plugin.worker import ring_slots
+cpu = torch.device("cpu")
+out = []
+for kernels in ("1", "0"):
+    os.environ["ROUTING_REPLAY_RING_KERNELS"] = kernels
+    for mode in ("auto", "ring", "on"):
+        s = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp=mode)
+        out.append(f"{kernels}:{mode}:{ring_slots(s, cpu, 1)}:{ring_slots(s, cpu, 2)}")
+print(" ".join(out))
+'''
+
+
+def test_ring_slots_auto_takes_the_ring_only_where_its_triton_kernels_run(env):
+    """ROUTING_REPLAY_STEP_STAMP=auto (the default) gives the step ring only where its Triton kernels run and pass
+    their bit-for-bit check on the device (here: the CPU under Triton's interpreter, in a fresh process), `ring`
+    gives it with either kernels, and neither with more than one data-parallel rank; on a plain CPU (no
+    interpreter) `auto` means stamps alone."""
+    from routing_replay.engines.vllm_plugin.worker import STEP_RING_SLOTS, ring_slots
+    cpu = torch.device("cpu")
+    auto = settings._validate("tcp://127.0.0.1:1", None, None, "all")
+    assert (auto.step_stamp, auto.step_ring, auto.ring_needs_kernels) == (True, True, True)
+    ring = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="ring")
+    on = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="on")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        assert ring_slots(auto, cpu, 1) == 0                    # no CUDA, no interpreter: no kernels, no ring
+    assert (ring_slots(ring, cpu, 1), ring_slots(ring, cpu, 2), ring_slots(on, cpu, 1)) == (STEP_RING_SLOTS, 0, 0)
+    pytest.importorskip("triton")
+    e = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _RING_SLOTS_SCRIPT], env=e, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    S = STEP_RING_SLOTS
+    assert r.stdout.split() == [f"1:auto:{S}:0", f"1:ring:{S}:0", "1:on:0:0",
+                                "0:auto:0:0", f"0:ring:{S}:0", "0:on:0:0"], r.stdout
+
+
 # ---- request keys ----------------------------------------------------------------------------------------------
 
 

@@ -431,6 +431,25 @@ def _check_runner_supported(runner, kind: str, vc) -> None:
             "(VLLM_USE_V2_MODEL_RUNNER=0) for speculative decoding.")
 
 
+def ring_slots(settings: Settings, device: torch.device, data_parallel_size: int) -> int:
+    """The step ring's slots for a stamped engine whose settings ask for the ring (`ring`, or `auto`), or 0 with the
+    reason logged: the ring needs one data-parallel rank (its slots follow the engine's own count of forwards, and
+    dummy batches are forwards it does not count), and `auto` needs the ring's Triton kernels on `device` (the torch
+    slot write costs the compute stream ~4 µs more per step than stamps and a snapshot; docs/PERFORMANCE.md)."""
+    if not settings.step_ring:
+        return 0
+    if data_parallel_size > 1:
+        log.info("routing-replay: the step ring needs one data-parallel rank (data_parallel_size=%d): step stamps "
+                 "without it", data_parallel_size)
+        return 0
+    if settings.ring_needs_kernels and not (ring_kernels.available(device) and ring_kernels.check(device)):
+        log.info("routing-replay: ROUTING_REPLAY_STEP_STAMP=auto: the step ring's Triton kernels do not run on %s "
+                 "(ROUTING_REPLAY_RING_KERNELS=%s): step stamps without the ring", device,
+                 os.environ.get("ROUTING_REPLAY_RING_KERNELS", "1"))
+        return 0
+    return STEP_RING_SLOTS
+
+
 class WorkerCapture:
     """Own one worker's routing capture: the hooks bound to the model's routers, the RoutingCache they write,
     the AsyncCopier that snapshots each step's rows, the Sink (producer) that publishes them, and the map from
@@ -488,18 +507,7 @@ class WorkerCapture:
             largest = getattr(cc, "max_cudagraph_capture_size", None) or \
                 max(getattr(cc, "cudagraph_capture_sizes", None) or [512])
             ring_rows = min(int(largest), max_tokens)
-            if int(pc.data_parallel_size) > 1:
-                log.info("routing-replay: the step ring needs one data-parallel rank (data_parallel_size=%d): "
-                         "step stamps without it", int(pc.data_parallel_size))
-            elif self.settings.ring_needs_kernels and not (ring_kernels.available(self.device)
-                                                           and ring_kernels.check(self.device)):
-                # auto: the ring's torch slot write costs the compute stream ~4 µs more per step than stamps and
-                # a snapshot (docs/PERFORMANCE.md, "Step ring"); with the Triton kernels it costs less
-                log.info("routing-replay: ROUTING_REPLAY_STEP_STAMP=auto: the step ring's Triton kernels do not "
-                         "run here (ROUTING_REPLAY_RING_KERNELS=%s): step stamps without the ring",
-                         os.environ.get("ROUTING_REPLAY_RING_KERNELS", "1"))
-            else:
-                slots = STEP_RING_SLOTS
+            slots = ring_slots(self.settings, self.device, int(pc.data_parallel_size))
         self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device, stamp=stamp, slots=slots,
                                   slot_rows=ring_rows or None)
         if slots:
