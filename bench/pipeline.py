@@ -231,13 +231,15 @@ def consumer_proc(back, q, latency):
            state["record_bytes"], base_rss))
 
 
-def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes):
+def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, replay_bytes=None):
     import logging
     logging.basicConfig(level=logging.WARNING)
     from routing_replay.producer import Producer
     steps, tok = _steps(workload, n_steps)
     payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
     kw = {} if coalesce_bytes is None else {"coalesce_max_bytes": coalesce_bytes}
+    if replay_bytes is not None:
+        kw["replay_max_bytes"] = replay_bytes
     p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30, **kw)
     # warm-up, as an engine that connected at start-up: the first step's requests are opened and acked
     # (connection, hello round trip, the consumers' first allocations) before the clock starts
@@ -344,7 +346,7 @@ def _proc(ctx, target, args, name):
     return ctx.Process(target=target, args=args)
 
 
-def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
+def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_bytes=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()          # from workers
     go = ctx.Queue()         # to the sender
@@ -373,7 +375,8 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None):
         _wait(q, "ready", n_cons)
         time.sleep(0.5)       # let the consumers' hello reach the broker (bench only)
     if chain == "ours":
-        sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes), "producer")
+        sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes, replay_bytes),
+                       "producer")
     else:
         sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go))
     sender.start()
@@ -441,6 +444,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chains", default="raw,proxy,ours")
     ap.add_argument("--coalesce-bytes", type=int, default=None,
                     help="Producer coalesce_max_bytes (default: the Producer's; 0: one message per publish call)")
+    ap.add_argument("--replay-mib", type=int, default=None,
+                    help="the producers' replay_max_bytes in MiB (default: Producer's own): how much unacked data a "
+                         "producer keeps in flight to the consumers")
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--profile", metavar="DIR",
                     help="run the producer, broker and consumers of 'ours' under cProfile; stats and CPU seconds "
@@ -450,11 +456,12 @@ def main(argv=None) -> int:
         os.makedirs(a.profile, exist_ok=True)
         PROFILE_DIR[0] = os.path.abspath(a.profile)
     results = []
+    replay = a.replay_mib << 20 if a.replay_mib is not None else None
     workloads = [w for w in a.workloads.split(",") if w]       # --workloads "": the latency run alone
     for workload in workloads:
         steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
         for chain in a.chains.split(","):
-            r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes)
+            r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay)
             results.append(r)
             print(f"{workload:8s} {chain:6s} tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
                   f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']}"
@@ -463,7 +470,8 @@ def main(argv=None) -> int:
                      if chain == "ours" else ""),
                   flush=True)
     if not a.no_latency:
-        lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes)
+        lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes,
+                            replay_bytes=replay)
         results.append(lat)
         shown = {k: v for k, v in lat["latency"].items() if k != "per_step_ms"}
         print(f"latency at 100k tokens/s offered (decode steps of 256): {shown} "

@@ -21,6 +21,13 @@ from routing_replay.producer.sender import STOP, Sender, SenderSettings
 
 log = logging.getLogger("routing_replay.producer")
 
+# Unacked bytes a producer keeps in memory (beyond them, with spill_dir, a spill file). Acks come back only after
+# the consumers applied a message, so this is also how far a producer runs ahead of them: what can sit in their
+# receive queues. It must still cover the bytes sent in one ack round trip. bench/pipeline.py --replay-mib on a
+# 16-core host (docs/PERFORMANCE.md, session 23): 128 MiB kept throughput (decode 1.32M tokens/s, batched 1.77M)
+# with consumer RSS 1.02-1.05x its records, against 1.03-1.17x at 256 MiB; 64 MiB halved throughput there.
+REPLAY_MAX_BYTES = 128 << 20
+
 
 @dataclass
 class ProducerStats:
@@ -122,7 +129,7 @@ class Producer:
                  layer_range: tuple[int, int] | None = None, producer_id: str | None = None,
                  context: zmq.Context | None = None, max_queue_bytes: int = 256 << 20,
                  heartbeat_interval_ms: int = 1000, linger_ms: int = 2000, sndhwm: int = 10000,
-                 replay_max_bytes: int = 256 << 20, spill_dir: str | os.PathLike | None = None,
+                 replay_max_bytes: int = REPLAY_MAX_BYTES, spill_dir: str | os.PathLike | None = None,
                  spill_max_bytes: int = 4 << 30, resend_timeout_ms: int = 5000,
                  curve_secret: str | os.PathLike | None = None, server_key: str | os.PathLike | None = None,
                  silence_warn_after_ms: int = 3000, silence_warn_every_ms: int = 10_000,
