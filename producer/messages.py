@@ -6,6 +6,7 @@ Socket-free: `encode_announce`/`encode_step` turn a queue item into wire frames 
 
 from __future__ import annotations
 
+import sys
 import threading
 from itertools import chain
 from typing import Any, Iterable, NamedTuple, Sequence
@@ -160,11 +161,94 @@ class StepRows:
         return request_major(self._arrays, inverse)
 
 
+class OutPool:
+    """Memory for the producer thread's request-major copies, used again once nothing refers to it.
+
+    A merged message's rows are a fresh array of megabytes that the replay buffer holds until the consumers ack it;
+    a fresh allocation of that size comes from the OS every time, and its first touch (a page fault per 4 KiB) cost
+    more than the copy itself: 1.5-2.5 ms per 4 MB against 0.24 ms into memory in use (this VM; the merge was 0.77 s
+    of the producer thread's CPU in bench/pipeline.py's decode workload). So each copy of at least MIN_BYTES goes
+    into a view of a pooled root (a 1-D uint8 array, sized up to GRAIN). A root is reused only when CPython counts
+    no reference to it but the pool's own: every view of it, every memoryview or ZeroMQ frame made from one, holds
+    the root (numpy views refer to the array that owns the memory), so a root still sent, kept for replay, spilled
+    or handed to a caller is never written. Beyond MAX_FREE_BYTES of free roots the longest idle go back to the OS.
+    One pool per thread (`out_pool()`): no lock."""
+
+    MIN_BYTES = 256 << 10
+    GRAIN = 1 << 20
+    MAX_FREE_BYTES = 64 << 20
+
+    def __init__(self):
+        self.lent: list = []                # roots handed out as views
+        self.free: list = []                # roots nothing else refers to
+        self.free_bytes = 0
+        self.reused = 0                     # takes served from a free root
+
+    @staticmethod
+    def _unreferenced(roots: list) -> list:
+        """Indexes of the roots that only `roots` refers to."""
+        return [i for i, c in enumerate(_refcounts(roots)) if c <= _BASE]
+
+    def _collect(self) -> None:
+        idle = self._unreferenced(self.lent)
+        if not idle:
+            return
+        lent, keep = self.lent, []
+        idle_set = set(idle)
+        free = self.free
+        for i, r in enumerate(lent):
+            if i not in idle_set:
+                keep.append(r)
+            else:
+                free.append(r)
+                self.free_bytes += r.nbytes
+        self.lent = keep
+        while self.free_bytes > self.MAX_FREE_BYTES:      # the longest idle go back to the OS
+            self.free_bytes -= free.pop(0).nbytes
+
+    def empty(self, shape: tuple, dtype) -> np.ndarray:
+        """An uninitialised C-order array of `shape`, from a pooled root when it is large."""
+        dtype = np.dtype(dtype)
+        nbytes = dtype.itemsize * int(np.prod(shape))
+        if nbytes < self.MIN_BYTES:
+            return np.empty(shape, dtype)
+        self._collect()
+        root = None
+        for i, r in enumerate(self.free):
+            if nbytes <= r.nbytes <= 2 * nbytes:
+                root = self.free.pop(i)
+                self.free_bytes -= root.nbytes
+                self.reused += 1
+                break
+        if root is None:
+            root = np.empty(-(-nbytes // self.GRAIN) * self.GRAIN, np.uint8)
+        self.lent.append(root)
+        return root[:nbytes].view(dtype).reshape(shape)
+
+
+def _refcounts(roots: list) -> list:
+    return [sys.getrefcount(r) for r in roots]
+
+
+# what _refcounts reports for an array that only its list refers to (measured, not assumed: the same code)
+_BASE = _refcounts([np.empty(1, np.uint8)])[0]
+_pools = threading.local()
+
+
+def out_pool() -> OutPool:
+    """This thread's OutPool."""
+    p = getattr(_pools, "pool", None)
+    if p is None:
+        p = _pools.pool = OutPool()
+    return p
+
+
 def request_major(arrays: list, inverse: np.ndarray | None = None) -> np.ndarray:
     """Steps of n rows each (one (n, L, K) array per step) as one new C-order array, request-major: request i's rows
-    of every step in a row, then request i + 1's; with `inverse`, request i goes to place inverse[i]. One copy."""
+    of every step in a row, then request i + 1's; with `inverse`, request i goes to place inverse[i]. One copy, into
+    memory of this thread's OutPool."""
     n = arrays[0].shape[0]
-    out = np.empty((n, len(arrays), *arrays[0].shape[1:]), dtype=arrays[0].dtype)
+    out = out_pool().empty((n, len(arrays), *arrays[0].shape[1:]), arrays[0].dtype)
     if inverse is None:
         np.stack(arrays, axis=1, out=out)
     else:
@@ -215,7 +299,7 @@ class RequestMajor:
         if direct is not None:
             return direct(k) if self._inverse is None else direct(k, self._inverse)
         a = np.asarray(rows if isinstance(rows, np.ndarray) else rows.result())
-        out = np.empty(a.shape, dtype=a.dtype)
+        out = out_pool().empty(a.shape, a.dtype)
         n = a.shape[0] // k
         src = a.reshape(k, n, *a.shape[1:]).swapaxes(0, 1)
         if self._inverse is None:

@@ -669,3 +669,64 @@ class RowsLike:
 
     def result(self):
         return self.a
+
+
+def test_out_pool_reuses_memory_only_when_nothing_refers_to_it():
+    """OutPool (the request-major copies' memory): a root comes back only after every view of it is gone; while a
+    view, a memoryview or a ZeroMQ frame made from it is alive its bytes never change under another copy; the
+    copies are exact either way; free roots beyond the bound go back to the OS."""
+    import weakref
+    from routing_replay.producer.messages import OutPool, request_major, out_pool
+
+    pool = OutPool()
+    n, L, K = 256, 48, 8                                    # 196,608 B per step: 16 steps = 3 MiB, above MIN_BYTES
+    rng = np.random.default_rng(7)
+    steps = [rng.integers(0, 128, (n, L, K)).astype(np.int16) for _ in range(16)]
+    a = pool.empty((16 * n, L, K), np.int16)
+    a[...] = 5
+    first = weakref.ref(a.base)                             # no strong reference: the pool must see it free
+    held = {"view": a[3:9], "memoryview": memoryview(a), "frame": zmq.Frame(a, copy=False)}
+    del a
+    others = []                                             # kept: only the first root may come back
+    for name in list(held):
+        b = pool.empty((16 * n, L, K), np.int16)           # a new root while the old one is referred to
+        b[...] = 9
+        assert pool.reused == 0, name
+        others.append(b)
+        other = held.pop(name)
+        got = np.frombuffer(other.buffer if name == "frame" else other, np.int16)
+        assert (got == 5).all(), name                       # untouched by b's write
+        del other, got, b
+    # all views gone (pyzmq lets go of a zero-copy frame's buffer on its own thread, once libzmq is done with it):
+    # the next take of that size is served from that root
+    deadline = time.monotonic() + 5
+    while not any(pool.lent[i] is first() for i in pool._unreferenced(pool.lent)):
+        assert time.monotonic() < deadline, "the frame's buffer was never let go"
+        time.sleep(0.01)
+    c = pool.empty((16 * n, L, K), np.int16)
+    assert c.base is first()
+    assert pool.reused == 1 and len(pool.lent) == 4
+    del others
+    # a take of a size that does not fit (more than twice smaller) allocates anew
+    d = pool.empty((4 * n, L, K), np.int16)
+    assert pool.reused == 1 and d.base is not c.base
+    del c, d
+    # the bound: free roots above MAX_FREE_BYTES go back to the OS, the longest idle first
+    pool.MAX_FREE_BYTES = 4 << 20
+    pool.empty((1,), np.int16)                              # small: plain np.empty, no collection
+    e = pool.empty((2 * n, L, K), np.int16)                 # collects 4 free roots of 3 MiB and one of 1 MiB
+    assert pool.free_bytes == sum(r.nbytes for r in pool.free) <= 4 << 20 and pool.free, \
+        (pool.free_bytes, len(pool.free))
+    assert pool.reused == 1 and e.base.nbytes == 1 << 20    # too small for a 3 MiB root: its own 1 MiB one
+    del e
+    # the thread's pool behind request_major: exact, owner order applied, memory reused across calls
+    inverse = rng.permutation(n)
+    want = np.stack(steps, axis=1)
+    want_grouped = np.empty_like(want)
+    want_grouped[inverse] = want
+    before = out_pool().reused
+    for _ in range(3):
+        got = request_major(steps, inverse)
+        assert np.array_equal(got.reshape(n, 16, L, K), want_grouped)
+        del got
+    assert out_pool().reused >= before + 2
