@@ -700,7 +700,9 @@ def _print_summary(r: dict) -> None:
                 other = {"triton": "torch", "torch": "triton"}[g["ring_kernels"]]
                 print(f"    step ring: stamp add + slot write {g['stamp_slot_write_us']:.2f} us ({g['ring_kernels']}"
                       f" kernels, the engine's)" + (f", {g['stamp_slot_write_other_us']:.2f} us with the {other} "
-                      "ones" if "stamp_slot_write_other_us" in g else ""))
+                      "ones" if "stamp_slot_write_other_us" in g else "")
+                      + f"; a ring step's compute stream is the cache write alone, {g['fused_cache_write_us']:.2f} us "
+                      "(no snapshot runs for it)")
     m = r["memory"]
     dev, cache = m["device_cache_bytes"] + m["device_copier_bytes"], m["device_cache_bytes"]
     print(f"  memory: device {dev / 2**20:.1f} MiB (cache {cache / 2**20:.1f} + staging "
