@@ -34,6 +34,7 @@ import torch
 
 log = logging.getLogger("routing_replay.capture")
 
+ENV = "ROUTING_REPLAY_RING_KERNELS"     # `0`: the torch kernels; anything else (default `1`): these where they run
 _BLOCK = 1024                           # lanes per program (one compile per kernel: sizes are not specialized)
 _checked: dict = {}                     # device -> whether check() passed
 _module = None                          # capture/_ring_triton.py once imported; False: it cannot be
@@ -62,7 +63,7 @@ def _triton():
 def available(device: torch.device) -> bool:
     """Whether the kernels are wanted (ROUTING_REPLAY_RING_KERNELS, `1` by default; `0` keeps the torch kernels)
     and can run on `device`: a CUDA device (or CPU under Triton's interpreter), and Triton importable."""
-    if os.environ.get("ROUTING_REPLAY_RING_KERNELS", "1").strip() == "0":
+    if os.environ.get(ENV, "1").strip() == "0":
         return False
     if not (device.type == "cuda" or (device.type == "cpu" and interpreting())):
         return False

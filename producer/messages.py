@@ -190,19 +190,14 @@ class OutPool:
         return [i for i, c in enumerate(_refcounts(roots)) if c <= _BASE]
 
     def _collect(self) -> None:
-        idle = self._unreferenced(self.lent)
+        idle = set(self._unreferenced(self.lent))
         if not idle:
             return
-        lent, keep = self.lent, []
-        idle_set = set(idle)
-        free = self.free
-        for i, r in enumerate(lent):
-            if i not in idle_set:
-                keep.append(r)
-            else:
-                free.append(r)
-                self.free_bytes += r.nbytes
+        keep, free = [], self.free
+        for i, r in enumerate(self.lent):
+            (free if i in idle else keep).append(r)
         self.lent = keep
+        self.free_bytes = sum(r.nbytes for r in free)
         while self.free_bytes > self.MAX_FREE_BYTES:      # the longest idle go back to the OS
             self.free_bytes -= free.pop(0).nbytes
 

@@ -444,8 +444,8 @@ def ring_slots(settings: Settings, device: torch.device, data_parallel_size: int
         return 0
     if settings.ring_needs_kernels and not (ring_kernels.available(device) and ring_kernels.check(device)):
         log.info("routing-replay: ROUTING_REPLAY_STEP_STAMP=auto: the step ring's Triton kernels do not run on %s "
-                 "(ROUTING_REPLAY_RING_KERNELS=%s): step stamps without the ring", device,
-                 os.environ.get("ROUTING_REPLAY_RING_KERNELS", "1"))
+                 "(%s=%s): step stamps without the ring", device, ring_kernels.ENV,
+                 os.environ.get(ring_kernels.ENV, "1"))
         return 0
     return STEP_RING_SLOTS
 
