@@ -209,7 +209,8 @@ def cmd_consume(a) -> int:
                      stats_interval_s=a.stats_interval, ack_interval_ms=a.ack_interval_ms,
                      curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow,
                      remember_finished=a.remember_finished, fetched_retention_s=a.fetched_retention_s,
-                     fetched_retention_bytes=a.fetched_retention_mb << 20, write_retry_max_s=a.write_retry_max_s)
+                     fetched_retention_bytes=a.fetched_retention_mb << 20, write_retry_max_s=a.write_retry_max_s,
+                     keep_bytes=None if a.keep_mb is None else a.keep_mb << 20)
     except ValueError as e:
         return _die("consume", str(e))
     _on_signals(c.stop)
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory bound of the fetched records kept (MiB)")
     p.add_argument("--write-retry-max-s", type=float_above(0), default=2.0, metavar="S",
                    help="longest wait between retries of npz writes that failed (the wait doubles up to this)")
+    p.add_argument("--keep-mb", type=NON_NEGATIVE, default=None, metavar="MIB",
+                   help="memory of finished requests' rows kept for the next requests, so they write without page "
+                        "faults (MiB; default: the most held at once, at least 256)")
     p.add_argument("--broker-key", metavar="FILE", help="the broker's public cert (NAME.key), with --curve-secret")
     curve_server(p, "trainers on --serve")
     common(p)

@@ -17,8 +17,11 @@ spent from the start signal to the end of the run (`cpu_s`: the sender's own cou
 /proc/PID/stat). The producer coalesces steps that queue up behind its thread (Producer coalesce_max_bytes;
 --coalesce-bytes 0: one message per publish call, as before issue #16). --profile DIR: each process's CPU per
 thread, and cProfile stats of its main thread, in DIR (BENCH_PROFILE=threads: the thread CPU only).
+--batches N: each workload N times back to back as rollout batches (new request ids; each batch after the last
+one's records are out), the last one measured: N=2 is a long-running consumer's steady state, its record memory
+already faulted in (`--keep-mib`: the consumers' keep_bytes). Throughput, CPU and memory are the last batch's.
 Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
-       [--coalesce-bytes N] [--profile DIR]
+       [--coalesce-bytes N] [--replay-mib N] [--batches N] [--keep-mib N] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -120,9 +123,38 @@ def _steps(workload: str, n_steps: int):
     raise ValueError(f"unknown workload {workload!r}")
 
 
+def _batch(steps: list, b: int) -> list:
+    """The workload's steps as rollout batch b: the same steps under new request ids (batch 0: as they are). Id
+lists shared between steps stay shared, as the plugin's are."""
+    if not b:
+        return steps
+    lists: dict = {}
+
+    def ren(ids):
+        new = lists.get(id(ids))
+        if new is None:
+            new = lists[id(ids)] = (ids, [f"b{b}-{r}" for r in ids])
+        return new[1]
+
+    out = []
+    for st in steps:
+        per = st.per_step and ([ren(x) for x in st.per_step[0]], *st.per_step[1:])
+        out.append(Step(ren(st.ids), st.starts, st.counts, [(f"b{b}-{r}", n) for r, n in st.opens],
+                        [(f"b{b}-{r}", *rest) for r, *rest in st.finishes], per))
+    return out
+
+
+def _next_batch(q, go, b: int, batches: int) -> None:
+    """Before batch b (senders): the last batch is the measured one; the parent samples every process's CPU
+    there ("measure"), then says go."""
+    if b == batches - 1 and batches > 1:
+        q.put(("measure",))
+        go.get()
+
+
 # ---- processes ------------------------------------------------------------------------------------------------
 
-def raw_sender(ep, workload, n_steps, q):
+def raw_sender(ep, workload, n_steps, q, batches, report):
     import zmq
     from routing_replay.protocol import wire
     steps, tok = _steps(workload, n_steps)
@@ -132,14 +164,20 @@ def raw_sender(ep, workload, n_steps, q):
     s.setsockopt(zmq.SNDHWM, 1000)
     s.connect(ep)
     q.get()  # go
-    c0 = _self_cpu()
-    t0 = time.monotonic()
-    for i, st in enumerate(steps):
-        head = wire.pack_header("delta", "raw", 0, i, st.ids, wire.delta_body(st.starts, st.counts, L, K))
-        s.send_multipart([head, payload], copy=False)
+    seq = 0
+    for b in range(batches):
+        if b:
+            time.sleep(0.3)          # the last batch's bytes drain (the receivers stop after IDLE_S of silence)
+        _next_batch(report, q, b, batches)
+        c0 = _self_cpu()
+        t0 = time.monotonic()
+        for st in _batch(steps, b):
+            seq += 1
+            head = wire.pack_header("delta", "raw", 0, seq, st.ids, wire.delta_body(st.starts, st.counts, L, K))
+            s.send_multipart([head, payload], copy=False)
     s.close(linger=-1)
     ctx.term()
-    q.put(("sent", t0, _self_cpu() - c0))
+    report.put(("sent", t0, _self_cpu() - c0))
 
 
 def raw_receiver(ep, bind, q):
@@ -187,7 +225,7 @@ def broker_proc(front, back, q, stop):
     b.serve()
 
 
-def consumer_proc(back, q, latency):
+def consumer_proc(back, q, latency, stop=None, keep_bytes=None):
     import logging
     logging.basicConfig(level=logging.WARNING)
     import msgpack
@@ -218,20 +256,24 @@ def consumer_proc(back, q, latency):
         state["last"] = time.monotonic()
 
     state["record_bytes"] = 0
-    c = C(back, on_record=on_record, stats_interval_s=3600, finish_grace_s=0.5)
+    c = C(back, on_record=on_record, stats_interval_s=3600, finish_grace_s=0.5, keep_bytes=keep_bytes)
     c.start()
     base_rss = rss_mb()
     q.put(("ready", os.getpid()))
-    while True:
-        time.sleep(0.2)
-        if state["last"] is not None and time.monotonic() - state["last"] > IDLE_S:
+    stopping = False
+    while True:                 # until the parent says the producer is done (every message acked: applied here)
+        time.sleep(0.1)
+        if not stopping and stop is not None and not stop.empty():
+            stopping = bool(stop.get())
+        idle = time.monotonic() - state["last"] if state["last"] is not None else 0.0
+        if (stopping and idle > 0.3) or idle > (600 if stop is not None else IDLE_S):
             break
     c.close()
     q.put(("done", state["records"], state["last"], rss_mb(), state["held_peak"], recv_times,
            state["record_bytes"], base_rss))
 
 
-def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, replay_bytes=None):
+def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, replay_bytes, batches, report):
     import logging
     logging.basicConfig(level=logging.WARNING)
     from routing_replay.producer import Producer
@@ -247,30 +289,34 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, repla
         p.open(rid, prompt_len=prompt_len)
     p.wait_acked(60)
     q.get()  # go
-    c0 = _self_cpu()
-    send_times = {}
-    t0 = time.monotonic()
     step_s = tok / rate_tokens_s if rate_tokens_s else 0
-    for i, st in enumerate(steps):
-        if i:
-            for rid, prompt_len in st.opens:
-                p.open(rid, prompt_len=prompt_len)
-        if step_s:
-            target = t0 + i * step_s
-            while time.monotonic() < target:
-                time.sleep(max(0, target - time.monotonic() - 0.0002))
-        t = time.monotonic()
-        if st.per_step is not None:
-            p.publish_steps(*st.per_step, payload)
-        else:
-            p.publish_rows(st.ids, st.starts, st.counts, payload)
-        send_times[i] = t
-        for rid, n_out, prompt_len in st.finishes:
-            p.finish(rid, num_output_tokens=n_out, prompt_len=prompt_len)
+    for b in range(batches):
+        if b:                   # the last batch's records are out (acked: applied), its memory back in the arenas
+            p.flush(600)
+        _next_batch(report, q, b, batches)
+        c0 = _self_cpu()
+        send_times = {}
+        t0 = time.monotonic()
+        for i, st in enumerate(_batch(steps, b)):
+            if i or b:
+                for rid, prompt_len in st.opens:
+                    p.open(rid, prompt_len=prompt_len)
+            if step_s:
+                target = t0 + i * step_s
+                while time.monotonic() < target:
+                    time.sleep(max(0, target - time.monotonic() - 0.0002))
+            t = time.monotonic()
+            if st.per_step is not None:
+                p.publish_steps(*st.per_step, payload)
+            else:
+                p.publish_rows(st.ids, st.starts, st.counts, payload)
+            send_times[i] = t
+            for rid, n_out, prompt_len in st.finishes:
+                p.finish(rid, num_output_tokens=n_out, prompt_len=prompt_len)
     p.flush(600)
     stats = p.stats
     p.close()
-    q.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times, _self_cpu() - c0))
+    report.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times, _self_cpu() - c0))
 
 
 def _wait(q, kind, n, timeout=300):
@@ -346,11 +392,14 @@ def _proc(ctx, target, args, name):
     return ctx.Process(target=target, args=args)
 
 
-def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_bytes=None):
+def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_bytes=None, batches=1,
+                  keep_bytes=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()          # from workers
     go = ctx.Queue()         # to the sender
     stop = ctx.Queue()
+    told = ctx.Queue()       # from the sender: the measured batch starts
+    cstop = ctx.Queue()      # to our consumers: the producer is done
     procs = []
     fe, be = _port(), _port()
     if chain == "raw":
@@ -369,21 +418,30 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
             if chain == "proxy":
                 p = ctx.Process(target=raw_receiver, args=(be, False, q))
             else:
-                p = _proc(ctx, consumer_proc, (be, q, bool(rate)), "consumer")
+                p = _proc(ctx, consumer_proc, (be, q, bool(rate), cstop, keep_bytes), "consumer")
             p.start()
             procs.append(p)
         _wait(q, "ready", n_cons)
         time.sleep(0.5)       # let the consumers' hello reach the broker (bench only)
     if chain == "ours":
-        sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes, replay_bytes),
-                       "producer")
+        sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes, replay_bytes,
+                                            batches, told), "producer")
     else:
-        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go))
+        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go, batches, told))
     sender.start()
-    cpu0 = [_cpu(p.pid) for p in procs]
     go.put("go")
-    done = _wait(q, "done", n_cons, 900)
-    sent = go.get(timeout=60)
+    if batches > 1:
+        _wait(told, "measure", 1, 900)
+        go.put("go")
+    cpu0 = [_cpu(p.pid) for p in procs]
+    if chain == "ours":
+        sent = told.get(timeout=900)
+        for _ in range(n_cons):
+            cstop.put(True)
+        done = _wait(q, "done", n_cons, 900)
+    else:
+        done = _wait(q, "done", n_cons, 900)
+        sent = told.get(timeout=60)
     cpu1 = [_cpu(p.pid) for p in procs]
     sender.join()
     if chain == "ours":
@@ -397,7 +455,8 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     _, tok = _steps(workload, 1)
     tokens = tok * n_steps
     dt = t_end - t0
-    res = {"chain": chain, "workload": workload, "steps": n_steps, "tokens": tokens, "seconds": dt,
+    res = {"chain": chain, "workload": workload, "steps": n_steps, "batches": batches, "tokens": tokens,
+           "seconds": dt,
            "tokens_per_s": tokens / dt, "MB_per_s": tokens * ROW / dt / 1e6,
            "consumer_rss_mb": [round(d[3], 1) for d in done]}
     # CPU seconds each process spent from the start signal to the end of the run (the sender: its own count)
@@ -408,9 +467,11 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     if chain == "ours":
         res["records"] = sum(d[1] for d in done)
         res["held_peak_mb"] = [round(d[4] / 1e6, 1) for d in done]
-        res["record_mb"] = [round(d[6] / 1e6, 1) for d in done]
-        # peak RSS above the consumer's RSS at start, over the bytes of the records it assembled
-        res["rss_over_records"] = [round((d[3] - d[7]) * 1.048576 / max(d[6] / 1e6, 1e-9), 2) for d in done]
+        res["record_mb"] = [round(d[6] / 1e6 / batches, 1) for d in done]        # one batch's
+        # peak RSS above the consumer's RSS at start, over the bytes of the records it assembled (of one batch: the
+        # batches are alike and follow each other)
+        res["rss_over_records"] = [round((d[3] - d[7]) * 1.048576 / max(d[6] / 1e6 / batches, 1e-9), 2)
+                                   for d in done]
         res["dropped"] = sent[3]
         res["messages"] = sent[2]
         if rate:
@@ -447,6 +508,13 @@ def main(argv=None) -> int:
     ap.add_argument("--replay-mib", type=int, default=None,
                     help="the producers' replay_max_bytes in MiB (default: Producer's own): how much unacked data a "
                          "producer keeps in flight to the consumers")
+    ap.add_argument("--batches", type=int, default=1, metavar="N",
+                    help="run each workload N times back to back as rollout batches (new request ids each time, "
+                         "the next one after the last one's records are out) and measure the last: N=2 is the "
+                         "steady state of a long-running consumer, whose memory is already faulted in")
+    ap.add_argument("--keep-mib", type=int, default=None, metavar="N",
+                    help="the consumers' keep_bytes in MiB: memory of finished requests' rows kept for the next "
+                         "requests (default: the Consumer's own, the most held at once)")
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--profile", metavar="DIR",
                     help="run the producer, broker and consumers of 'ours' under cProfile; stats and CPU seconds "
@@ -461,9 +529,11 @@ def main(argv=None) -> int:
     for workload in workloads:
         steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
         for chain in a.chains.split(","):
-            r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay)
+            r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay,
+                              batches=a.batches, keep_bytes=None if a.keep_mib is None else a.keep_mib << 20)
             results.append(r)
-            print(f"{workload:8s} {chain:6s} tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
+            print(f"{workload:8s} {chain:6s}" + (f" batch {a.batches}/{a.batches}" if a.batches > 1 else "")
+                  + f" tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
                   f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']}"
                   + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
                      f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"

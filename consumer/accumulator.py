@@ -165,8 +165,8 @@ class _Shape:
 
     __slots__ = ("arena", "handle")
 
-    def __init__(self, row_bytes: int):
-        self.arena = Arena(row_bytes)
+    def __init__(self, row_bytes: int, keep_bytes: int | None = None):
+        self.arena = Arena(row_bytes, keep_bytes=keep_bytes)
         self.handle: dict[str, int] = {}
 
 
@@ -216,9 +216,14 @@ class Accumulator:
 
     def __init__(self, *, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
                  max_positions: int = 1 << 21, max_bytes: int = 16 << 30, max_record_bytes: int = 4 << 30,
-                 remember_finished: int = 100_000):
+                 remember_finished: int = 100_000, keep_bytes: int | None = None):
+        # keep_bytes: pages of finished requests' rows kept for the next requests (consumer.arena; None: up to the
+        # most held at once, at least arena.KEEP_BYTES)
         if remember_finished < 0:
             raise ValueError(f"remember_finished must be >= 0, got {remember_finished}")
+        if keep_bytes is not None and keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0 or None, got {keep_bytes}")
+        self.keep_bytes = keep_bytes
         self.finish_grace_s = finish_grace_s
         self.request_timeout_s = request_timeout_s
         self.max_positions = max_positions
@@ -344,7 +349,7 @@ class Accumulator:
         shape = (L, K, d.layer_lo, d.layer_hi)
         sh = self._shapes.get(shape)
         if sh is None:
-            sh = self._shapes[shape] = _Shape(rb)
+            sh = self._shapes[shape] = _Shape(rb, self.keep_bytes)
         # the frames are read in place: their boundaries fall on request boundaries (check_payload), so an entry's
         # rows never straddle two frames (a broker's split sends one frame per run of requests)
         bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]

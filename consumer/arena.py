@@ -12,8 +12,11 @@ twice as large (its rows copied once).
 Records: `lease(h, m)` hands positions [0, m) of handle h out as an object numpy arrays can wrap
 (`__array_interface__`; every view keeps it alive). `detach(h)` gives the handle back but leaves its region with
 the lease: once the last view of the record is gone (any thread), the region returns to the free list. Freed
-regions keep their pages (the next request reuses them without page faults) up to `keep_bytes` in all; beyond
-that their pages go back to the OS (MADV_DONTNEED).
+regions keep their pages (the next request reuses them without page faults) up to `keep_limit` in all; beyond
+that their pages go back to the OS (MADV_DONTNEED). `keep_bytes=None` (the default) makes the limit the most this
+arena has held at once (`peak_bytes`), at least KEEP_BYTES: a consumer that served one rollout batch serves the next
+from the pages it already has, and its memory does not go above what that batch took (a first touch costs a page
+fault per 4 KiB: 2-3 us each on a VM, more than the copy that writes the row; bench/pipeline.py --batches).
 
 Memory: what a request's rows take, rounded up to a page, plus 8 x 6 bytes of bookkeeping per handle.
 """
@@ -30,7 +33,7 @@ _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("l
 _PAGE = mmap.PAGESIZE
 SPACE_BYTES = (1 << 40, 1 << 36, 1 << 33, 1 << 30)   # reservation sizes tried in turn (strict overcommit: smaller)
 MIN_REGION_BYTES = 32 << 20                         # virtual: costs nothing until written
-KEEP_BYTES = 256 << 20                               # pages of freed regions kept for reuse
+KEEP_BYTES = 256 << 20                               # pages of freed regions kept for reuse (at least)
 _GAP = 1                                             # rows between spaces' numbers, so no run crosses two
 
 
@@ -57,7 +60,8 @@ class _Space:
 
 
 class _Lease:
-    """Positions [0, m) of one region, for numpy to wrap; the region is freed when this goes, if armed."""
+    """Positions [0, m) of one region, for numpy to wrap; the region is freed when this goes, if armed. `region`:
+    (space index, flat start, cap, rows ever written, m)."""
 
     __slots__ = ("__array_interface__", "_space", "_freed", "_region", "armed", "__weakref__")
 
@@ -84,13 +88,13 @@ class Arena:
     handle's high-water position; block_bytes is one row).
     """
 
-    def __init__(self, row_bytes: int, min_region_bytes: int = MIN_REGION_BYTES, keep_bytes: int = KEEP_BYTES,
+    def __init__(self, row_bytes: int, min_region_bytes: int = MIN_REGION_BYTES, keep_bytes: int | None = None,
                  space_bytes: tuple = SPACE_BYTES):
         self.row_bytes = row_bytes
         self.block_bytes = row_bytes
         self.vdt = np.dtype((np.void, row_bytes))
         self.min_region_rows = 1 << max(4, (max(1, min_region_bytes // row_bytes) - 1).bit_length())
-        self.keep_bytes = keep_bytes
+        self.keep_bytes = keep_bytes                     # None: up to the peak held (keep_limit)
         self.space_bytes = space_bytes
         self.spaces: list[_Space] = []
         self._firsts = np.zeros(0, dtype=np.int64)
@@ -106,6 +110,8 @@ class Arena:
         self._free_handles: list[int] = []
         self._next_handle = 0
         self.live_blocks = 0
+        self.leased_blocks = 0                           # rows of records handed out (detach) not yet gone
+        self.peak_blocks = 0                             # the most live_blocks + leased_blocks has been
         self.regions_grown = 0
         self.regions_returned = 0
 
@@ -147,6 +153,9 @@ class Arena:
         freed = int(self.alloc[h]) * self.row_bytes
         lease.armed = True
         self._drop_handle(h)
+        self.leased_blocks += lease._region[4]        # the record's rows, its -1 tail included, until it goes
+        if self.live_blocks + self.leased_blocks > self.peak_blocks:
+            self.peak_blocks = self.live_blocks + self.leased_blocks
         return freed
 
     def _drop_handle(self, h: int) -> None:
@@ -162,6 +171,17 @@ class Arena:
     @property
     def held_bytes(self) -> int:
         return self.live_blocks * self.row_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_blocks * self.row_bytes
+
+    @property
+    def keep_limit(self) -> int:
+        """Bytes of freed regions' pages kept for reuse: keep_bytes, or (None) the peak held, at least KEEP_BYTES."""
+        if self.keep_bytes is not None:
+            return self.keep_bytes
+        return max(KEEP_BYTES, self.peak_blocks * self.row_bytes)
 
     # ---- regions ------------------------------------------------------------------------------------------------
 
@@ -211,7 +231,7 @@ class Arena:
 
     def _free_region(self, region: tuple) -> None:
         si, flat, cap, hw = region
-        if hw and self.kept_bytes + hw * self.row_bytes > self.keep_bytes:
+        if hw and self.kept_bytes + hw * self.row_bytes > self.keep_limit:
             self._give_back(si, flat, hw)
             hw = 0
         self.kept_bytes += hw * self.row_bytes
@@ -232,7 +252,9 @@ class Arena:
         """Put the regions of records whose views are all gone back on the free lists."""
         q = self._freed
         while q:
-            self._free_region(q.popleft())
+            *region, m = q.popleft()
+            self.leased_blocks -= m
+            self._free_region(tuple(region))
 
     def _grow(self, h: int, need: int) -> None:
         """Move handle h to a region of at least `need` rows, copying its positions [0, n)."""
@@ -258,6 +280,8 @@ class Arena:
         if up.any():
             self.alloc[hs[up]] = upto[up]
             self.live_blocks += int(inc[up].sum())
+            if self.live_blocks + self.leased_blocks > self.peak_blocks:
+                self.peak_blocks = self.live_blocks + self.leased_blocks
 
     def append_one(self, hd: np.ndarray) -> np.ndarray:
         """One row for each of the distinct handles hd at its position n: returns the flat row of each, and moves
@@ -319,7 +343,7 @@ class Arena:
         if m > self.cap[h]:
             self._grow(h, m)
         s = self.spaces[int(self.sp[h])]
-        return _Lease(s, self._freed, self._region(h, m), shape,
+        return _Lease(s, self._freed, (*self._region(h, m), m), shape,
                       s.addr + (int(self.base[h]) - s.first) * self.row_bytes)
 
     def write(self, h: int, start: int, src: np.ndarray) -> None:

@@ -131,7 +131,7 @@ class Consumer(ServiceThread):
                  ack_interval_ms: int = 20, curve_secret: str | None = None, broker_key: str | None = None,
                  curve_allow: str | None = None, remember_finished: int = 100_000,
                  fetched_retention_s: float = 600.0, fetched_retention_bytes: int = 256 << 20,
-                 write_retry_max_s: float = 2.0):
+                 write_retry_max_s: float = 2.0, keep_bytes: int | None = None):
         self.connect = connect
         self.consumer_id = consumer_id or default_peer_id("consumer")
         if not 0 < len(self.consumer_id.encode()) <= 255:
@@ -147,7 +147,7 @@ class Consumer(ServiceThread):
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.epoch = time.time_ns() // 1000       # this incarnation: the broker forgets what the last one held
         self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
-                               max_bytes=max_bytes, remember_finished=remember_finished)
+                               max_bytes=max_bytes, remember_finished=remember_finished, keep_bytes=keep_bytes)
         self.writer = NpzWriter(npz_dir, shard_size, hold_max_bytes=store_max_bytes, spill_dir=spill_dir,
                                 retry_max_s=write_retry_max_s) if npz_dir else None
         self.store = RecordStore(store_max_bytes, spill_dir) if serve else None

@@ -470,7 +470,7 @@ def test_rows_spread_over_many_spaces_and_grown_regions(monkeypatch):
     times each) and land in several spaces; a message's rows go to several spaces; every record is exact."""
     from routing_replay.consumer import accumulator, arena
     monkeypatch.setattr(accumulator, "Arena",
-                        lambda rb: arena.Arena(rb, min_region_bytes=16 * rb, space_bytes=(64 * rb,)))
+                        lambda rb, **kw: arena.Arena(rb, min_region_bytes=16 * rb, space_bytes=(64 * rb,), **kw))
     f = Feed()
     specs = {f"r{i}": 30 + i for i in range(7)}
     P, G = 45, 60                   # prefill rows go a region at a time, decode rows one by one
@@ -555,8 +555,8 @@ def test_freed_pages_beyond_keep_bytes_go_back_to_the_os(monkeypatch):
     (MADV_DONTNEED) and the region reads as zeros; records written there afterwards are still exact."""
     from routing_replay.consumer import accumulator, arena
     rb = L * K * 2
-    monkeypatch.setattr(accumulator, "Arena", lambda rb: arena.Arena(rb, min_region_bytes=1 << 16,
-                                                                     keep_bytes=3 << 14))
+    monkeypatch.setattr(accumulator, "Arena", lambda rb, keep_bytes=None: arena.Arena(
+        rb, min_region_bytes=1 << 16, keep_bytes=3 << 14))
     f = Feed()
     P = (1 << 16) // rb - 1                       # each request fills its 64 KiB region
     for i in range(4):
@@ -577,6 +577,49 @@ def test_freed_pages_beyond_keep_bytes_go_back_to_the_os(monkeypatch):
         check(f.out.pop(f"s{i}"), 20 + i, 100, 1, 0)
     f.tick(0.0)
     assert a.regions_returned == 4 and a.kept_bytes == 101 * rb and a.spaces[0].top == 4 * a.min_region_rows
+
+
+def test_freed_pages_are_kept_up_to_the_peak_held_so_the_next_batch_reuses_them(monkeypatch):
+    """keep_bytes=None (the default): freed regions keep their pages up to the most the arena held at once, so a
+    second batch of requests as large as the first writes into pages it already has (no region returned to the
+    OS, no new region carved) and its records are exact; a fixed keep_bytes below that returns the rest."""
+    from routing_replay.consumer import accumulator, arena
+    rb = L * K * 2
+    monkeypatch.setattr(arena, "KEEP_BYTES", 0)             # the limit is the peak alone
+    made = []
+
+    def make(rb, keep_bytes=None):
+        made.append(arena.Arena(rb, min_region_bytes=1 << 16, keep_bytes=keep_bytes))
+        return made[-1]
+
+    monkeypatch.setattr(accumulator, "Arena", make)
+    P = (1 << 16) // rb - 1                       # each request fills its 64 KiB region
+
+    def batch(f, tag, seed0):
+        for i in range(4):
+            f.open(f"{tag}{i}", P)
+            f.delta([(f"{tag}{i}", 0, rows(seed0 + i, 0, P))])
+        for i in range(4):
+            f.finish(f"{tag}{i}", 1)
+            check(f.out.pop(f"{tag}{i}"), seed0 + i, P, 1, 0)
+        f.tick(0.0)                               # the consumer's poll takes the freed regions back
+
+    f = Feed()
+    batch(f, "a", 0)
+    a = made[-1]
+    R = P + 1                                     # a record's rows: its -1 tail (the output token) is written too
+    assert a.peak_bytes == 4 * R * rb and a.keep_limit == 4 * R * rb and a.leased_blocks == 0
+    assert a.regions_returned == 0 and a.kept_bytes == 4 * R * rb and a.spaces[0].top == 4 * a.min_region_rows
+    batch(f, "b", 10)
+    assert a.regions_returned == 0 and a.kept_bytes == 4 * R * rb and a.spaces[0].top == 4 * a.min_region_rows
+    assert a.peak_bytes == 4 * R * rb
+
+    g = Feed(keep_bytes=2 * R * rb)
+    batch(g, "c", 20)
+    b = made[-1]
+    assert b.keep_limit == 2 * R * rb and b.regions_returned == 2 and b.kept_bytes == 2 * R * rb
+    with pytest.raises(ValueError, match="keep_bytes"):
+        Accumulator(keep_bytes=-1)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -51,6 +51,7 @@ CASES = [
     (["subscribe", "--count", "-1"], "routing-replay subscribe: argument --count: invalid value -1: must be >= 0"),
     (["broker", "--liveness", "0"], "routing-replay broker: argument --liveness: invalid value 0: must be >= 1"),
     (["broker", "--heartbeat-ms", "x"], "routing-replay broker: argument --heartbeat-ms: invalid integer 'x'"),
+    (["consume", "--keep-mb", "-1"], "routing-replay consume: argument --keep-mb: invalid value -1: must be >= 0"),
     (["consume", "--stats-interval", "-1"],
      "routing-replay consume: argument --stats-interval: invalid value -1: must be > 0"),
     (["keys", "{file}/k", "--name", "n"],

@@ -1,0 +1,497 @@
+"""Benchmark producer -> broker -> 2 consumers against raw ZeroMQ and a zmq.proxy chain, in one run.
+
+Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workloads (one publish_rows call each):
+  decode  : steps of 256 requests x 1 token (one message per step, split across the two consumers)
+  prefill : steps of 4 requests x 2048 tokens
+  batched : the vLLM plugin's message: 16 engine steps of 256 requests x 1 token, published as the plugin does
+            (Producer.publish_steps with per-step references; the raw/proxy chains send one header of 256 entries)
+  mixed   : 16 engine steps of (240 decode requests x 1 token + a new request's 512-token prefill), the 16 prefill
+            requests finishing after each message (new requests every message)
+Chains (each role a separate process, loopback tcp):
+  raw     : PUSH -> PULL, the same frames, the consumer only counts bytes (the wire's limit)
+  proxy   : PUSH -> zmq.proxy(PULL, PUSH) -> 2 x PULL counting bytes (libzmq's C forwarder: one hop's limit)
+  ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
+Then latency: ours at an offered load of 100k tokens/s (decode steps), p50/p99 from publish() to applied.
+Peak RSS of broker and consumers is reported, and the CPU seconds (user + system, all threads) each process
+spent from the start signal to the end of the run (`cpu_s`: the sender's own count, the others' from
+/proc/PID/stat). The producer coalesces steps that queue up behind its thread (Producer coalesce_max_bytes;
+--coalesce-bytes 0: one message per publish call, as before issue #16). --profile DIR: each process's CPU per
+thread, and cProfile stats of its main thread, in DIR (BENCH_PROFILE=threads: the thread CPU only).
+Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
+       [--coalesce-bytes N] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+L, K = 48, 8
+ROW = L * K * 2
+IDLE_S = 1.0
+
+
+def _self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _stat(path: str) -> tuple:
+    """(name, CPU seconds: user + system) from a /proc .../stat file."""
+    with open(path) as f:
+        head, rest = f.read().rsplit(")", 1)
+    fields = rest.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of a child process, alive or exited but not yet reaped."""
+    try:
+        return _stat(f"/proc/{pid}/stat")[1]
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Step(NamedTuple):
+    ids: list
+    starts: list
+    counts: list
+    opens: list               # (request id, prompt_len) to open before this step
+    finishes: list            # (request id, num_output, prompt_len) to finish after it
+    per_step: tuple | None = None   # (id lists, starts, counts) per engine step: ours publishes with publish_steps
+
+
+def _steps(workload: str, n_steps: int):
+    """The workload as a list of Steps (one publish_rows call each) and the tokens per step."""
+    if workload == "decode":
+        ids = [f"cmpl-{i:08x}-decode-request" for i in range(256)]
+        steps = [Step(ids, [s] * 256, [1] * 256, [], []) for s in range(n_steps)]
+        steps[0].opens.extend((r, 1) for r in ids)
+        steps[-1].finishes.extend((r, n_steps, 1) for r in ids)
+        return steps, 256
+    if workload == "prefill":
+        per = 2048
+        steps = []
+        for s in range(n_steps):
+            ids = [f"cmpl-{s:06d}-{j}-prefill-request" for j in range(4)]
+            steps.append(Step(ids, [0] * 4, [per] * 4, [(r, per) for r in ids], [(r, 1, per) for r in ids]))
+        return steps, 4 * per
+    if workload == "batched":
+        ids = [f"cmpl-{i:08x}-decode-request" for i in range(256)]
+        # ours: Producer.publish_steps, as the plugin calls it (16 references to one id list; per step its starts
+        # and counts as arrays). raw/proxy: the same information in one header, one entry of 16 rows per request
+        # (what ours sends since the producer merges such steps; before, ours sent 4096 entries of one row).
+        ones = np.ones(256, dtype=np.int64)
+        steps = [Step(ids, [16 * m] * 256, [16] * 256, [], [],
+                      ([ids] * 16, [np.full(256, 16 * m + k, dtype=np.int64) for k in range(16)], [ones] * 16))
+                 for m in range(n_steps)]
+        steps[0].opens.extend((r, 1) for r in ids)
+        steps[-1].finishes.extend((r, 16 * n_steps, 1) for r in ids)
+        return steps, 4096
+    if workload == "mixed":
+        dec = [f"cmpl-{i:08x}-decode-request" for i in range(240)]
+        steps = []
+        for m in range(n_steps):
+            ids, starts, counts, opens, fins = [], [], [], [], []
+            for k in range(16):
+                new = f"cmpl-{m:06d}-{k:02d}-prefill-request"
+                ids += dec + [new]
+                starts += [16 * m + k] * 240 + [0]
+                counts += [1] * 240 + [512]
+                opens.append((new, 512))
+                fins.append((new, 1, 512))
+            steps.append(Step(ids, starts, counts, opens, fins))
+        steps[0].opens.extend((r, 1) for r in dec)
+        steps[-1].finishes.extend((r, 16 * n_steps, 1) for r in dec)
+        return steps, 16 * (240 + 512)
+    raise ValueError(f"unknown workload {workload!r}")
+
+
+# ---- processes ------------------------------------------------------------------------------------------------
+
+def raw_sender(ep, workload, n_steps, q):
+    import zmq
+    from routing_replay.protocol import wire
+    steps, tok = _steps(workload, n_steps)
+    payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 1000)
+    s.connect(ep)
+    q.get()  # go
+    c0 = _self_cpu(); m0 = time.thread_time()
+    t0 = time.monotonic()
+    for i, st in enumerate(steps):
+        head = wire.pack_header("delta", "raw", 0, i, st.ids, wire.delta_body(st.starts, st.counts, L, K))
+        s.send_multipart([head, payload], copy=False)
+    s.close(linger=-1)
+    ctx.term()
+    q.put(("sent", t0, _self_cpu() - c0))
+
+
+def raw_receiver(ep, bind, q):
+    import zmq
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 1000)
+    (s.bind if bind else s.connect)(ep)
+    q.put(("ready", os.getpid()))
+    n = 0
+    last = None
+    while True:
+        if not s.poll(int(IDLE_S * 1000)):
+            if last is not None:
+                break
+            continue
+        for f in s.recv_multipart(copy=False):
+            n += len(f.buffer)
+        last = time.monotonic()
+    q.put(("done", n, last, rss_mb()))
+
+
+def proxy_proc(front, back, q):
+    import zmq
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    a.bind(front)
+    b.bind(back)
+    q.put(("ready", os.getpid()))
+    try:
+        zmq.proxy(a, b)
+    except zmq.ContextTerminated:
+        pass
+
+
+def broker_proc(front, back, q, stop):
+    import logging
+    logging.basicConfig(level=logging.INFO)
+    from routing_replay.broker import Broker
+    b = Broker(front, back, stats_interval_s=2)
+    b.bind()
+    q.put(("ready", os.getpid()))
+    import threading
+    threading.Thread(target=lambda: (stop.get(), b.stop()), daemon=True).start()
+    b.serve()
+
+
+def consumer_proc(back, q, latency):
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    import msgpack
+    from routing_replay.consumer import Consumer
+    recv_times = {}
+    state = {"records": 0, "last": None, "held_peak": 0}
+
+    class C(Consumer):
+        def _on_broker_message(self, frames, now):
+            super()._on_broker_message(frames, now)
+            if latency:              # decode steps: step i writes position i of every request
+                h = msgpack.unpackb(frames[0].buffer)
+                if h[1] == "delta":
+                    t = time.monotonic()
+                    # dict.fromkeys, not np.unique: numpy 2's unique imports numpy.ma on its first call (80 ms
+                    # on a host without that module's .pyc), which stalled the first steps of this measurement
+                    # every position an entry carries (a merged decode entry carries several steps)
+                    starts = np.frombuffer(h[6]["start"], "<i4")
+                    counts = np.frombuffer(h[6]["count"], "<i4")
+                    for a, c in dict.fromkeys(zip(starts.tolist(), counts.tolist())):
+                        for pos in range(a, a + c):
+                            recv_times.setdefault(pos, t)
+            state["held_peak"] = max(state["held_peak"], self.acc.bytes_held)
+
+    def on_record(rec):
+        state["records"] += 1
+        state["record_bytes"] += rec.prompt_routed_experts.nbytes + rec.routed_experts.nbytes
+        state["last"] = time.monotonic()
+
+    state["record_bytes"] = 0
+    c = C(back, on_record=on_record, stats_interval_s=3600, finish_grace_s=0.5)
+    c.start()
+    base_rss = rss_mb()
+    q.put(("ready", os.getpid()))
+    while True:
+        time.sleep(0.2)
+        if state["last"] is not None and time.monotonic() - state["last"] > IDLE_S:
+            break
+    c.close()
+    q.put(("done", state["records"], state["last"], rss_mb(), state["held_peak"], recv_times,
+           state["record_bytes"], base_rss))
+
+
+def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, replay_bytes=None):
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    from routing_replay.producer import Producer
+    sys.path.insert(0, '/tmp'); import rmp_mod
+    steps, tok = _steps(workload, n_steps)
+    payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
+    kw = {} if coalesce_bytes is None else {"coalesce_max_bytes": coalesce_bytes}
+    if replay_bytes is not None:
+        kw["replay_max_bytes"] = replay_bytes
+    p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30, **kw)
+    # warm-up, as an engine that connected at start-up: the first step's requests are opened and acked
+    # (connection, hello round trip, the consumers' first allocations) before the clock starts
+    for rid, prompt_len in steps[0].opens:
+        p.open(rid, prompt_len=prompt_len)
+    p.wait_acked(60)
+    q.get()  # go
+    c0 = _self_cpu(); m0 = time.thread_time()
+    send_times = {}
+    t0 = time.monotonic()
+    step_s = tok / rate_tokens_s if rate_tokens_s else 0
+    for i, st in enumerate(steps):
+        if i:
+            for rid, prompt_len in st.opens:
+                p.open(rid, prompt_len=prompt_len)
+        if step_s:
+            target = t0 + i * step_s
+            while time.monotonic() < target:
+                time.sleep(max(0, target - time.monotonic() - 0.0002))
+        t = time.monotonic()
+        if st.per_step is not None:
+            p.publish_steps(*st.per_step, payload)
+        else:
+            p.publish_rows(st.ids, st.starts, st.counts, payload)
+        send_times[i] = t
+        for rid, n_out, prompt_len in st.finishes:
+            p.finish(rid, num_output_tokens=n_out, prompt_len=prompt_len)
+    m1 = time.thread_time()
+    p.flush(600)
+    stats = p.stats
+    p.close()
+    rmp_mod.report(m1 - m0)
+    q.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times, _self_cpu() - c0))
+
+
+def _wait(q, kind, n, timeout=300):
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        m = q.get(timeout=max(1, deadline - time.monotonic()))
+        if m[0] != kind:
+            raise RuntimeError(f"expected {kind}, got {m[0]}")
+        out.append(m)
+    return out
+
+
+_next_port = [int(os.environ.get("BENCH_PORT_BASE", 47100))]
+
+
+def _port() -> str:
+    """A fresh loopback port per socket, so a chain never waits for the last chain's sockets to go."""
+    _next_port[0] += 1
+    return f"tcp://127.0.0.1:{_next_port[0]}"
+
+
+def _thread_cpu() -> dict:
+    """{thread id: (name, CPU seconds)} of this process's live threads."""
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            out[task] = _stat(f"/proc/self/task/{task}/stat")
+        except OSError:
+            continue
+    return out
+
+
+def _profiled(target, name, profile_dir, *args):
+    """Run one role with its CPU seconds per thread (sampled every 0.1 s, so threads that end are counted) in
+    profile_dir/<name>-<pid>.cpu, and under cProfile (main thread) unless BENCH_PROFILE=threads."""
+    import threading
+    seen = {}
+    done = threading.Event()
+
+    def sample():
+        while True:
+            seen.update(_thread_cpu())
+            if done.wait(0.1):
+                return
+
+    threading.Thread(target=sample, daemon=True, name="bench-sampler").start()
+    prof = None
+    if os.environ.get("BENCH_PROFILE") != "threads":
+        import cProfile
+        prof = cProfile.Profile()
+    try:
+        prof.runcall(target, *args) if prof else target(*args)
+    finally:
+        seen.update(_thread_cpu())
+        done.set()
+        base = os.path.join(profile_dir, f"{name}-{os.getpid()}")
+        if prof:
+            prof.dump_stats(base + ".prof")
+        by_name: dict = {}
+        for tname, cpu in seen.values():
+            by_name[tname] = by_name.get(tname, 0.0) + cpu
+        with open(base + ".cpu", "w") as f:
+            f.write(" ".join(f"{k}={v:.2f}" for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])) + "\n")
+
+
+PROFILE_DIR = [None]
+
+
+def _proc(ctx, target, args, name):
+    if PROFILE_DIR[0]:
+        return ctx.Process(target=_profiled, args=(target, name, PROFILE_DIR[0]) + tuple(args))
+    return ctx.Process(target=target, args=args)
+
+
+def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_bytes=None):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()          # from workers
+    go = ctx.Queue()         # to the sender
+    stop = ctx.Queue()
+    procs = []
+    fe, be = _port(), _port()
+    if chain == "raw":
+        procs.append(ctx.Process(target=raw_receiver, args=(fe, True, q)))
+        n_cons = 1
+    elif chain == "proxy":
+        procs.append(ctx.Process(target=proxy_proc, args=(fe, be, q)))
+        n_cons = 2
+    else:
+        procs.append(_proc(ctx, broker_proc, (fe, be, q, stop), "broker"))
+        n_cons = 2
+    procs[0].start()
+    _wait(q, "ready", 1)
+    if chain != "raw":
+        for _ in range(n_cons):
+            if chain == "proxy":
+                p = ctx.Process(target=raw_receiver, args=(be, False, q))
+            else:
+                p = _proc(ctx, consumer_proc, (be, q, bool(rate)), "consumer")
+            p.start()
+            procs.append(p)
+        _wait(q, "ready", n_cons)
+        time.sleep(0.5)       # let the consumers' hello reach the broker (bench only)
+    if chain == "ours":
+        sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes, replay_bytes),
+                       "producer")
+    else:
+        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go))
+    sender.start()
+    cpu0 = [_cpu(p.pid) for p in procs]
+    go.put("go")
+    done = _wait(q, "done", n_cons, 900)
+    sent = go.get(timeout=60)
+    cpu1 = [_cpu(p.pid) for p in procs]
+    sender.join()
+    if chain == "ours":
+        stop.put("stop")
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    t0 = sent[1]
+    t_end = max(d[2] for d in done)
+    _, tok = _steps(workload, 1)
+    tokens = tok * n_steps
+    dt = t_end - t0
+    res = {"chain": chain, "workload": workload, "steps": n_steps, "tokens": tokens, "seconds": dt,
+           "tokens_per_s": tokens / dt, "MB_per_s": tokens * ROW / dt / 1e6,
+           "consumer_rss_mb": [round(d[3], 1) for d in done]}
+    # CPU seconds each process spent from the start signal to the end of the run (the sender: its own count)
+    roles = (["receiver"] if chain == "raw" else ["proxy" if chain == "proxy" else "broker"] + ["consumer"] * n_cons)
+    res["cpu_s"] = {"sender": round(sent[-1], 2)}
+    for role, a, b in zip(roles, cpu0, cpu1):
+        res["cpu_s"].setdefault(role, []).append(round(b - a, 2))
+    if chain == "ours":
+        res["records"] = sum(d[1] for d in done)
+        res["held_peak_mb"] = [round(d[4] / 1e6, 1) for d in done]
+        res["record_mb"] = [round(d[6] / 1e6, 1) for d in done]
+        # peak RSS above the consumer's RSS at start, over the bytes of the records it assembled
+        res["rss_over_records"] = [round((d[3] - d[7]) * 1.048576 / max(d[6] / 1e6, 1e-9), 2) for d in done]
+        res["dropped"] = sent[3]
+        res["messages"] = sent[2]
+        if rate:
+            res["latency"] = _latency(sent[4], [d[5] for d in done], n_steps)
+    return res
+
+
+def _latency(send_times, recv_maps, n_steps):
+    # decode workload: step i writes position i of every request; a delta may carry several steps (coalesced)
+    per_step = {}
+    for i in range(n_steps):
+        recv = [m[i] for m in recv_maps if i in m]
+        if len(recv) == len(recv_maps):
+            per_step[i] = (max(recv) - send_times[i]) * 1e3
+    lat = sorted(per_step.values())
+    slowest = sorted(per_step, key=per_step.get, reverse=True)[:10]
+    return {"n": len(lat), "p50_ms": round(statistics.median(lat), 3),
+            "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 3), "max_ms": round(lat[-1], 3),
+            "slowest": [(i, round(per_step[i], 1)) for i in slowest],      # (step, ms): where the tail sits
+            "per_step_ms": [round(per_step.get(i, -1.0), 3) for i in range(n_steps)]}
+
+
+STEPS = {"decode": 4000, "prefill": 200, "batched": 250, "mixed": 100}     # about 1M tokens each (mixed: 1.2M)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--workloads", default="decode,prefill,batched,mixed")
+    ap.add_argument("--chains", default="raw,proxy,ours")
+    ap.add_argument("--coalesce-bytes", type=int, default=None,
+                    help="Producer coalesce_max_bytes (default: the Producer's; 0: one message per publish call)")
+    ap.add_argument("--replay-mib", type=int, default=None,
+                    help="the producers' replay_max_bytes in MiB (default: Producer's own): how much unacked data a "
+                         "producer keeps in flight to the consumers")
+    ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="run the producer, broker and consumers of 'ours' under cProfile; stats and CPU seconds "
+                         "per process go to DIR (slows them; not for the ratios)")
+    a = ap.parse_args(argv)
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
+        PROFILE_DIR[0] = os.path.abspath(a.profile)
+    results = []
+    replay = a.replay_mib << 20 if a.replay_mib is not None else None
+    workloads = [w for w in a.workloads.split(",") if w]       # --workloads "": the latency run alone
+    for workload in workloads:
+        steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
+        for chain in a.chains.split(","):
+            r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay)
+            results.append(r)
+            print(f"{workload:8s} {chain:6s} tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
+                  f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']}"
+                  + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
+                     f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
+                     if chain == "ours" else ""),
+                  flush=True)
+    if not a.no_latency:
+        lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes,
+                            replay_bytes=replay)
+        results.append(lat)
+        shown = {k: v for k, v in lat["latency"].items() if k != "per_step_ms"}
+        print(f"latency at 100k tokens/s offered (decode steps of 256): {shown} "
+              f"messages={lat['messages']} records={lat['records']}", flush=True)
+    by = {(r["workload"], r["chain"]): r for r in results if "latency" not in r}
+    for w in workloads:
+        if (w, "ours") not in by:
+            continue
+        ours = by[(w, "ours")]["tokens_per_s"]
+        print(f"{w}: " + " ".join(f"ours/{c}={ours / by[(w, c)]['tokens_per_s']:.2f}" for c in ("raw", "proxy")
+                                  if (w, c) in by))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise SystemExit(main())
