@@ -89,9 +89,11 @@ class OwnerHints:
     def order(self, ids: list):
         """(order, inverse) that groups `ids` by owner (stable: unknown owners first, then by group, each group in
         its original order), or None when they are grouped already or nothing is known. Cached for the same list
-        object while no hint arrived."""
+        object, or an equal list, while no hint arrived."""
         last_ids, version, cached = self._last
-        if last_ids is ids and version == self.version:
+        # the same list, or an equal one (publish_rows copies the caller's list every step): a C-speed compare of
+        # the same str objects
+        if version == self.version and (last_ids is ids or last_ids == ids):
             return cached
         out = None
         groups = self.groups
@@ -123,13 +125,24 @@ def merge_decode_steps(parts: StepParts, hints: OwnerHints | None = None) -> Ste
     n = len(first)
     if not n or any(x is not first and x != first for x in ids):
         return None
-    try:
-        counts = np.asarray(parts.counts, dtype=np.int64)
-        starts = np.asarray(parts.starts, dtype=np.int64)
-    except ValueError:              # ragged: the steps differ
-        return None
-    if counts.shape != (k, n) or starts.shape != (k, n) or not (counts == 1).all():
-        return None
+    if all(type(c) is list for c in parts.counts) and all(type(x) is list for x in parts.starts):
+        # publish_rows' lists (Python ints): counted and read in C loops (0.43 -> 0.12 ms for 16 x 256 here)
+        if not all(len(c) == n and c.count(1) == n for c in parts.counts):
+            return None
+        if not all(len(x) == n for x in parts.starts):
+            return None
+        try:
+            starts = np.fromiter(chain.from_iterable(parts.starts), dtype=np.int64, count=k * n).reshape(k, n)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    else:
+        try:
+            counts = np.asarray(parts.counts, dtype=np.int64)
+            starts = np.asarray(parts.starts, dtype=np.int64)
+        except ValueError:              # ragged: the steps differ
+            return None
+        if counts.shape != (k, n) or starts.shape != (k, n) or not (counts == 1).all():
+            return None
     if not (starts == starts[0] + np.arange(k, dtype=np.int64)[:, None]).all():
         return None
     grouped = hints.order(first) if hints is not None else None

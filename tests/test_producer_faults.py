@@ -505,7 +505,8 @@ def test_merged_decode_steps_make_the_same_records_through_broker_and_consumer(c
 
 def test_owner_hints_order_groups_requests_stably_and_only_when_it_helps():
     """OwnerHints.order: nothing known, one group, or groups already contiguous: None (no reordering); else the
-    stable order by group (unknown owners first) and its inverse; cached per list object until a hint arrives;
+    stable order by group (unknown owners first) and its inverse; cached for the same or an equal list until a
+    hint arrives;
     the generic RequestMajor (ndarray rows) applies it in its one copy."""
     from routing_replay.producer.messages import OwnerHints, RequestMajor
     h = OwnerHints()
@@ -518,7 +519,10 @@ def test_owner_hints_order_groups_requests_stably_and_only_when_it_helps():
     order, inverse = h.order(ids)
     assert order.tolist() == [0, 3, 1, 2, 4] and inverse.tolist() == [0, 2, 3, 1, 4]
     assert h.order(ids)[0] is order                     # cached for this list object
-    assert h.order(list(ids))[0] is not order           # another list: computed again (equal)
+    assert h.order(list(ids))[0] is order               # and for an equal one (publish_rows copies the list)
+    assert h.order(["a", "b", "c", "d"])[0].tolist() == [0, 3, 1, 2]    # another list: computed
+    assert h.order(ids)[0] is not order                 # ... and cached in its place
+    order = h.order(ids)[0]
     h.update(["x"], [9])                                # a new hint: computed again
     assert h.order(ids)[0] is not order
     order, _ = h.order(["x", "zz", "a", "y"])           # unknown owners (-1) first, stable
@@ -530,6 +534,12 @@ def test_owner_hints_order_groups_requests_stably_and_only_when_it_helps():
     got = RequestMajor(src, k, np.array([0, 2, 3, 1, 4])).result()     # the (order, inverse) found above
     want = _request_major(src, k).reshape(n, k, 2, 2)[[0, 3, 1, 2, 4]].reshape(k * n, 2, 2)
     assert np.array_equal(got, want)
+    assert np.array_equal(RequestMajor(src, k).result(), _request_major(src, k))
+    strided = np.arange(k * n * 2 * 4, dtype=np.int16).reshape(k * n, 2, 4)[:, :, ::2]   # not C-contiguous
+    assert np.array_equal(RequestMajor(strided, k, np.array([0, 2, 3, 1, 4])).result(),
+                          _request_major(np.ascontiguousarray(strided), k).reshape(n, k, 2, 2)[[0, 3, 1, 2, 4]]
+                          .reshape(k * n, 2, 2))
+    assert RequestMajor(src[:0], k).result().shape == (0, 2, 2)
 
 
 def test_owner_hints_per_ack_are_bounded_by_count_and_by_id_bytes():
@@ -657,8 +667,22 @@ def test_coalesced_decode_steps_merge_into_one_entry_per_request_in_one_copy():
     assert payload == src.swapaxes(0, 1)[[1, 0, 2]].tobytes()
     for bad in (steps(s1={"keep": [True, False, True]}), steps(s2={"counts": [1, 2, 1]}),
                 steps(s3={"starts": [13, 23, 34]}), steps(s1={"request_ids": ["a", "b", "x"]}),
-                steps(s2={"rows": src[2, :2].copy()}), steps(s0={"rows": RowsLike(src[0])}), steps()[:1]):
+                steps(s2={"rows": src[2, :2].copy()}), steps(s0={"rows": RowsLike(src[0])}), steps()[:1],
+                steps(s2={"starts": [12, 22]}), steps(s1={"counts": [1, 1]}), steps(s3={"starts": [13, "x", 33]})):
         assert merge_coalesced_steps(bad, (L, K)) is None
+    # starts/counts as arrays (publish_steps' kind) merge exactly as the lists do (publish_rows')
+    arrays = [st._replace(starts=np.array(st.starts), counts=np.array(st.counts)) for st in steps()]
+    a, b = merge_coalesced_steps(arrays, (L, K), hints), merge_coalesced_steps(steps(), (L, K), hints)
+    assert (a.request_ids, a.starts, a.counts) == (b.request_ids, b.starts, b.counts)
+    assert np.array_equal(a.rows.result(), b.rows.result())
+    bad = [st._replace(starts=np.array(st.starts) + (st is arrays[3])) for st in arrays]
+    assert merge_coalesced_steps(bad, (L, K)) is None
+    # the owner order is kept for an equal id list (publish_rows copies it every step) until a hint arrives
+    first = hints.order(list(ids))
+    assert hints.order(list(ids)) is first
+    assert first[0].tolist() == [1, 0, 2]
+    hints.update(["c"], [2])                         # now b, c share an owner next to each other: no reorder
+    assert hints.order(list(ids)) is None
 
 
 class RowsLike:
