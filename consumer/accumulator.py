@@ -769,3 +769,13 @@ class Accumulator:
     @property
     def in_flight(self) -> int:
         return len(self.requests)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Pages of finished records' rows kept for the next requests (as of the last poll), all row shapes."""
+        return sum(sh.arena.kept_bytes for sh in self._shapes.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most row bytes held at once (in flight plus records handed out), per row shape, added up."""
+        return sum(sh.arena.peak_bytes for sh in self._shapes.values())
