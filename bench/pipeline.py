@@ -154,7 +154,7 @@ def _next_batch(q, go, b: int, batches: int) -> None:
 
 # ---- processes ------------------------------------------------------------------------------------------------
 
-def raw_sender(ep, workload, n_steps, q, batches, report):
+def raw_sender(ep, workload, n_steps, q, batches, report, got=None):
     import zmq
     from routing_replay.protocol import wire
     steps, tok = _steps(workload, n_steps)
@@ -165,9 +165,11 @@ def raw_sender(ep, workload, n_steps, q, batches, report):
     s.connect(ep)
     q.get()  # go
     seq = 0
+    sent = 0
     for b in range(batches):
-        if b:
-            time.sleep(0.3)          # the last batch's bytes drain (the receivers stop after IDLE_S of silence)
+        if b:                       # the last batch's bytes are all received (as ours waits for its acks)
+            while got.value < sent:
+                time.sleep(0.001)
         _next_batch(report, q, b, batches)
         c0 = _self_cpu()
         t0 = time.monotonic()
@@ -175,12 +177,13 @@ def raw_sender(ep, workload, n_steps, q, batches, report):
             seq += 1
             head = wire.pack_header("delta", "raw", 0, seq, st.ids, wire.delta_body(st.starts, st.counts, L, K))
             s.send_multipart([head, payload], copy=False)
+            sent += len(head) + payload.nbytes
     s.close(linger=-1)
     ctx.term()
     report.put(("sent", t0, _self_cpu() - c0))
 
 
-def raw_receiver(ep, bind, q):
+def raw_receiver(ep, bind, q, got=None):
     import zmq
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
@@ -194,9 +197,14 @@ def raw_receiver(ep, bind, q):
             if last is not None:
                 break
             continue
+        m = 0
         for f in s.recv_multipart(copy=False):
-            n += len(f.buffer)
+            m += len(f.buffer)
+        n += m
         last = time.monotonic()
+        if got is not None:         # --batches: the sender waits for each batch to be received
+            with got.get_lock():
+                got.value += m
     q.put(("done", n, last, rss_mb()))
 
 
@@ -400,10 +408,11 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     stop = ctx.Queue()
     told = ctx.Queue()       # from the sender: the measured batch starts
     cstop = ctx.Queue()      # to our consumers: the producer is done
+    got = ctx.Value("q", 0) if batches > 1 else None     # raw/proxy: bytes received, all receivers
     procs = []
     fe, be = _port(), _port()
     if chain == "raw":
-        procs.append(ctx.Process(target=raw_receiver, args=(fe, True, q)))
+        procs.append(ctx.Process(target=raw_receiver, args=(fe, True, q, got)))
         n_cons = 1
     elif chain == "proxy":
         procs.append(ctx.Process(target=proxy_proc, args=(fe, be, q)))
@@ -416,7 +425,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     if chain != "raw":
         for _ in range(n_cons):
             if chain == "proxy":
-                p = ctx.Process(target=raw_receiver, args=(be, False, q))
+                p = ctx.Process(target=raw_receiver, args=(be, False, q, got))
             else:
                 p = _proc(ctx, consumer_proc, (be, q, bool(rate), cstop, keep_bytes), "consumer")
             p.start()
@@ -427,7 +436,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes, replay_bytes,
                                             batches, told), "producer")
     else:
-        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go, batches, told))
+        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go, batches, told, got))
     sender.start()
     go.put("go")
     if batches > 1:
