@@ -125,14 +125,14 @@ def _steps(workload: str, n_steps: int):
 
 def _batch(steps: list, b: int) -> list:
     """The workload's steps as rollout batch b: the same steps under new request ids (batch 0: as they are). Id
-lists shared between steps stay shared, as the plugin's are."""
+    lists shared between steps stay shared, as the plugin's are."""
     if not b:
         return steps
     lists: dict = {}
 
     def ren(ids):
         new = lists.get(id(ids))
-        if new is None:
+        if new is None:             # (the original kept beside its copy, so its id() is not reused meanwhile)
             new = lists[id(ids)] = (ids, [f"b{b}-{r}" for r in ids])
         return new[1]
 
@@ -163,17 +163,18 @@ def raw_sender(ep, workload, n_steps, q, batches, report, got=None):
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, 1000)
     s.connect(ep)
+    runs = [_batch(steps, b) for b in range(batches)]      # new ids made before any clock starts
     q.get()  # go
     seq = 0
     sent = 0
-    for b in range(batches):
+    for b, run in enumerate(runs):
         if b:                       # the last batch's bytes are all received (as ours waits for its acks)
             while got.value < sent:
                 time.sleep(0.001)
         _next_batch(report, q, b, batches)
         c0 = _self_cpu()
         t0 = time.monotonic()
-        for st in _batch(steps, b):
+        for st in run:
             seq += 1
             head = wire.pack_header("delta", "raw", 0, seq, st.ids, wire.delta_body(st.starts, st.counts, L, K))
             s.send_multipart([head, payload], copy=False)
@@ -233,7 +234,7 @@ def broker_proc(front, back, q, stop):
     b.serve()
 
 
-def consumer_proc(back, q, latency, stop=None, keep_bytes=None):
+def consumer_proc(back, q, latency, stop, keep_bytes=None):
     import logging
     logging.basicConfig(level=logging.WARNING)
     import msgpack
@@ -271,10 +272,10 @@ def consumer_proc(back, q, latency, stop=None, keep_bytes=None):
     stopping = False
     while True:                 # until the parent says the producer is done (every message acked: applied here)
         time.sleep(0.1)
-        if not stopping and stop is not None and not stop.empty():
+        if not stopping and not stop.empty():
             stopping = bool(stop.get())
         idle = time.monotonic() - state["last"] if state["last"] is not None else 0.0
-        if (stopping and idle > 0.3) or idle > (600 if stop is not None else IDLE_S):
+        if (stopping and idle > 0.3) or idle > 600:
             break
     c.close()
     q.put(("done", state["records"], state["last"], rss_mb(), state["held_peak"], recv_times,
@@ -296,16 +297,17 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, repla
     for rid, prompt_len in steps[0].opens:
         p.open(rid, prompt_len=prompt_len)
     p.wait_acked(60)
+    runs = [_batch(steps, b) for b in range(batches)]      # new ids made before any clock starts
     q.get()  # go
     step_s = tok / rate_tokens_s if rate_tokens_s else 0
-    for b in range(batches):
+    for b, run in enumerate(runs):
         if b:                   # the last batch's records are out (acked: applied), its memory back in the arenas
             p.flush(600)
         _next_batch(report, q, b, batches)
         c0 = _self_cpu()
         send_times = {}
         t0 = time.monotonic()
-        for i, st in enumerate(_batch(steps, b)):
+        for i, st in enumerate(run):
             if i or b:
                 for rid, prompt_len in st.opens:
                     p.open(rid, prompt_len=prompt_len)

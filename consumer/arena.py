@@ -154,8 +154,7 @@ class Arena:
         lease.armed = True
         self._drop_handle(h)
         self.leased_blocks += lease._region[4]        # the record's rows, its -1 tail included, until it goes
-        if self.live_blocks + self.leased_blocks > self.peak_blocks:
-            self.peak_blocks = self.live_blocks + self.leased_blocks
+        self._note_peak()
         return freed
 
     def _drop_handle(self, h: int) -> None:
@@ -172,6 +171,11 @@ class Arena:
     def held_bytes(self) -> int:
         return self.live_blocks * self.row_bytes
 
+    def _note_peak(self) -> None:
+        in_use = self.live_blocks + self.leased_blocks
+        if in_use > self.peak_blocks:
+            self.peak_blocks = in_use
+
     @property
     def peak_bytes(self) -> int:
         return self.peak_blocks * self.row_bytes
@@ -181,7 +185,7 @@ class Arena:
         """Bytes of freed regions' pages kept for reuse: keep_bytes, or (None) the peak held, at least KEEP_BYTES."""
         if self.keep_bytes is not None:
             return self.keep_bytes
-        return max(KEEP_BYTES, self.peak_blocks * self.row_bytes)
+        return max(KEEP_BYTES, self.peak_bytes)
 
     # ---- regions ------------------------------------------------------------------------------------------------
 
@@ -280,8 +284,7 @@ class Arena:
         if up.any():
             self.alloc[hs[up]] = upto[up]
             self.live_blocks += int(inc[up].sum())
-            if self.live_blocks + self.leased_blocks > self.peak_blocks:
-                self.peak_blocks = self.live_blocks + self.leased_blocks
+            self._note_peak()
 
     def append_one(self, hd: np.ndarray) -> np.ndarray:
         """One row for each of the distinct handles hd at its position n: returns the flat row of each, and moves

@@ -365,13 +365,13 @@ class Consumer(ServiceThread):
         st, tr, w = self.store, self.trainers, self.writer
         log.info("consumer %s records=%d complete=%d incomplete=%d aborted=%d timed_out=%d in_flight=%d "
                  "delta_msgs=%d rows=%d MB=%.1f held_MB=%.1f kept_MB=%.1f peak_MB=%.1f late=%d replayed_opens=%d "
-                 "refused=%d link=%d/%d/%d "
-                 "acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
+                 "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
                  "disk_reads=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.bytes / 1e6,
-                 self.acc.bytes_held / 1e6, self.acc.kept_bytes / 1e6, self.acc.peak_bytes / 1e6, s.late_msgs, s.replayed_opens, s.refused_msgs, self.link.bepoch % 1000,
+                 self.acc.bytes_held / 1e6, self.acc.kept_bytes / 1e6, self.acc.peak_bytes / 1e6, s.late_msgs,
+                 s.replayed_opens, s.refused_msgs, self.link.bepoch % 1000,
                  self.link.gen, self.link.upto, self.acks_sent, self.link.dropped, sum(self.bad.values()),
                  dict(self.bad) if self.bad else "", len(st) if st is not None else "-",
                  st.bytes / 1e6 if st is not None else 0.0, st.spilled if st is not None else 0,
