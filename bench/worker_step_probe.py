@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from routing_replay.capture import AsyncCopier, RoutingCache  # noqa: E402
+from routing_replay.engines.vllm_plugin import scheduler_hooks  # noqa: E402
 from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
 from routing_replay.engines.vllm_plugin.worker import MAX_BATCH_STEPS, WorkerCapture, _StepBatch  # noqa: E402
 from routing_replay.producer import Producer  # noqa: E402
@@ -87,11 +88,14 @@ def _outside(fn, so, acc: list) -> None:
 
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
-        ring: bool = False) -> dict:
+        ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
+        churn_same_ids: bool = False, on_producer=None) -> dict:
+    """One probe run; the result as a dict. churn_same_ids: a new request takes the id of the one it replaces (ids
+    that callers reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls)."""
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
-    max_tokens = max(8192, n * prompt_len)
+    max_tokens = max(8192, n * prompt_len, n + churn * churn_prompt)
     settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode == "optout-fill" else "sentinel")
     runner = _Runner(n, max_tokens, dev)
     cap = WorkerCapture.__new__(WorkerCapture)
@@ -112,6 +116,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     where = tempfile.mkdtemp(prefix="rr-probe-")
     cap.producer = Producer(f"ipc://{where}/nobody", num_layers=layers, top_k=top_k, max_queue_bytes=1 << 30,
                             replay_max_bytes=1 << 30)
+    if on_producer is not None:
+        on_producer(cap.producer)
     if cap.fill:                                    # a store as a fill engine has one (graph mode: written inside
         from routing_replay.capture.prefix_store import PrefixStore          # the forward, nothing on the host)
         cap.store = PrefixStore(4 * max_tokens, layers, top_k, device=dev)
@@ -128,12 +134,20 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap.copier.mark_batch = _timed(parts, "mark_batch", cap.copier.mark_batch)
         cap.producer.publish_rows = _timed(parts, "publish_rows", cap.producer.publish_rows)
         cap._flush = _timed(parts, "flush_total", cap._flush)         # mark_batch + take + publish_rows
+        cap.producer.open = _timed(parts, "producer_open", cap.producer.open)
+        cap.producer.finish = _timed(parts, "producer_finish", cap.producer.finish)
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
     captured = mode == "on"
     sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
     ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
     new = [SimpleNamespace(req_id=r, sampling_params=sp, prompt_token_ids=list(range(prompt_len)),
                            prompt_embeds=None, num_computed_tokens=0, block_ids=([i],)) for i, r in enumerate(ids)]
+    # --churn: per step after the first, `churn` requests finish (the scheduler's notes: churn_output output ids)
+    # and as many new ones take their places with a prefill of churn_prompt tokens, as in bench/vllm_gpu.py's rounds
+    qs = np.full(n, prompt_len, dtype=np.int64)
+    done = np.zeros(n, dtype=np.int64)              # tokens computed before the step, per place
+    serial = n
+    out_ids = list(range(churn_output))
     topk = torch.randint(0, 128, (max_tokens, top_k), device=dev, dtype=torch.int32)
     ib, qsl = runner.input_batch, runner.query_start_loc.np
     big = np.ones(max(1, evict_mib) * 2**20 // 8) if evict_mib else None
@@ -151,14 +165,38 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             for name in parts:
                 parts[name] = 0
         first = step == 0
-        q = prompt_len if first else 1
-        so = _so(new if first else [], {r: q for r in ids}, n * q)
+        if first or not churn:
+            q = prompt_len if first else 1
+            so = _so(new if first else [], {r: q for r in ids}, n * q)
+        else:
+            qs[:] = 1
+            fresh, gone = [], set()
+            for t in range(churn):
+                j = (step * churn + t) % n
+                gone.add(ids[j])
+                ids = ids[:j] + [ids[j] if churn_same_ids else f"cmpl-{serial:08x}-0-{serial:04d}"] + ids[j + 1:]
+                serial += 1
+                fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp,
+                                             prompt_token_ids=list(range(churn_prompt)), prompt_embeds=None,
+                                             num_computed_tokens=0, block_ids=([j],)))
+                qs[j], done[j] = churn_prompt, 0
+            so = _so(fresh, dict(zip(ids, qs.tolist())), int(qs.sum()))
+            so.finished_req_ids = gone
+            setattr(so, scheduler_hooks.ATTR, {r: scheduler_hooks.Finished(churn_output, "stop", out_ids)
+                                               for r in gone})
         _outside(cap.pre_step, so, outer)
         # the runner's batch for this step, then the forward: every router writes its top-k
         ib.num_reqs, ib.req_ids = n, ids
-        ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
-        qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
-        rows = n * q
+        if churn:
+            ib.num_computed_tokens_cpu[:n] = done
+            qsl[0] = 0
+            np.cumsum(qs, out=qsl[1:n + 1])
+            rows = int(qs.sum())
+            done += qs
+        else:
+            ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
+            qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
+            rows = n * q
         for layer in range(layers):
             cap.cache.record(layer, topk[:rows])
         _outside(cap.post_step, so, outer)
@@ -181,6 +219,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
            "ring_steps": cap.stats.ring_steps, "encode_errors": cap.producer.stats.encode_errors,
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
+           "churn": churn, "opened": st.opened, "finished": st.finished,
            "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
            "producer_drained": ok, "run_s": round(wall_s, 1)}
     if pieces:
@@ -215,13 +254,19 @@ def main(argv=None) -> int:
                          "its clocks then add to calls_us")
     ap.add_argument("--pieces", action="store_true",
                     help="also time each call pre_step/post_step make (wall; adds their wrappers' cost to calls_us)")
+    ap.add_argument("--churn", type=int, default=0, metavar="N",
+                    help="per step, N requests finish and N new ones start with a prefill (bench/vllm_gpu.py's "
+                         "rounds: 256 requests opened and finished in about 262 steps is about 1)")
+    ap.add_argument("--churn-prompt", type=int, default=512, help="--churn: the new requests' prompt tokens")
+    ap.add_argument("--churn-output", type=int, default=256, help="--churn: the finished requests' output ids")
     ap.add_argument("--json", help="write the results here too")
     a = ap.parse_args(argv)
     logging.disable(logging.WARNING)                # the producer reports, every few seconds, that nobody listens
     out = []
     for m in (MODES if a.mode == "all" else (a.mode,)):
         r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces,
-                stamp=a.step_stamp, ring=a.step_ring)
+                stamp=a.step_stamp, ring=a.step_ring, churn=a.churn, churn_prompt=a.churn_prompt,
+                churn_output=a.churn_output)
         out.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

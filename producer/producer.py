@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -14,8 +13,8 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
-from routing_replay.producer.messages import (Announce, Geometry, QueueLedger, RequestBook, Step, StepParts, escaped_id,
-                                              flat_ids, flat_ints)
+from routing_replay.producer.messages import (Announce, Geometry, Inbox, QueueLedger, RequestBook, Step, StepParts,
+                                              escaped_id, flat_ids, flat_ints)
 from routing_replay.producer.replay import ReplayBuffer, Spill
 from routing_replay.producer.sender import STOP, Sender, SenderSettings
 
@@ -173,7 +172,7 @@ class Producer:
             security.load_secret(curve_secret)            # fail here, in the caller, on a bad key file
             security.load_public(server_key)
         self.stats = ProducerStats()
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q = Inbox()
         self._book = RequestBook()
         self._screened: tuple = (None, -1)      # publish_steps: the last id list that passed, book.refusals then
         self._lock = self._book.lock
@@ -213,9 +212,10 @@ class Producer:
             raise RuntimeError("producer is closed")
 
     def _put(self, item: Announce | Step, nbytes: int, droppable: bool) -> bool:
+        # steps wake the thread; opens, finishes and aborts (never droppable) ride with the next one (Inbox)
         if not self._ledger.put(nbytes, self.max_queue_bytes if droppable else None):
             return False
-        self._q.put(item)
+        self._q.put(item, droppable)
         return True
 
     def _drop_parts(self, what: str, request_id: Any, n: int = 1) -> None:
@@ -449,6 +449,7 @@ class Producer:
         return self._replay.spilled_bytes
 
     def _wait(self, done, timeout_s: float) -> bool:
+        self._q.wake()                  # opens, finishes, aborts queued without waking the thread go now
         deadline = time.monotonic() + timeout_s
         while not done():
             if self._failure is not None:

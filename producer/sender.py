@@ -17,8 +17,8 @@ import zmq
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
-from routing_replay.producer.messages import (Announce, Geometry, OwnerHints, QueueLedger, RequestBook, Step, StepParts,
-                                              merge_coalesced_steps,
+from routing_replay.producer.messages import (Announce, Geometry, Inbox, OwnerHints, QueueLedger, RequestBook, Step,
+                                              StepParts, merge_coalesced_steps,
                                               encode_announce, encode_step, encode_steps, escaped_id, step_rows,
                                               token_frames, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
@@ -62,7 +62,11 @@ class Sender:
     close() before it puts STOP; a failure of the thread is kept in `failure` for the caller to re-raise.
     """
 
-    def __init__(self, cfg: SenderSettings, ctx: zmq.Context, q: queue.SimpleQueue, ledger: QueueLedger,
+    # the longest the thread sleeps with nothing to send: also the longest an open, finish or abort put without a
+    # step behind it waits to be taken (Inbox)
+    IDLE_WAIT_S = 0.05
+
+    def __init__(self, cfg: SenderSettings, ctx: zmq.Context, q: Inbox, ledger: QueueLedger,
                  book: RequestBook, replay: ReplayBuffer, stats):
         self.cfg = cfg
         self._ctx = ctx
@@ -162,7 +166,7 @@ class Sender:
                 if self._broker_epoch is not None and not len(self._replay):
                     self._send_ctl(sock, "bye", now)
                 return
-            wait_s = max(0.0, min(next_hb - now, 0.05))
+            wait_s = max(0.0, min(next_hb - now, self.IDLE_WAIT_S))
             held = self._link.data_held(now)
             if self._replay.pending() and not blocked and not held:
                 continue                            # the send budget ran out: more to send at once

@@ -4,12 +4,14 @@ watch, message encoding and the per-request books."""
 from __future__ import annotations
 
 import math
+import queue
+import threading
 
 import numpy as np
 import pytest
 
 from routing_replay.producer.connection import Answer, Link, LinkEvent, LinkState, Silence, SilenceWatch
-from routing_replay.producer.messages import (Announce, Geometry, RequestBook, Screen, Step, encode_announce,
+from routing_replay.producer.messages import (Announce, Geometry, Inbox, RequestBook, Screen, Step, encode_announce,
                                               encode_step, escaped_id, kept_rows, with_lost)
 from routing_replay.producer.replay import Parts, ReplayBuffer, Spill, SpillRef
 from routing_replay.protocol import wire
@@ -238,3 +240,33 @@ def test_replay_is_full_when_memory_and_spill_reach_their_bounds(tmp_path):
     assert (r.mem_bytes, r.spilled_bytes, r.has_room()) == (0, 100, True)
     r.close()
     assert not ReplayBuffer(mem_bound=100).add(OPEN, frames(100, 0), 0).spill and not ReplayBuffer(0).has_room()
+
+
+def test_inbox_wakes_the_thread_only_for_items_put_with_wake_and_keeps_their_order():
+    """Opens, finishes and aborts (wake=False) wait in the FIFO without waking the producer's thread; the next step
+    (wake=True) wakes it and it takes them in the order they were put."""
+    inbox = Inbox()
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(inbox.get(timeout=30)))
+    waiter.start()
+    inbox.put("open a", wake=False)
+    inbox.put("finish b", wake=False)
+    waiter.join(0.5)
+    assert waiter.is_alive() and got == []              # not woken by either
+    inbox.put("step 1")
+    waiter.join(10)
+    assert not waiter.is_alive() and got == ["open a"]
+    assert [inbox.get_nowait(), inbox.get_nowait()] == ["finish b", "step 1"]
+    with pytest.raises(queue.Empty):
+        inbox.get_nowait()
+    # wake-ups for items already taken are dropped on the next wait: it returns what is there, or nothing
+    for i in range(3):
+        inbox.put(f"step {i + 2}")
+    assert [inbox.get(timeout=0), inbox.get(timeout=0), inbox.get(timeout=0)] == ["step 2", "step 3", "step 4"]
+    with pytest.raises(queue.Empty):
+        inbox.get(timeout=0.01)
+    inbox.put("abort c", wake=False)
+    assert len(inbox) == 1 and inbox.get(timeout=0) == "abort c"   # a waiting item is taken without a wake-up
+    inbox.put("open d", wake=False)
+    inbox.wake()                                        # flush/close: what waits goes now
+    assert inbox.get(timeout=30) == "open d"

@@ -47,6 +47,61 @@ def test_probe_with_step_stamps_checks_every_step_and_launches_no_fill():
     assert not plain["step_stamp"] and plain["stamps_checked"] == 0 and plain["pieces_wall_us"]["fill_step"] > 0
 
 
+def _watch(events: list):
+    """on_producer for run(): the worker's calls into its real producer, in order (each call goes on to it)."""
+    def attach(p):
+        steps, fin, opn = p.publish_steps, p.finish, p.open
+
+        def publish_steps(ids, starts, counts, rows, **kw):
+            events.append(("rows", {k for step in ids for k in step}))
+            return steps(ids, starts, counts, rows, **kw)
+
+        def finish(key, **kw):
+            events.append(("finish", key))
+            return fin(key, **kw)
+
+        def open_(key, **kw):
+            events.append(("open", key))
+            return opn(key, **kw)
+        p.publish_steps, p.finish, p.open = publish_steps, finish, open_
+    return attach
+
+
+@pytest.mark.parametrize("same_ids", [False, True])
+def test_churn_finishes_wait_for_the_batch_that_holds_their_last_rows(same_ids):
+    """--churn: a request finishing every step no longer cuts the 16-step batch short. Its finish goes right after
+    the batch that holds its last rows, so a finish still follows every row of its request; with ids reused at
+    once (same_ids) the new request's open follows the old one's finish."""
+    n, steps, prompt_len, churn_prompt = 8, 40, 16, 12
+    events: list = []
+    r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=True,
+                     churn=1, churn_prompt=churn_prompt, churn_output=5, churn_same_ids=same_ids,
+                     on_producer=_watch(events))
+    warm = steps // 4
+    churned = steps + warm - 1                                      # every step after the first
+    assert r["producer_drained"] and r["encode_errors"] == 0
+    assert (r["opened"], r["finished"]) == (n + churned, churned)
+    assert r["rows"] == n * prompt_len + churned * (n - 1 + churn_prompt)
+    batches = [e for e in events if e[0] == "rows"]
+    # full 16-step batches (the last one at the end); an id opened again while its finish waits for the batch
+    # sends batch and finish first (same_ids: every step)
+    assert len(batches) == (steps + warm if same_ids else -(-(steps + warm) // 16))
+    assert [e[0] for e in events].count("finish") == churned
+    open_keys = {}
+    for i, (kind, what) in enumerate(events):
+        if kind == "finish":
+            # no later batch holds rows of the finished request (until its id opens again)
+            later = events[i + 1:]
+            reopen = next((j for j, e in enumerate(later) if e == ("open", what)), len(later))
+            assert not any(k == "rows" and what in keys for k, keys in later[:reopen]), what
+            assert open_keys.get(what) is not None                  # it was opened before
+            open_keys[what] = None
+        elif kind == "open":
+            assert open_keys.get(what) is None                      # never opened twice without a finish between
+            open_keys[what] = i
+    assert sum(v is not None for v in open_keys.values()) == n      # the last n are still running at the end
+
+
 def test_help():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--evict-mib" in p.stdout and "--worker-timing" in p.stdout

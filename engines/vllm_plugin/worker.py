@@ -558,6 +558,7 @@ class WorkerCapture:
         self._keepalive: list = []              # dropped stores that captured graphs may still write
         self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
+        self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
         self.binding = None
@@ -791,16 +792,23 @@ class WorkerCapture:
             if freed and self._store_trusted():     # their blocks may be reused by this step's forward
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
-            self._flush()                           # a request's rows go out before its finish
             notes = getattr(so, scheduler_hooks.ATTR, None)
+            batched = bool(self.batch.parts)
             for rid in so.finished_req_ids:
                 key = tracked.pop(rid, None)
                 self._tracked_gen += 1
-                if key is not None:
-                    self._close_request(rid, key, notes)
+                if key is None:
+                    continue
+                info = notes.get(rid) if notes is not None else None
+                if info is not None and batched:
+                    # a request's rows go out before its finish: this one goes right after the batch that holds
+                    # its last rows (_flush), not with a batch cut short here (a publish, and the batch's event,
+                    # per finish: 246-334 against 47-50 us per step in bench/worker_step_probe.py --churn 1)
+                    self._closing[key] = (rid, info)
+                else:
+                    self._flush()
+                    self._close_request(rid, key, info)
         n = so.total_num_scheduled_tokens
-        if n:
-            self.forwards += 1              # this step runs the model: with stamps, its flush counts it too
         store = self.store
         if store is None and self.fill and n and (self.binding.gate or not self.graphs_captured):
             self._make_store()
@@ -812,6 +820,10 @@ class WorkerCapture:
                 self._open_request(new)
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
+        if self._closing and not active:
+            self._flush()           # no captured request runs: the batch and the finishes waiting for it go now
+        if n:                       # (after every _flush of this call: a batch's hand-over counts forwards run)
+            self.forwards += 1      # this step runs the model: with stamps, its flush counts it too
         storing = store is not None and n > 0
         b = self.binding
         b.active = active or storing or not b.gate
@@ -836,6 +848,8 @@ class WorkerCapture:
             if not self.settings.captures(new.sampling_params):
                 return
             key, problem = _keys.capture_key(new.req_id, self.randomized)
+            if key in self._closing:
+                self._flush()       # the key's last request finishes first: its finish waits for no batch now
             if self.announces:
                 prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
                 prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
@@ -868,9 +882,9 @@ class WorkerCapture:
         log.warning("routing-replay: %s of request %s failed, its routing is not captured: %s: %s (skipped=%d)",
                     what, show_id(rid), type(error).__name__, str(error)[:200], self.stats.skipped)
 
-    def _close_request(self, rid: str, key: str, notes) -> None:
+    def _close_request(self, rid: str, key: str, info) -> None:
         try:
-            self._send_close(rid, key, notes)
+            self._send_close(rid, key, info)
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
             self._skip(rid, "finish", e)
             if self.announces:
@@ -880,8 +894,8 @@ class WorkerCapture:
                     log.warning("routing-replay: abort of %s after a failed finish failed too: %s", show_id(key),
                                 e2)
 
-    def _send_close(self, rid: str, key: str, notes) -> None:
-        info = notes.get(rid) if notes is not None else None
+    def _send_close(self, rid: str, key: str, info) -> None:
+        """The finish (or abort) of a request; `info` is the scheduler's note of it, None when none came."""
         if info is None:
             # The scheduler hook did not see this request finish (a scheduler class that does not derive from
             # vLLM's Scheduler, or settings that differ between processes): use the worker's own view.
@@ -959,7 +973,7 @@ class WorkerCapture:
         if last_gen != self._tracked_gen or last_ids != req_ids:
             req_ids = list(req_ids)
             tracked = self.tracked
-            keys = [tracked.get(r) for r in req_ids]
+            keys = list(map(tracked.get, req_ids))     # C speed: churn steps change the list every step
             uncaptured = None in keys
             self._last_keys = (req_ids, self._tracked_gen, keys, uncaptured)
         qb = qsl.tobytes()                          # decode steps repeat the layout too: one compare, C speed
@@ -1039,6 +1053,10 @@ class WorkerCapture:
         batch = self.batch
         if batch.parts:                     # (step ring: the device counter now proves which slots it reads)
             self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards), checked=True)
+        if self._closing:                   # finishes that waited for this batch (pre_step)
+            closing, self._closing = self._closing, {}
+            for key, (rid, info) in closing.items():
+                self._close_request(rid, key, info)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
