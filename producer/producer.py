@@ -85,6 +85,8 @@ class Producer:
     Thread model: `open`, `publish`, `publish_rows`, `finish`, `abort` only enqueue (no network, no encoding,
     no waiting); the background thread encodes, waits for deferred rows (`result()`), numbers the messages
     (seq 1, 2, 3, ...), keeps each one in the replay buffer, sends, and drops it once the broker acks it.
+    Steps wake the thread; opens, finishes and aborts keep their place in the queue without waking it and go with
+    the next step, `flush()`, `wait_acked()` or `close()`, or within 50 ms (`Inbox`).
 
     Delivery (wire.py "Delivery", docs/RELIABILITY.md): at least once. Unacknowledged messages are resent, in
     seq order from the first unacknowledged one, when the broker asks (`rewind`), when a new broker incarnation
