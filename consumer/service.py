@@ -267,7 +267,7 @@ class Consumer(ServiceThread):
     def _wait_ms(self) -> int:
         """How long the next poll may wait: until the next ack is due if one is owed, a trainer retry, or 100 ms."""
         wait_ms = 100 if self.link.upto == self.link.acked else max(1, int(self.ack_interval_s * 1000))
-        if self.trainers is not None and self.trainers.outbox:
+        if self.trainers is not None and (self.trainers.outbox or self.trainers.live_backlog):
             wait_ms = min(wait_ms, max(1, int(self.trainers.retry(time.monotonic()) * 1000)))
         return wait_ms
 

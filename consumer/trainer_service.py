@@ -31,6 +31,7 @@ log = logging.getLogger("routing_replay.consumer")
 MAX_WAITERS = 1 << 20          # request ids trainers may wait for at once (fetch before the record exists)
 MAX_SUBSCRIBERS = 1024
 MAX_GONE = 10_000              # unreachable trainers remembered (their outboxes are dropped)
+MAX_LIVE_BACKLOG = 4096        # live records waiting, per subscriber whose send queue was full (ids; beyond: dropped)
 UNKNOWN = "unknown"            # `error` reason: these ids are neither held, on disk, nor open here
 
 
@@ -134,6 +135,9 @@ class TrainerService:
         self.backoff: dict[bytes, Backoff] = {}    # trainer -> when to try again, while its send queue is full
         self.gone: set[bytes] = set()              # trainers found unreachable (their outboxes were dropped)
         self.subscribers: dict[bytes, str] = {}    # trainer -> request id prefix
+        # subscriber -> ids of live records that found its send queue full (TRAINER_SNDHWM), sent in order as it
+        # drains; the records stay where they are (store, retention): a burst of finishes is not lost
+        self.live_backlog: dict[bytes, deque] = {}
         self.subscriber_drops = 0
         self.unknown_answers = 0
         self.disk_reads = 0
@@ -145,8 +149,12 @@ class TrainerService:
         frames = None
         for client, prefix in list(self.subscribers.items()):
             if rec.request_id.startswith(prefix):
+                if self.live_backlog.get(client):         # behind the ones already waiting: order kept
+                    self._live_wait(client, rec.request_id)
+                    continue
                 frames = frames or wire.encode_record(rec, self.consumer_id, 0)
-                self._send(client, frames, subscriber=True)
+                if self._send(client, frames) is Sent.FULL:
+                    self._live_wait(client, rec.request_id)
         w = self.waiters.pop(rec.request_id, None)
         if w is not None and not self.outbox.get(w.client):
             if self._send(w.client, frames or wire.encode_record(rec, self.consumer_id, 0)) is Sent.SENT:
@@ -178,6 +186,7 @@ class TrainerService:
                     self.subscribe(client, prefix)
             elif h.kind == "bye":
                 self.subscribers.pop(client, None)
+                self.live_backlog.pop(client, None)
             elif h.kind != "heartbeat":
                 raise wire.ProtocolError("unexpected_kind", f"trainer endpoint does not take {h.kind!r}")
         except wire.ProtocolError as e:
@@ -270,6 +279,10 @@ class TrainerService:
     def retry(self, now: float) -> float:
         """Retry trainers whose send queue was full; returns seconds until the next retry is due (at most 0.1)."""
         nxt = 0.1
+        for client in list(self.live_backlog):
+            self._drain_live(client)
+        if self.live_backlog:
+            nxt = 0.002                     # a subscriber's queue drains as fast as its connection carries it
         for client in list(self.outbox):
             at = self.backoff.get(client, Backoff(0.0, 0.0)).at
             if at <= now:
@@ -278,15 +291,41 @@ class TrainerService:
             nxt = min(nxt, max(0.0, at - now))
         return nxt
 
-    def _send(self, client: bytes, frames: list, subscriber: bool = False) -> Sent:
+    def _live_wait(self, client: bytes, rid: str) -> None:
+        q = self.live_backlog.setdefault(client, deque())
+        if len(q) >= MAX_LIVE_BACKLOG:
+            q.popleft()
+            self._live_dropped(client)
+        q.append(rid)
+
+    def _live_dropped(self, client: bytes) -> None:
+        self.subscriber_drops += 1
+        if self.subscriber_drops == 1 or self.subscriber_drops % 1000 == 0:
+            log.warning("consumer %s: subscriber %r is slow, live records dropped=%d (fetch still has them)",
+                        self.consumer_id, client[:32], self.subscriber_drops)
+
+    def _drain_live(self, client: bytes) -> None:
+        """Send a subscriber the live records that waited for room, in order, until its queue is full again."""
+        q = self.live_backlog.get(client)
+        while q:
+            got, _ = self._lookup(q[0])
+            if got is None or isinstance(got, str):     # gone from the store and the retention meanwhile
+                q.popleft()
+                self._live_dropped(client)
+                continue
+            sent = self._send(client, wire.encode_record(got, self.consumer_id, 0))
+            if sent is Sent.FULL:
+                return
+            if sent is Sent.GONE:
+                break
+            q.popleft()
+        self.live_backlog.pop(client, None)
+
+    def _send(self, client: bytes, frames: list) -> Sent:
         sent = self.send(client, frames)
-        if sent is Sent.FULL and subscriber:
-            self.subscriber_drops += 1
-            if self.subscriber_drops == 1 or self.subscriber_drops % 1000 == 0:
-                log.warning("consumer %s: subscriber %r is slow, live records dropped=%d (fetch still has them)",
-                            self.consumer_id, client[:32], self.subscriber_drops)
-        elif sent is Sent.GONE:
+        if sent is Sent.GONE:
             self.subscribers.pop(client, None)
+            self.live_backlog.pop(client, None)
             self.outbox.pop(client, None)
             self.backoff.pop(client, None)
             self.gone.add(client)

@@ -611,7 +611,10 @@ def test_trainer_and_npz_records_agree_bit_for_bit(deployment):
     for ro in rollouts:
         key = ro["record"]
         assert key == ro["response_id"] + "-0" and ro["response_id"].startswith("cmpl-"), ro
-        assert ro["live"], f"{key} never reached the trainer's live subscription"
+        if not ro["live"]:          # what the consumers said about their subscribers (drops, unreachable)
+            said = [ln for c in d["consumers"] for ln in d["dep"].procs[c].lines
+                    if "subscriber" in ln or "unreachable" in ln]
+            raise AssertionError(f"{key} never reached the trainer's live subscription; consumers: {said[-12:]}")
         rec = fetched[key]
         assert rec.equals(union[key]), f"{key}: the trainer's copy differs from the npz file"
         assert rec.prompt_token_ids.tolist() == ro["prompt_token_ids"]

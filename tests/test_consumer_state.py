@@ -100,3 +100,39 @@ def test_trainer_service_keeps_records_in_the_store_while_a_trainer_is_full_or_g
     w.mode = Sent.SENT
     ts.on_message(b"T", [wire.pack_header("fetch", "t", 0, 1, "not-a-list", {})], 0.0)
     assert bad == ["bad_field"] and w.sent[-1][1] == "error"
+
+
+def test_live_records_that_find_a_subscriber_full_wait_in_order_and_are_not_lost():
+    """A burst of finishes beyond the subscriber's send queue (TRAINER_SNDHWM): the ones that did not fit wait (as
+    ids; the records stay in the store) and go out in order once it drains; later ones queue behind them. Only
+    beyond MAX_LIVE_BACKLOG, or for a record gone meanwhile, is one dropped and counted."""
+    from routing_replay.consumer import trainer_service as tsm
+    w = Wire()
+    ts = TrainerService("c", RecordStore(1 << 20), w)
+    ts.on_message(b"S", [wire.pack_header("hello", "t", 0, 1, "t", {"subscribe": "r"})], 0.0)
+    ts.on_record(_rec("r0"), 0.0)
+    w.mode = Sent.FULL
+    ts.on_record(_rec("r1"), 0.0)
+    w.mode = Sent.SENT
+    ts.on_record(_rec("r2"), 0.0)                   # room again, but r1 waits: r2 goes behind it
+    assert [s[2] for s in w.sent] == ["r0"] and list(ts.live_backlog[b"S"]) == ["r1", "r2"]
+    assert ts.retry(0.0) == 0.1 and [s[2] for s in w.sent] == ["r0", "r1", "r2"] and ts.live_backlog == {}
+    assert ts.subscriber_drops == 0 and len(ts.store) == 3     # live copies never take a record out of the store
+    # bounded: beyond the bound the oldest waiting one is dropped and counted; a record gone meanwhile too
+    w.mode = Sent.FULL
+    old, tsm.MAX_LIVE_BACKLOG = tsm.MAX_LIVE_BACKLOG, 2
+    try:
+        for rid in ("r3", "r4", "r5"):
+            ts.on_record(_rec(rid), 0.0)
+    finally:
+        tsm.MAX_LIVE_BACKLOG = old
+    assert list(ts.live_backlog[b"S"]) == ["r4", "r5"] and ts.subscriber_drops == 1
+    ts.store.discard("r4")
+    w.mode = Sent.SENT
+    ts.retry(0.0)
+    assert [s[2] for s in w.sent][-1] == "r5" and ts.subscriber_drops == 2 and ts.live_backlog == {}
+    # a subscriber that says bye takes its backlog with it
+    w.mode = Sent.FULL
+    ts.on_record(_rec("r6"), 0.0)
+    ts.on_message(b"S", [wire.pack_header("bye", "t", 0, 2, "t", {})], 0.0)
+    assert ts.live_backlog == {} and ts.subscribers == {}
