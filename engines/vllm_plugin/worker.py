@@ -793,14 +793,13 @@ class WorkerCapture:
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             notes = getattr(so, scheduler_hooks.ATTR, None)
-            batched = bool(self.batch.parts)
             for rid in so.finished_req_ids:
                 key = tracked.pop(rid, None)
                 self._tracked_gen += 1
                 if key is None:
                     continue
                 info = notes.get(rid) if notes is not None else None
-                if info is not None and batched:
+                if info is not None and self.batch.parts:
                     # a request's rows go out before its finish: this one goes right after the batch that holds
                     # its last rows (_flush), not with a batch cut short here (a publish, and the batch's event,
                     # per finish: 246-334 against 47-50 us per step in bench/worker_step_probe.py --churn 1)
