@@ -24,32 +24,58 @@ def test_unknown_answered_at_once_pending_waits_and_a_record_can_be_fetched_agai
     want = {s.request_id: expected_record(s, L, K, E) for s in specs}
     with EmbeddedPipeline(str(tmp_path / "npz"), serve="tcp://127.0.0.1:*") as pipe:
         _run(pipe, specs)
-        with pipe.producer(num_layers=L, top_k=K) as p:          # open, never finished
+        # open, never finished. The producer stays open until the end: closing it says `bye`, and the broker
+        # aborts what a closed producer left open, which would end f-pending (as producer_closed)
+        with pipe.producer(num_layers=L, top_k=K) as p:
             p.open("f-pending", prompt_len=2)
             p.publish_rows(["f-pending"], [0], [2], true_rows(9, np.arange(2), L, K, E))
             assert p.flush(10)
-        wait_until_open = time.monotonic() + 10
-        while "f-pending" not in pipe.consumer.acc.requests and time.monotonic() < wait_until_open:
-            time.sleep(0.01)
-        with TrainerClient(pipe.serve) as t:
+            wait_until_open = time.monotonic() + 10
+            while "f-pending" not in pipe.consumer.acc.requests and time.monotonic() < wait_until_open:
+                time.sleep(0.01)
+            assert "f-pending" in pipe.consumer.acc.requests
+            with TrainerClient(pipe.serve) as t:
+                t0 = time.monotonic()
+                with pytest.raises(RecordUnknown) as e:
+                    t.fetch(["nope", "f-0"], timeout_s=30, unknown="raise")
+                assert time.monotonic() - t0 < 1.0
+                assert e.value.request_ids == ["nope"] and set(e.value.records) == {"f-0"}
+                assert e.value.records["f-0"].equals(want["f-0"])
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError) as e:                  # pending: waited for, not unknown
+                    t.fetch(["f-pending"], timeout_s=1.0, unknown="raise")
+                assert not isinstance(e.value, RecordUnknown) and time.monotonic() - t0 >= 0.99
+                first = t.fetch(list(want), timeout_s=30, unknown="raise")
+                again = t.fetch(list(want), timeout_s=30, unknown="raise")
+            with TrainerClient(pipe.serve) as crashed_and_back:
+                third = crashed_and_back.fetch(list(want), timeout_s=30)
+            for rid, rec in want.items():
+                assert first[rid].equals(rec) and again[rid].equals(rec) and third[rid].equals(rec)
+            assert len(pipe.consumer.store) == 0 and len(pipe.consumer.trainers.fetched) == 6
+            assert pipe.consumer.trainers.unknown_answers >= 1
+            assert "f-pending" in pipe.consumer.acc.requests            # still open: nothing ended it
+
+
+def test_a_producer_closed_right_after_its_first_flush_waits_for_acks_and_its_open_request_ends_at_once(tmp_path):
+    # flush() returns once everything is on the socket; a close() right after it, before the broker's first answer
+    # was read, used to take the broker for a peer that does not speak acks: no wait for acks, no `bye`, and the
+    # open request stayed open until the broker's producer timeout (10 s)
+    with EmbeddedPipeline(str(tmp_path / "npz"), serve="tcp://127.0.0.1:*") as pipe, TrainerClient(pipe.serve) as t:
+        for i in range(3):
+            rid = f"closed-{i}"
+            p = pipe.producer(num_layers=L, top_k=K)
+            p.open(rid, prompt_len=4)
+            p.publish_rows([rid], [0], [2], true_rows(i, np.arange(2), L, K, E))
+            assert p.flush(10)
+            p.close()
+            assert p._sender._broker_epoch is not None and len(p._sender._replay) == 0     # answered, all acked
             t0 = time.monotonic()
-            with pytest.raises(RecordUnknown) as e:
-                t.fetch(["nope", "f-0"], timeout_s=30, unknown="raise")
-            assert time.monotonic() - t0 < 1.0
-            assert e.value.request_ids == ["nope"] and set(e.value.records) == {"f-0"}
-            assert e.value.records["f-0"].equals(want["f-0"])
-            t0 = time.monotonic()
-            with pytest.raises(TimeoutError) as e:                  # pending: waited for, not unknown
-                t.fetch(["f-pending"], timeout_s=1.0, unknown="raise")
-            assert not isinstance(e.value, RecordUnknown) and time.monotonic() - t0 >= 0.99
-            first = t.fetch(list(want), timeout_s=30, unknown="raise")
-            again = t.fetch(list(want), timeout_s=30, unknown="raise")
-        with TrainerClient(pipe.serve) as crashed_and_back:
-            third = crashed_and_back.fetch(list(want), timeout_s=30)
-        for rid, rec in want.items():
-            assert first[rid].equals(rec) and again[rid].equals(rec) and third[rid].equals(rec)
-        assert len(pipe.consumer.store) == 0 and len(pipe.consumer.trainers.fetched) == 6
-        assert pipe.consumer.trainers.unknown_answers >= 1
+            rec = t.fetch([rid], timeout_s=5)[rid]
+            assert time.monotonic() - t0 < 3.0                        # the broker's producer timeout is 10 s
+            want = true_rows(i, np.arange(4), L, K, E)
+            want[2:] = -1
+            assert (rec.complete, rec.reason, rec.missing) == (False, "producer_closed", [(2, 4)])
+            assert np.array_equal(rec.prompt_routed_experts, want) and rec.routed_experts.shape == (0, L, K)
 
 
 @pytest.mark.parametrize("shard_size", [0, 4])
