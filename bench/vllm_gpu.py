@@ -396,8 +396,17 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _check_records(npz: Path, outs, prompt_len: int, output_len: int, layers: int, top_k: int) -> dict:
-    """One complete record per request with every computed row present; expert load over all rows."""
+def output_lens(requests: int, output_len: int, spread: float) -> list:
+    """Each request's output length (--output-spread): output_len for all with spread 0; else spread evenly over
+    [output_len x (1 - spread), output_len] in an order that mixes long and short requests."""
+    if not 0 <= spread < 1:
+        raise SystemExit(f"--output-spread {spread}: must be in [0, 1)")
+    return [output_len - round(spread * output_len * ((i * 7919) % requests) / requests) for i in range(requests)]
+
+
+def _check_records(npz: Path, outs, prompt_len: int, lens: list, layers: int, top_k: int) -> dict:
+    """One complete record per request with every computed row present; expert load over all rows. lens: each
+    request's output length, in the order of outs."""
     import numpy as np
 
     from routing_replay.consumer import load_records
@@ -405,7 +414,7 @@ def _check_records(npz: Path, outs, prompt_len: int, output_len: int, layers: in
     recs = load_records(npz)
     counts = None
     bad = []
-    for o in outs:
+    for o, output_len in zip(outs, lens):
         r = recs.get(o.request_id)
         if r is None:
             bad.append((o.request_id, "missing"))
@@ -446,10 +455,17 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=None, help="requests per round (default 256; --small: 16)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each mode after the warm-up round")
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="the engines' max_num_seqs (0: max(256, --requests)); below --requests, the others wait "
+                         "and start as running ones finish (continuous batching)")
+    ap.add_argument("--output-spread", type=float, default=0.0,
+                    help="request i generates output_len - round(spread x output_len x ((i x 7919) mod R) / R) "
+                         "tokens (R = --requests): with --max-num-seqs below --requests, requests finish and "
+                         "start in most steps, as in a rollout engine (0: all alike, they start and end together)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.42, help="per engine (two run at once)")
     ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="per engine")
     ap.add_argument("--prefix-rows", choices=("fill", "sentinel"), default="fill",
@@ -464,7 +480,8 @@ def main(argv=None) -> int:
     if a.small:
         a.layers, a.hidden, a.experts, a.top_k, a.moe_intermediate = 2, 128, 8, 2, 128
         a.heads, a.kv_heads, a.head_dim, a.dtype = 2, 1, 64, "float32"
-        a.requests, a.prompt_len, a.output_len, a.rounds, a.kv_cache_gib = 16, 64, 16, 1, 0.25
+        a.prompt_len, a.output_len, a.rounds, a.kv_cache_gib = 64, 16, 1, 0.25
+    a.requests = a.requests or (16 if a.small else 256)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -488,7 +505,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     model = write_model(work / "model", layers=a.layers, hidden=a.hidden, experts=a.experts, top_k=a.top_k,
                         moe_intermediate=a.moe_intermediate, heads=a.heads, kv_heads=a.kv_heads,
                         head_dim=a.head_dim, dtype=a.dtype)
-    kw = dict(model=str(model), dtype=a.dtype, load_format="dummy", seed=0, max_num_seqs=max(256, a.requests),
+    kw = dict(model=str(model), dtype=a.dtype, load_format="dummy", seed=0, max_num_seqs=a.max_num_seqs or max(256, a.requests),
               max_model_len=a.prompt_len + a.output_len + 64, kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30))
     if not a.small:
         kw["gpu_memory_utilization"] = a.gpu_memory_utilization
@@ -518,11 +535,12 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     head = [rnd.randrange(256) for _ in range(min(a.shared_prefix, a.prompt_len))]
     prompts = [{"prompt_token_ids": head + [rnd.randrange(256) for _ in range(a.prompt_len - len(head))]}
                for _ in range(a.requests)]
-    base = dict(max_tokens=a.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
-    sps = {"off": SamplingParams(**base),
-           "on": SamplingParams(**base, extra_args={"return_routed_experts": True}),
-           "fill": SamplingParams(**base, extra_args={"return_routed_experts": True}),
-           "optout": SamplingParams(**base, extra_args={"return_routed_experts": False})}
+    lens = output_lens(a.requests, a.output_len, a.output_spread)
+    extra = {"off": None, "on": {"return_routed_experts": True}, "fill": {"return_routed_experts": True},
+             "optout": {"return_routed_experts": False}}
+    sps = {m: [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False,
+                              **({"extra_args": x} if x is not None else {})) for n in lens]
+           for m, x in extra.items()}
     outputs: dict = {}
     rounds: list = []
     checks: list = []
@@ -542,6 +560,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         c1 = _proc_cpu_s(pid[mode])
         s1 = llm.collective_rpc(_rpc_stats)[0]
         ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert ntok == sum(lens), (ntok, sum(lens))
         r = {"mode": mode, "round": idx, "seconds": dt, "output_tokens": ntok, "output_tok_s": ntok / dt,
              "total_tok_s": (ntok + a.requests * a.prompt_len) / dt, "engine_cpu_s": c1 - c0}
         if s1["capture"]:
@@ -554,13 +573,14 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
                      timed_sections_per_step=(s1["timed_sections"] - s0["timed_sections"]) / steps,
                      hook_us_per_step=(s1["hook_ns"] - s0["hook_ns"]) / steps / 1e3,
                      engine_cpu_us_per_step=(c1 - c0) / steps * 1e6,
-                     sent_msgs=s1["sent_msgs"] - s0["sent_msgs"], sent_bytes=s1["sent_bytes"] - s0["sent_bytes"])
+                     sent_msgs=s1["sent_msgs"] - s0["sent_msgs"], sent_bytes=s1["sent_bytes"] - s0["sent_bytes"],
+                     opened=s1["opened"] - s0["opened"], finished=s1["finished"] - s0["finished"])
         if s1["capture"]:
             r.update(prefix_rows=s1["prefix_rows"] - s0["prefix_rows"], store_device_bytes=s1["store_device_bytes"])
         if mode in ("on", "fill"):
             r["records_wait_s"] = helpers.wait_records(a.requests, timeout_s=120)
             r["helpers_cpu_s"] = helpers.cpu_s() - h0
-            chk = _check_records(helpers.npz, outs, a.prompt_len, a.output_len, info["moe_layers"], info["top_k"])
+            chk = _check_records(helpers.npz, outs, a.prompt_len, lens, info["moe_layers"], info["top_k"])
             checks.append(chk)
             helpers.clear()
         outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
@@ -596,6 +616,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         "vllm": vllm.__version__, "device": _device_name(), "layers": a.layers, "hidden": a.hidden,
         "experts": a.experts, "top_k": a.top_k, "moe_intermediate": a.moe_intermediate, "dtype": a.dtype,
         "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len, "rounds": a.rounds,
+        "max_num_seqs": a.max_num_seqs or max(256, a.requests), "output_spread": a.output_spread,
         "engine_start_s": {"off": start_off, "on": start_on}, "plugin_engine": info,
         "prefix_rows": a.prefix_rows, "modes": list(modes), "rounds_detail": rounds, "record_checks": checks, "gpu_cost": gpu,
         "dropped": {"copier_steps": final["copier_dropped_steps"], "producer_msgs": final["producer_dropped_msgs"]},
@@ -622,6 +643,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         res["host_wall_us_per_step_fill"] = statistics.median(r["host_wall_us_per_step"] for r in fill_rounds)
         res["prefix_rows_per_fill_round"] = statistics.median(r["prefix_rows"] for r in fill_rounds)
     res["steps_per_round"] = statistics.median(r["steps"] for r in on_rounds)
+    res["opens_finishes_per_step_on"] = statistics.median((r["opened"] + r["finished"]) / r["steps"] for r in on_rounds)
     res["host_us_per_step_on"] = statistics.median(r["host_us_per_step"] for r in on_rounds)
     res["host_us_per_step_on_all"] = [r["host_us_per_step"] for r in on_rounds]
     res["host_wall_us_per_step_on"] = statistics.median(r["host_wall_us_per_step"] for r in on_rounds)
@@ -666,6 +688,10 @@ def _print_summary(r: dict) -> None:
           f"{r['experts']} experts, top-{r['top_k']}, MoE intermediate {r['moe_intermediate']}), {r['dtype']}; "
           f"{r['requests']} requests x ({r['prompt_len']} prompt + {r['output_len']} output) tokens; "
           f"{r['rounds']} rounds per mode (medians)")
+    if r["output_spread"] or r["max_num_seqs"] < r["requests"]:
+        print(f"  continuous batching: max_num_seqs {r['max_num_seqs']}, output lengths spread "
+              f"{r['output_spread']:.2f} (down to {round(r['output_len'] * (1 - r['output_spread']))}); "
+              f"opens + finishes per step, on: {r['opens_finishes_per_step_on']:.2f}")
     for m in r["modes"]:
         xs = r[f"{m}_output_tok_s_all"]
         print(f"  {m:7s}: {r[f'{m}_output_tok_s']:9.0f} output tok/s  (rounds {min(xs):.0f}..{max(xs):.0f})")
