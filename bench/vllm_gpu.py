@@ -621,6 +621,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         "prefix_rows": a.prefix_rows, "modes": list(modes), "rounds_detail": rounds, "record_checks": checks, "gpu_cost": gpu,
         "dropped": {"copier_steps": final["copier_dropped_steps"], "producer_msgs": final["producer_dropped_msgs"]},
         "same_outputs_on_vs_off": outputs.get("on") == outputs.get("off"),
+        "outputs_on_vs_off_differ": _differ(outputs.get("on"), outputs.get("off")),
     }
     for m in modes:
         res[f"{m}_output_tok_s"] = med(m, "output_tok_s")
@@ -672,6 +673,16 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     if not ok:
         print("FAILED: records incomplete or dropped", json.dumps(checks)[:2000], flush=True)
     return 0 if ok else 1
+
+
+def _differ(a, b) -> dict:
+    """How two modes' outputs differ: requests whose tokens differ, and where the first difference comes."""
+    if a is None or b is None:
+        return {}
+    firsts = [next((j for j, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
+              for s, t in zip(a, b) if s != t]
+    return {"requests": len(firsts), "of": len(a), "first_token_min": min(firsts, default=None),
+            "first_token_median": statistics.median(firsts) if firsts else None}
 
 
 def _device_name() -> str:
@@ -737,7 +748,7 @@ def _print_summary(r: dict) -> None:
     load = checks[0]["expert_load"] if checks else {}
     print(f"  records: {[c['records'] for c in checks]} per on-round, bad {sum(c['n_bad'] for c in checks)}, "
           f"awaited {r['records_wait_s']:.2f} s after generate(); expert load {load}; "
-          f"outputs on == off: {r['same_outputs_on_vs_off']}")
+          f"outputs on == off: {r['same_outputs_on_vs_off']} {r['outputs_on_vs_off_differ']}")
 
 if __name__ == "__main__":
     sys.exit(main())
