@@ -14,7 +14,7 @@ import torch
 from routing_replay.protocol import wire
 from routing_replay.engines.vllm_plugin import keys, plugin, scheduler_hooks, settings
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding
-from routing_replay.engines.vllm_plugin.worker import LostHookError, _map_keys, _StepBatch
+from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
 
 
 @pytest.fixture
@@ -803,14 +803,3 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     assert cache.slot_writes == before
     with pytest.raises(ValueError, match="outside the step ring"):
         copier.submit_slot(0, 20, 0)
-
-
-def test_step_keys_map_every_id_and_flag_the_uncaptured_ones():
-    tracked = {"a-0": "a", "b-0": "b", "c-0": "c"}
-    assert _map_keys(tracked, ["c-0", "a-0", "b-0"]) == (["c", "a", "b"], False)        # all captured: one lookup
-    assert _map_keys(tracked, ["c-0", "x-0", "a-0"]) == (["c", None, "a"], True)        # one not captured
-    assert _map_keys(tracked, ["x-0", "y-0"]) == ([None, None], True)
-    assert _map_keys(tracked, ["b-0"]) == (["b"], False) and _map_keys(tracked, ["z-0"]) == ([None], True)
-    assert _map_keys(tracked, []) == ([], False)
-    keys, _ = _map_keys(tracked, ["a-0", "b-0"])
-    assert type(keys) is list                       # the batch keeps it by reference: a list of its own
