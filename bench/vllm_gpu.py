@@ -482,6 +482,7 @@ def main(argv=None) -> int:
         a.heads, a.kv_heads, a.head_dim, a.dtype = 2, 1, 64, "float32"
         a.prompt_len, a.output_len, a.rounds, a.kv_cache_gib = 64, 16, 1, 0.25
     a.requests = a.requests or (16 if a.small else 256)
+    a.max_num_seqs = a.max_num_seqs or max(256, a.requests)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -505,7 +506,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     model = write_model(work / "model", layers=a.layers, hidden=a.hidden, experts=a.experts, top_k=a.top_k,
                         moe_intermediate=a.moe_intermediate, heads=a.heads, kv_heads=a.kv_heads,
                         head_dim=a.head_dim, dtype=a.dtype)
-    kw = dict(model=str(model), dtype=a.dtype, load_format="dummy", seed=0, max_num_seqs=a.max_num_seqs or max(256, a.requests),
+    kw = dict(model=str(model), dtype=a.dtype, load_format="dummy", seed=0, max_num_seqs=a.max_num_seqs,
               max_model_len=a.prompt_len + a.output_len + 64, kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30))
     if not a.small:
         kw["gpu_memory_utilization"] = a.gpu_memory_utilization
@@ -616,7 +617,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         "vllm": vllm.__version__, "device": _device_name(), "layers": a.layers, "hidden": a.hidden,
         "experts": a.experts, "top_k": a.top_k, "moe_intermediate": a.moe_intermediate, "dtype": a.dtype,
         "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len, "rounds": a.rounds,
-        "max_num_seqs": a.max_num_seqs or max(256, a.requests), "output_spread": a.output_spread,
+        "max_num_seqs": a.max_num_seqs, "output_spread": a.output_spread,
         "engine_start_s": {"off": start_off, "on": start_on}, "plugin_engine": info,
         "prefix_rows": a.prefix_rows, "modes": list(modes), "rounds_detail": rounds, "record_checks": checks, "gpu_cost": gpu,
         "dropped": {"copier_steps": final["copier_dropped_steps"], "producer_msgs": final["producer_dropped_msgs"]},

@@ -156,15 +156,15 @@ class Sender:
                 self._check_silence(now)
                 next_io = now + 0.005
             self._link.move(LinkEvent.TICK, now)
-            # everything was sent at `now` if anything was left to send before the pump (a close right after a
-            # flush that sent it all must still wait for the broker's first answer, then its acks, then say bye)
-            sending = self._replay.pending() or self._link.hello_due
+            # the pump only sends: what it leaves pending was pending before it. Anything to send now means
+            # everything was sent at `now` at the earliest (a close right after a flush that sent it all must
+            # still wait for the broker's first answer, then its acks, then say bye)
+            if self._replay.pending() or self._link.hello_due:
+                self._sent_all_at = now
             blocked = self._pump(sock, now)
             if now >= next_hb:
                 self._send_ctl(sock, "heartbeat", now)
                 next_hb = now + self.cfg.heartbeat_interval_s
-            if sending or self._replay.pending() or self._link.hello_due:
-                self._sent_all_at = now
             if (self._stopping or self.closing) and self._closing_done(now):
                 if self._broker_epoch is not None and not len(self._replay):
                     self._send_ctl(sock, "bye", now)
