@@ -365,17 +365,23 @@ class Helpers:
     def wait_records(self, n: int, timeout_s: float) -> float:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            if self.npz.exists() and sum(1 for _ in self.npz.glob("*.npz")) >= n:
+            if self.npz.exists() and len(self.records()) >= n:
                 return time.monotonic() - t0
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("broker or consumer exited; see broker.log / consumer.log")
             time.sleep(0.02)
-        have = sum(1 for _ in self.npz.glob("*.npz")) if self.npz.exists() else 0
+        have = len(self.records()) if self.npz.exists() else 0
         raise TimeoutError(f"{have} of {n} records after {timeout_s}s")
+
+    def records(self) -> list:
+        """The records written so far, not the consumer's files still being written (counting one let a round's
+        check run before its last record was in place; deleting one made the consumer's rename fail)."""
+        from routing_replay.consumer import record_files
+        return record_files(self.npz)
 
     def clear(self) -> None:
         """Delete the records written so far (the consumer keeps writing into the directory)."""
-        for f in self.npz.glob("*.npz"):
+        for f in self.records():
             f.unlink()
 
     def close(self) -> None:
@@ -584,7 +590,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
             chk = _check_records(helpers.npz, outs, a.prompt_len, lens, info["moe_layers"], info["top_k"])
             checks.append(chk)
             helpers.clear()
-        outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        outputs.setdefault(mode, []).append([list(o.outputs[0].token_ids) for o in outs])   # warm-up first
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         partial = {"plugin_engine": info, "engine_start_s": [start_off, start_on], "rounds_so_far": rounds + [r],
                    "record_checks": checks}
@@ -621,8 +627,15 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         "engine_start_s": {"off": start_off, "on": start_on}, "plugin_engine": info,
         "prefix_rows": a.prefix_rows, "modes": list(modes), "rounds_detail": rounds, "record_checks": checks, "gpu_cost": gpu,
         "dropped": {"copier_steps": final["copier_dropped_steps"], "producer_msgs": final["producer_dropped_msgs"]},
-        "same_outputs_on_vs_off": outputs.get("on") == outputs.get("off"),
-        "outputs_on_vs_off_differ": _differ(outputs.get("on"), outputs.get("off")),
+        "same_outputs_on_vs_off": _last(outputs, "on") == _last(outputs, "off"),
+        "outputs_on_vs_off_differ": _differ(_last(outputs, "on"), _last(outputs, "off")),
+        # where a difference comes from: each engine against itself (its first and last rounds: same engine,
+        # same requests, other batches' timing), and the plugin's engine with capture off (optout) against both
+        "outputs_differ": {"off_first_vs_last": _differ(outputs.get("off", [None])[0], _last(outputs, "off")),
+                           "on_first_vs_last": _differ(outputs.get("on", [None])[0], _last(outputs, "on")),
+                           "optout_vs_off": _differ(_last(outputs, "optout"), _last(outputs, "off")),
+                           "on_vs_optout": _differ(_last(outputs, "on"), _last(outputs, "optout")),
+                           "fill_vs_on": _differ(_last(outputs, "fill"), _last(outputs, "on"))},
     }
     for m in modes:
         res[f"{m}_output_tok_s"] = med(m, "output_tok_s")
@@ -674,6 +687,12 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     if not ok:
         print("FAILED: records incomplete or dropped", json.dumps(checks)[:2000], flush=True)
     return 0 if ok else 1
+
+
+def _last(outputs: dict, mode: str):
+    """A mode's outputs of its last round (None if it ran none)."""
+    runs = outputs.get(mode)
+    return runs[-1] if runs else None
 
 
 def _differ(a, b) -> dict:
@@ -750,6 +769,8 @@ def _print_summary(r: dict) -> None:
     print(f"  records: {[c['records'] for c in checks]} per on-round, bad {sum(c['n_bad'] for c in checks)}, "
           f"awaited {r['records_wait_s']:.2f} s after generate(); expert load {load}; "
           f"outputs on == off: {r['same_outputs_on_vs_off']} {r['outputs_on_vs_off_differ']}")
+    print("  outputs differ: " + "; ".join(f"{k} {v.get('requests')}/{v.get('of')} first at {v.get('first_token_min')}"
+                                           for k, v in r["outputs_differ"].items() if v))
 
 if __name__ == "__main__":
     sys.exit(main())

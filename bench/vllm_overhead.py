@@ -252,7 +252,8 @@ def _run(a, npz_dir: Path, procs: list) -> int:
     res["paired_loss_pct"] = [100 * (1 - r) for r in ratios]
     res["paired_loss_pct_median"] = 100 * (1 - statistics.median(ratios))
     res["loadavg_end"] = os.getloadavg()[0]
-    records = len(list(npz_dir.glob("*.npz"))) if npz_dir.exists() else 0
+    from routing_replay.consumer import record_files
+    records = len(record_files(npz_dir)) if npz_dir.exists() else 0
     res["records_written"] = records
     where = " (engine on CPU 0, broker + consumer on CPU 1)" if a.pin else ""
     print(f"\nvLLM {res['vllm']}, broker {a.broker}{where}, {a.requests} requests x ({a.prompt_len} prompt + "

@@ -134,8 +134,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap.copier.mark_batch = _timed(parts, "mark_batch", cap.copier.mark_batch)
         cap.producer.publish_rows = _timed(parts, "publish_rows", cap.producer.publish_rows)
         cap._flush = _timed(parts, "flush_total", cap._flush)         # mark_batch + take + publish_rows
-        cap.producer.open = _timed(parts, "producer_open", cap.producer.open)
-        cap.producer.finish = _timed(parts, "producer_finish", cap.producer.finish)
+        cap.producer.open_many = _timed(parts, "producer_open", cap.producer.open_many)
+        cap.producer.end_many = _timed(parts, "producer_finish", cap.producer.end_many)
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
     captured = mode == "on"
     sp = SimpleNamespace(extra_args={"return_routed_experts": captured})

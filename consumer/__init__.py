@@ -7,14 +7,15 @@ service's names are resolved on first use.
 from importlib import import_module
 
 from routing_replay.consumer.client import RecordEvicted, RecordUnknown, TrainerClient
-from routing_replay.consumer.npz import NpzWriter, iter_records, load_records, read_record, safe_filename, write_record
+from routing_replay.consumer.npz import (NpzWriter, iter_records, load_records, read_record, record_files,
+                                        safe_filename, write_record)
 
 _LAZY = {"Accumulator": "accumulator", "AccumulatorStats": "accumulator", "Consumer": "service",
          "RecordStore": "store", "TrainerService": "trainer_service"}
 
 __all__ = ["Accumulator", "AccumulatorStats", "Consumer", "NpzWriter", "RecordEvicted", "RecordStore",
            "RecordUnknown", "TrainerClient", "TrainerService", "iter_records", "load_records", "read_record",
-           "safe_filename", "write_record"]
+           "record_files", "safe_filename", "write_record"]
 
 
 def __getattr__(name: str):

@@ -371,12 +371,17 @@ def read_record(path: str | os.PathLike) -> wire.Record:
         return _record(z)
 
 
+def record_files(directory: str | os.PathLike) -> list[Path]:
+    """The per-request record files under DIR, sorted: not shards, not the ".tmp-*.npz" files a writer is still
+    filling (pathlib's glob("*.npz") matches those too: count or delete records through this)."""
+    return [p for p in sorted(Path(directory).glob("*.npz"))
+            if not p.name.startswith("shard-") and not p.name.startswith(".tmp-")]
+
+
 def iter_records(directory: str | os.PathLike) -> Iterator[wire.Record]:
     """Yield every record under DIR, from per-request files and from shards."""
     d = Path(directory)
-    for p in sorted(d.glob("*.npz")):
-        if p.name.startswith("shard-") or p.name.startswith(".tmp-"):
-            continue
+    for p in record_files(d):
         yield read_record(p)
     index = d / "index.jsonl"
     if index.exists():

@@ -28,6 +28,14 @@ class Announce(NamedTuple):
     frames: list              # token-id arrays (open: prompt, finish: output), possibly empty
 
 
+class Announces(NamedTuple):
+    """Several opens or finishes/aborts put in one call (Producer.open_many / end_many): `build(items)`, called on
+    the producer's thread, returns their Announce items, in order."""
+
+    build: Any
+    items: list
+
+
 class Step(NamedTuple):
     """One engine step (or a batch of them): request_ids[i] gets counts[i] rows at starts[i]...
 
@@ -560,13 +568,14 @@ class QueueLedger:
         self.put_bytes = self.taken_bytes = 0
         self.put_msgs = self.taken_msgs = 0
 
-    def put(self, nbytes: int, bound: int | None) -> bool:
-        """Count one item in; False (nothing counted) if `bound` is given and the queue would pass it."""
+    def put(self, nbytes: int, bound: int | None, msgs: int = 1) -> bool:
+        """Count one item in (`msgs` messages); False (nothing counted) if `bound` is given and the queue would
+        pass it."""
         with self.lock:
             if bound is not None and self.put_bytes - self.taken_bytes + nbytes > bound:
                 return False
             self.put_bytes += nbytes
-            self.put_msgs += 1
+            self.put_msgs += msgs
         return True
 
     def taken(self, nbytes: int) -> None:
@@ -637,6 +646,13 @@ class RequestBook:
                 self._known.clear()
             self._known.add(request_id)
 
+    def opened_many(self, request_ids: list) -> None:
+        with self.lock:
+            self._refused.difference_update(request_ids)
+            if len(self._known) + len(request_ids) > self.known_limit:
+                self._known.clear()
+            self._known.update(request_ids)
+
     def refuse(self, request_id: Any) -> None:
         if type(request_id) is not str:
             return
@@ -661,6 +677,24 @@ class RequestBook:
                 self._refused.discard(request_id)
                 return True, None
             return False, lost
+
+    def ended_many(self, request_ids: list) -> list[tuple[bool, list | None, bool]]:
+        """ended() for several ids under one lock: per id (was it refused, its lost ranges, is it known to travel
+        (False: not known, check it with problem()))."""
+        out = []
+        with self.lock:
+            lost, refused, known = self._lost, self._refused, self._known
+            for rid in request_ids:
+                if type(rid) is not str:
+                    out.append((False, None, False))
+                    continue
+                ranges = lost.pop(rid, None) if lost else None
+                if rid in refused:
+                    refused.discard(rid)
+                    out.append((True, None, False))
+                else:
+                    out.append((False, ranges, rid in known))
+        return out
 
     def add_lost(self, request_ids: Sequence, starts: Sequence[int], counts: Sequence[int]) -> None:
         with self.lock:

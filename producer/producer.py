@@ -13,8 +13,8 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
-from routing_replay.producer.messages import (Announce, Geometry, Inbox, QueueLedger, RequestBook, Step, StepParts,
-                                              escaped_id, flat_ids, flat_ints)
+from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, QueueLedger, RequestBook, Step,
+                                              StepParts, escaped_id, flat_ids, flat_ints)
 from routing_replay.producer.replay import ReplayBuffer, Spill
 from routing_replay.producer.sender import STOP, Sender, SenderSettings
 
@@ -220,6 +220,11 @@ class Producer:
         self._q.put(item, droppable)
         return True
 
+    def _put_many(self, item: Announces) -> None:
+        # opens / finishes / aborts of one call: one queue item, counted as len(items) messages
+        self._ledger.put(0, None, len(item.items))
+        self._q.put(item, False)
+
     def _drop_parts(self, what: str, request_id: Any, n: int = 1) -> None:
         with self._lock:
             self.stats.dropped_parts += n
@@ -238,26 +243,73 @@ class Producer:
         dropped and counted, as are those of a request whose open raised anything else.
         """
         self._check()
-        problem = wire.request_id_problem(request_id)
-        if problem is not None:
-            raise wire.ProtocolError("bad_request_id", f"{problem}: {escaped_id(request_id)}")
         try:
-            if not 0 <= num_cached_tokens <= prompt_len:
-                raise ValueError(f"num_cached_tokens={num_cached_tokens} outside [0, prompt_len={prompt_len}]")
-            body = {"prompt_len": int(prompt_len), "num_cached": int(num_cached_tokens),
-                    "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
-            if prefix_filled:
-                body["prefix_filled"] = True
-            frames = []
-            if prompt_token_ids is not None:
-                toks = _tokens(prompt_token_ids)
-                body["n_prompt_tokens"] = len(toks)
-                frames.append(toks)
+            item = self._open_item(request_id, prompt_len, num_cached_tokens, prompt_token_ids, prefix_filled)
+        except wire.ProtocolError:
+            raise
         except BaseException:
             self._book.refuse(request_id)
             raise
         self._book.opened(request_id)
-        self._put(Announce("open", request_id, body, frames), 0, False)
+        self._put(item, 0, False)
+
+    def open_many(self, opens: Sequence[tuple], ids_checked: bool = False) -> list[tuple[int, Exception]]:
+        """`open` for several requests in one call: one lock and one queue item for all of them, their messages
+        built on the producer's thread (an engine hands over a step's new requests so).
+
+        Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with
+        int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem. Returns
+        (index, exception) for each item open() would have raised for; nothing is announced for those (their
+        ids are refused as open() refuses them). The others are announced, in order."""
+        self._check()
+        ok, ids, failed = [], [], []
+        for i, item in enumerate(opens):
+            rid, prompt_len, num_cached, tokens, filled = item
+            problem = None if ids_checked else wire.request_id_problem(rid)
+            if problem is not None:
+                failed.append((i, wire.ProtocolError("bad_request_id", f"{problem}: {escaped_id(rid)}")))
+            elif type(prompt_len) is not int or type(num_cached) is not int or not 0 <= num_cached <= prompt_len:
+                self._book.refuse(rid)
+                failed.append((i, ValueError(f"num_cached_tokens={num_cached!r} outside [0, prompt_len="
+                                             f"{prompt_len!r}] (ints)")))
+            else:
+                if type(tokens) is list:                # the caller's list may change: a copy (C speed)
+                    item = (rid, prompt_len, num_cached, tuple(tokens), filled)
+                ok.append(item)
+                ids.append(rid)
+        if ok:
+            self._book.opened_many(ids)
+            self._put_many(Announces(self._open_items, ok))
+        return failed
+
+    def _open_items(self, items: list) -> list:
+        """open_many's items as Announce (the producer's thread)."""
+        out = []
+        for rid, prompt_len, num_cached, tokens, filled in items:
+            try:
+                out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled))
+            except Exception as e:  # noqa: BLE001 -- token ids that are no sequence: that request alone
+                self._book.refuse(rid)
+                self._build_failed("open", rid, e)
+        return out
+
+    def _open_item(self, request_id: str, prompt_len: int, num_cached_tokens: int, prompt_token_ids: Any,
+                   prefix_filled: bool) -> Announce:
+        problem = wire.request_id_problem(request_id)
+        if problem is not None:
+            raise wire.ProtocolError("bad_request_id", f"{problem}: {escaped_id(request_id)}")
+        if not 0 <= num_cached_tokens <= prompt_len:
+            raise ValueError(f"num_cached_tokens={num_cached_tokens} outside [0, prompt_len={prompt_len}]")
+        body = {"prompt_len": int(prompt_len), "num_cached": int(num_cached_tokens),
+                "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
+        if prefix_filled:
+            body["prefix_filled"] = True
+        frames = []
+        if prompt_token_ids is not None:
+            toks = _tokens(prompt_token_ids)
+            body["n_prompt_tokens"] = len(toks)
+            frames.append(toks)
+        return Announce("open", request_id, body, frames)
 
     def publish(self, step: Iterable[tuple[str, int, np.ndarray]]) -> bool:
         """Publish one engine step given as (request_id, start_position, rows (n, L, K) int16) tuples.
@@ -403,6 +455,67 @@ class Producer:
         if refused or self._book.problem(request_id) is not None:
             self._drop_parts("finish", request_id)
             return
+        self._put(self._finish_item(request_id, num_output_tokens, finish_reason, output_token_ids, lost,
+                                    prompt_len, num_cached_tokens), 0, False)
+
+    def abort(self, request_id: str, reason: str = "abort", num_output_tokens: int | None = None) -> None:
+        self._check()
+        refused, _ = self._book.ended(request_id)
+        if refused or self._book.problem(request_id) is not None:
+            self._drop_parts("abort", request_id)
+            return
+        self._put(self._abort_item(request_id, reason, num_output_tokens), 0, False)
+
+    def end_many(self, ends: Sequence[tuple]) -> int:
+        """`finish` and `abort` for several requests in one call: one lock and one queue item for all of them,
+        their messages built on the producer's thread.
+
+        Each item is ("finish", request_id, num_output_tokens, finish_reason, output_token_ids or None) or
+        ("abort", request_id, num_output_tokens or None, reason, None), num_output_tokens an int. Parts of refused
+        ids are dropped and counted as finish() drops them. Raises ValueError for a malformed item before
+        anything of this call is taken; returns how many were sent."""
+        self._check()
+        for end in ends:
+            kind, _, n, _, _ = end
+            if kind != "finish" and kind != "abort":
+                raise ValueError(f"end kind must be 'finish' or 'abort', got {kind!r}")
+            if type(n) is not int and not (kind == "abort" and n is None):
+                raise ValueError(f"num_output_tokens of a {kind} must be an int, got {n!r}")
+        verdicts = self._book.ended_many([end[1] for end in ends])
+        items = []
+        for end, (refused, lost, known) in zip(ends, verdicts):
+            kind, rid, n, reason, tokens = end
+            if refused or (not known and self._book.problem(rid) is not None):
+                self._drop_parts(kind, rid)
+                continue
+            if type(tokens) is list:                    # the caller's list may change: a copy (C speed)
+                tokens = tuple(tokens)
+            items.append((kind, rid, n, reason, tokens, lost))
+        if items:
+            self._put_many(Announces(self._end_items, items))
+        return len(items)
+
+    def _end_items(self, items: list) -> list:
+        """end_many's items as Announce (the producer's thread)."""
+        out = []
+        for kind, rid, n, reason, tokens, lost in items:
+            try:
+                out.append(self._finish_item(rid, n, reason, tokens, lost) if kind == "finish"
+                           else self._abort_item(rid, reason, n))
+            except Exception as e:  # noqa: BLE001 -- token ids that are no sequence: that request alone
+                self._build_failed(kind, rid, e)
+        return out
+
+    def _build_failed(self, kind: str, rid: str, e: Exception) -> None:
+        self.stats.encode_errors += 1
+        log.warning("producer %s dropped the %s of request %s it could not build (%d so far): %s: %s",
+                    self.producer_id, kind, escaped_id(rid), self.stats.encode_errors, type(e).__name__,
+                    str(e)[:200])
+
+    @staticmethod
+    def _finish_item(request_id: str, num_output_tokens: int, finish_reason: str, output_token_ids: Any,
+                     lost: list | None, prompt_len: int | None = None,
+                     num_cached_tokens: int | None = None) -> Announce:
         body: dict = {"num_output": int(num_output_tokens), "reason": finish_reason}
         if prompt_len is not None:
             body["prompt_len"] = int(prompt_len)
@@ -415,18 +528,14 @@ class Producer:
             toks = _tokens(output_token_ids)
             body["n_output_tokens"] = len(toks)
             frames.append(toks)
-        self._put(Announce("finish", request_id, body, frames), 0, False)
+        return Announce("finish", request_id, body, frames)
 
-    def abort(self, request_id: str, reason: str = "abort", num_output_tokens: int | None = None) -> None:
-        self._check()
-        refused, _ = self._book.ended(request_id)
-        if refused or self._book.problem(request_id) is not None:
-            self._drop_parts("abort", request_id)
-            return
+    @staticmethod
+    def _abort_item(request_id: str, reason: str, num_output_tokens: int | None) -> Announce:
         body: dict = {"reason": reason}
         if num_output_tokens is not None:
             body["num_output"] = int(num_output_tokens)
-        self._put(Announce("abort", request_id, body, []), 0, False)
+        return Announce("abort", request_id, body, [])
 
     @property
     def queued_bytes(self) -> int:

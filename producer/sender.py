@@ -17,8 +17,8 @@ import zmq
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
-from routing_replay.producer.messages import (Announce, Geometry, Inbox, OwnerHints, QueueLedger, RequestBook, Step,
-                                              StepParts, merge_coalesced_steps,
+from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
+                                              RequestBook, Step, StepParts, merge_coalesced_steps,
                                               encode_announce, encode_step, encode_steps, escaped_id, step_rows,
                                               token_frames, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
@@ -209,6 +209,12 @@ class Sender:
                 item = item.step(self.hints)
             if item is STOP:
                 self._stopping = True
+            elif type(item) is Announces:           # Producer.open_many / end_many: built here, in order
+                built = item.build(item.items)      # (an item it cannot build is logged, counted, left out)
+                for a in built:
+                    self._intake(a)
+                for _ in range(len(item.items) - len(built)):
+                    self._ledger.taken(0)
             elif isinstance(item, Step):
                 batch, stash = self._more_steps(item)
                 if len(batch) == 1:

@@ -106,6 +106,61 @@ def test_a_bad_request_id_is_refused_at_open_and_never_stops_the_stream(fake_and
     assert fake.recv()[0].key == "after"
 
 
+def test_open_many_and_end_many_send_what_open_finish_and_abort_send_and_refuse_only_the_bad_items(
+        fake_and_producer):
+    """A step's opens and ends in one call each (the vLLM plugin's path): the same messages as one call per request,
+    in order, token lists copied at the call; an item open() would raise for is returned with its error, its id
+    refused (its later parts dropped and counted), and the other items still go."""
+    fake, p = fake_and_producer
+    toks = [5, 6, 7]
+    failed = p.open_many([("a", 3, 1, toks, False), (BAD, 2, 0, None, False), ("b", 2, 3, None, False),
+                          ("c", 4, 0, np.array([1, 2, 3, 4]), True), ("d", 2.0, 0, None, False)])
+    toks[0] = 99
+    assert [(i, type(e).__name__) for i, e in failed] == [(1, "ProtocolError"), (2, "ValueError"),
+                                                          (4, "ValueError")]
+    assert failed[0][1].reason == "bad_request_id" and "num_cached_tokens=3 outside" in str(failed[1][1])
+    assert p.publish_rows(["a", "b", "c"], [1, 0, 0], [2, 2, 4], rows(8)) is True
+    with pytest.raises(ValueError, match="end kind"):
+        p.end_many([("finish", "a", 1, "stop", None), ("close", "c", 1, "stop", None)])
+    with pytest.raises(ValueError, match="must be an int"):
+        p.end_many([("finish", "a", None, "stop", None)])
+    out = [4, 4]
+    assert p.end_many([("finish", "a", 2, "length", out), ("abort", "b", None, "abort", None),
+                       ("abort", "c", 0, "abort", None), ("finish", BAD, 1, "stop", None)]) == 2
+    out[0] = 0
+    assert p.stats.dropped_parts == 2 + 1          # b's rows and its abort (refused at open); BAD's finish
+    got = [fake.recv() for _ in range(5)]
+    assert [(h.kind, h.seq, h.key) for h, _ in got] == [("open", 1, "a"), ("open", 2, "c"), ("delta", 3, ["a", "c"]),
+                                                        ("finish", 4, "a"), ("abort", 5, "c")]
+    (ha, fa), (hc, fc) = got[:2]
+    assert ha.body == {"prompt_len": 3, "num_cached": 1, "num_layers": L, "top_k": K, "layer_ids": [0, 1],
+                       "n_prompt_tokens": 3}
+    assert bytes(fa[0]) == np.array([5, 6, 7], "<i4").tobytes()
+    assert hc.body["prefix_filled"] is True and bytes(fc[0]) == np.array([1, 2, 3, 4], "<i4").tobytes()
+    d = wire.parse_delta(got[2][0])
+    assert d.starts.tolist() == [1, 0] and d.counts.tolist() == [2, 4]
+    assert bytes(got[2][1][0]) == np.concatenate([rows(8)[:2], rows(8)[4:]]).tobytes()
+    assert got[3][0].body == {"num_output": 2, "reason": "length", "n_output_tokens": 2}
+    assert bytes(got[3][1][0]) == np.array([4, 4], "<i4").tobytes()
+    assert got[4][0].body == {"reason": "abort", "num_output": 0}
+    assert p.queued_msgs == 0 and p.stats.encode_errors == 0 and p._failure is None
+
+
+def test_open_many_items_the_thread_cannot_build_are_dropped_alone_and_counted(fake_and_producer, caplog):
+    """Token ids that are not a sequence pass the caller's checks and fail on the producer's thread: that open is
+    logged, counted and its id refused; the others of the same call go, and the queue count comes back to 0."""
+    fake, p = fake_and_producer
+    with caplog.at_level(logging.WARNING, logger="routing_replay.producer"):
+        assert p.open_many([("a", 2, 0, None, False), ("b", 2, 0, object(), False), ("c", 2, 0, [1, 2], False)]) == []
+        got = [fake.recv() for _ in range(2)]
+    assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "c")]
+    assert p.stats.encode_errors == 1 and p.queued_msgs == 0
+    assert any("dropped the open of request 'b' it could not build (1 so far)" in r.getMessage()
+               for r in caplog.records)
+    p.publish_rows(["b", "c"], [0, 0], [2, 2], rows(4))
+    assert fake.recv()[0].key == ["c"]
+
+
 def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(fake_and_producer):
     class Broken:
         shape = (3, L, K)

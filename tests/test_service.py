@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from routing_replay.consumer import RecordEvicted, RecordStore, TrainerClient, load_records, safe_filename, write_record
+from routing_replay.consumer import (RecordEvicted, RecordStore, TrainerClient, load_records, record_files,
+                                    safe_filename, write_record)
 from routing_replay.consumer.npz import NpzWriter
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire
@@ -154,6 +155,17 @@ def test_request_ids_never_escape_the_npz_dir(tmp_path, rid):
 def test_safe_filenames_are_distinct():
     ids = ["a/b", "a%2Fb", "a_b", "..", "%2E.", ".", "x" * 500, "x" * 499 + "y"]
     assert len({safe_filename(i) for i in ids}) == len(ids)
+
+
+def test_record_files_leave_out_files_still_being_written_and_shards(tmp_path):
+    """What a harness counts or deletes as records: pathlib's glob("*.npz") also matches the ".tmp-*.npz" file
+    a writer has not renamed yet (counted, a check ran one record early; deleted, the writer's rename failed)."""
+    a, b = write_record(tmp_path, _record("a", 1)), write_record(tmp_path, _record("b", 2))
+    (tmp_path / ".tmp-x1y2.npz").write_bytes(b"partial")
+    (tmp_path / "shard-000000.npz").write_bytes(b"")
+    assert len(list(tmp_path.glob("*.npz"))) == 4
+    assert record_files(tmp_path) == sorted([a, b])
+    assert sorted(load_records(tmp_path)) == ["a", "b"]
 
 
 def test_shards_with_index_and_loader(tmp_path):

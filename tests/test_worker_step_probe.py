@@ -50,20 +50,20 @@ def test_probe_with_step_stamps_checks_every_step_and_launches_no_fill():
 def _watch(events: list):
     """on_producer for run(): the worker's calls into its real producer, in order (each call goes on to it)."""
     def attach(p):
-        steps, fin, opn = p.publish_steps, p.finish, p.open
+        steps, ends, opens = p.publish_steps, p.end_many, p.open_many
 
         def publish_steps(ids, starts, counts, rows, **kw):
             events.append(("rows", {k for step in ids for k in step}))
             return steps(ids, starts, counts, rows, **kw)
 
-        def finish(key, **kw):
-            events.append(("finish", key))
-            return fin(key, **kw)
+        def end_many(items):
+            events.extend((kind, key) for kind, key, *_ in items)
+            return ends(items)
 
-        def open_(key, **kw):
-            events.append(("open", key))
-            return opn(key, **kw)
-        p.publish_steps, p.finish, p.open = publish_steps, finish, open_
+        def open_many(items, **kw):
+            events.extend(("open", item[0]) for item in items)
+            return opens(items, **kw)
+        p.publish_steps, p.end_many, p.open_many = publish_steps, end_many, open_many
     return attach
 
 

@@ -559,6 +559,8 @@ class WorkerCapture:
         self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
+        self._opens: list = []                  # (engine id, Producer.open_many item): this step's, one call
+        self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
         self.binding = None
@@ -807,6 +809,8 @@ class WorkerCapture:
                 else:
                     self._flush()
                     self._close_request(rid, key, info)
+            if self._ends:
+                self._send_ends()
         n = so.total_num_scheduled_tokens
         store = self.store
         if store is None and self.fill and n and (self.binding.gate or not self.graphs_captured):
@@ -814,9 +818,12 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not self._store_trusted():
             store = None                            # before a request opens with rows from it
+        opens = self._opens
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
                 self._open_request(new)
+        if opens:
+            self._send_opens()
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
         if self._closing and not active:
@@ -842,7 +849,8 @@ class WorkerCapture:
 
     def _open_request(self, new) -> None:
         """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
-        captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped)."""
+        captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
+        Its open waits in self._opens for the step's others (_send_opens: one producer call per step)."""
         try:
             if not self.settings.captures(new.sampling_params):
                 return
@@ -852,9 +860,8 @@ class WorkerCapture:
             if self.announces:
                 prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
                 prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
-                self.producer.open(key, prompt_len=prompt_len, num_cached_tokens=int(new.num_computed_tokens),
-                                   prompt_token_ids=prompt, prefix_filled=self.fill and self.store is not None)
-                self.stats.opened += 1
+                self._opens.append((new.req_id, (key, prompt_len, int(new.num_computed_tokens), prompt,
+                                                 self.fill and self.store is not None)))
             if self.fill and self.store is not None and new.num_computed_tokens:
                 # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
                 # runners append to their block tables); slot = block x block size + offset
@@ -870,6 +877,22 @@ class WorkerCapture:
                         "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
                         key, self.stats.derived_keys)
 
+    def _send_opens(self) -> None:
+        """The step's opens in one producer call; a request whose open fails is not captured (as _open_request)."""
+        opens, self._opens = self._opens, []
+        try:
+            failed = self.producer.open_many([item for _, item in opens], ids_checked=True)
+        except Exception as e:          # noqa: BLE001 -- engine-wide (the producer failed) re-raises in _skip
+            failed = [(i, e) for i in range(len(opens))]
+        self.stats.opened += len(opens) - len(failed)
+        for i, e in failed:
+            rid = opens[i][0]
+            if self.tracked.pop(rid, None) is not None:
+                self._tracked_gen += 1
+            if self._fills:
+                self._fills = [f for f in self._fills if f[0] != rid]
+            self._skip(rid, "open", e)
+
     def _skip(self, rid: str, what: str, error: Exception) -> None:
         """Log and count a per-request failure; re-raise it if the producer itself failed (engine-wide)."""
         p = self.producer
@@ -882,19 +905,26 @@ class WorkerCapture:
                     what, show_id(rid), type(error).__name__, str(error)[:200], self.stats.skipped)
 
     def _close_request(self, rid: str, key: str, info) -> None:
+        """The request's finish (or abort) into self._ends, sent with the others of this flush or step
+        (_send_ends); `info` is the scheduler's note of it, None when none came."""
         try:
-            self._send_close(rid, key, info)
+            end = self._end_of(rid, key, info)
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
-            self._skip(rid, "finish", e)
-            if self.announces:
-                try:                    # the consumer would otherwise wait request_timeout_s for the finish
-                    self.producer.abort(key, "capture_error")
-                except Exception as e2:  # noqa: BLE001
-                    log.warning("routing-replay: abort of %s after a failed finish failed too: %s", show_id(key),
-                                e2)
+            self._failed_end(rid, key, e)
+            return
+        if end is not None and self.announces:
+            self._ends.append((rid, end))
 
-    def _send_close(self, rid: str, key: str, info) -> None:
-        """The finish (or abort) of a request; `info` is the scheduler's note of it, None when none came."""
+    def _failed_end(self, rid: str, key: str, e: Exception) -> None:
+        self._skip(rid, "finish", e)
+        if self.announces:
+            try:                    # the consumer would otherwise wait request_timeout_s for the finish
+                self.producer.abort(key, "capture_error")
+            except Exception as e2:  # noqa: BLE001
+                log.warning("routing-replay: abort of %s after a failed finish failed too: %s", show_id(key), e2)
+
+    def _end_of(self, rid: str, key: str, info) -> tuple | None:
+        """(kind, key, num_output, reason, output ids) for Producer.end_many."""
         if info is None:
             # The scheduler hook did not see this request finish (a scheduler class that does not derive from
             # vLLM's Scheduler, or settings that differ between processes): use the worker's own view.
@@ -905,24 +935,30 @@ class WorkerCapture:
             requests = getattr(self.runner, "requests", None)      # V1 only: V2 keeps output tokens on the device
             st = requests.get(rid) if requests is not None else None
             if st is None:
-                if self.announces:
-                    self.producer.abort(key, "capture_error")
-                    self.stats.aborted += 1
                 log.warning("routing-replay: request %s finished without finish notes from the scheduler and the "
                             "runner keeps no output tokens for it; its record is aborted (capture_error)",
                             show_id(rid))
-                return
+                return ("abort", key, None, "capture_error", None)
             out = list(st.output_token_ids)
             info = scheduler_hooks.Finished(len(out), "unknown", out)
-        if not self.announces:
-            return
         if info.num_output_tokens == 0 and info.reason == "abort":
-            self.producer.abort(key, "abort", 0)
-            self.stats.aborted += 1
-        else:
-            self.producer.finish(key, num_output_tokens=info.num_output_tokens, finish_reason=info.reason,
-                                 output_token_ids=info.output_token_ids)
-            self.stats.finished += 1
+            return ("abort", key, 0, "abort", None)
+        return ("finish", key, info.num_output_tokens, info.reason, info.output_token_ids)
+
+    def _send_ends(self) -> None:
+        """The finishes and aborts collected since the last call, in one producer call."""
+        ends, self._ends = self._ends, []
+        try:
+            self.producer.end_many([end for _, end in ends])
+        except Exception as e:          # noqa: BLE001 -- engine-wide (the producer failed) re-raises in _skip
+            for rid, end in ends:
+                self._failed_end(rid, end[1], e)
+            return
+        for _, end in ends:
+            if end[0] == "finish":
+                self.stats.finished += 1
+            else:
+                self.stats.aborted += 1
 
     def post_step(self, so) -> None:
         active, storing = self.active, self.storing
@@ -984,18 +1020,23 @@ class WorkerCapture:
             first = qsl[:-1]
             count = qsl[1:] - first
             sel = None
-            if uncaptured or not count.all():
+            # (count_nonzero, not count.all(): .all() and .sum() go through numpy's Python reduce wrappers, which
+            # took 15-26 us a call on the engine thread inside vLLM on the H100 host, cProfile, churn steps)
+            if uncaptured or np.count_nonzero(count) != len(count):
                 sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
                 keys = [k for k, on in zip(keys, sel.tolist()) if on]
                 first, count = first[sel], count[sel]
-            if keys:
+            if not keys:
+                segments = None
+            elif sel is None:                   # the whole batch, in order: one contiguous run (the common case)
+                lo = int(qsl[0])
+                segments = [(lo, int(qsl[-1]) - lo)]
+            else:
                 total = int(count.sum())
                 if int(first[-1]) + int(count[-1]) - int(first[0]) == total:
-                    segments = [(int(first[0]), total)]                 # one contiguous run: the common case
+                    segments = [(int(first[0]), total)]
                 else:
                     segments = list(zip(first.tolist(), count.tolist()))
-            else:
-                segments = None
             # (layout bytes, the key list it was mapped with, then what this step hands over): never modified
             self._last_layout = (qb, full, keys, sel, count, segments)
         if not keys:
@@ -1056,6 +1097,8 @@ class WorkerCapture:
             closing, self._closing = self._closing, {}
             for key, (rid, info) in closing.items():
                 self._close_request(rid, key, info)
+        if self._ends:
+            self._send_ends()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
