@@ -70,6 +70,15 @@ def _tokens(ids: Any) -> Any:
     return np.ascontiguousarray(ids, dtype=wire.TOKEN_DTYPE)
 
 
+def _token_frames(body: dict, count_key: str, ids: Any) -> list:
+    """An announce's token-id frame (_tokens), its count put in body[count_key]; none for ids None."""
+    if ids is None:
+        return []
+    toks = _tokens(ids)
+    body[count_key] = len(toks)
+    return [toks]
+
+
 def _check_array(values: np.ndarray, name: str) -> None:
     if values.ndim != 1 or values.dtype.kind not in "iu":
         raise ValueError(f"{name} must be a 1-D integer array, got shape {values.shape} dtype {values.dtype}")
@@ -304,12 +313,7 @@ class Producer:
                 "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
         if prefix_filled:
             body["prefix_filled"] = True
-        frames = []
-        if prompt_token_ids is not None:
-            toks = _tokens(prompt_token_ids)
-            body["n_prompt_tokens"] = len(toks)
-            frames.append(toks)
-        return Announce("open", request_id, body, frames)
+        return Announce("open", request_id, body, _token_frames(body, "n_prompt_tokens", prompt_token_ids))
 
     def publish(self, step: Iterable[tuple[str, int, np.ndarray]]) -> bool:
         """Publish one engine step given as (request_id, start_position, rows (n, L, K) int16) tuples.
@@ -523,12 +527,7 @@ class Producer:
             body["num_cached"] = int(num_cached_tokens)
         if lost:
             body["lost"] = lost
-        frames = []
-        if output_token_ids is not None:
-            toks = _tokens(output_token_ids)
-            body["n_output_tokens"] = len(toks)
-            frames.append(toks)
-        return Announce("finish", request_id, body, frames)
+        return Announce("finish", request_id, body, _token_frames(body, "n_output_tokens", output_token_ids))
 
     @staticmethod
     def _abort_item(request_id: str, reason: str, num_output_tokens: int | None) -> Announce:
