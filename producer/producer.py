@@ -267,9 +267,11 @@ class Producer:
         built on the producer's thread (an engine hands over a step's new requests so).
 
         Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with
-        int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem. Returns
-        (index, exception) for each item open() would have raised for; nothing is announced for those (their
-        ids are refused as open() refuses them). The others are announced, in order."""
+        int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem (the
+        thread checks it again: an id that cannot travel is then refused, logged and counted in
+        stats.encode_errors). Returns (index, exception) for each item open() would have raised for; nothing is
+        announced for those (their ids are refused as open() refuses them). The others are announced, in
+        order."""
         self._check()
         ok, ids, failed = [], [], []
         for i, item in enumerate(opens):
@@ -282,9 +284,14 @@ class Producer:
                 failed.append((i, ValueError(f"num_cached_tokens={num_cached!r} outside [0, prompt_len="
                                              f"{prompt_len!r}] (ints)")))
             else:
-                if type(tokens) is list:                # the caller's list may change: a copy (C speed)
-                    item = (rid, prompt_len, num_cached, tuple(tokens), filled)
-                ok.append(item)
+                if tokens is not None:                  # as open(): a list copied (C speed), an array made int32
+                    try:
+                        tokens = _tokens(tokens)
+                    except Exception as e:  # noqa: BLE001 -- this item's problem, returned
+                        self._book.refuse(rid)
+                        failed.append((i, e))
+                        continue
+                ok.append((rid, prompt_len, num_cached, tokens, filled))
                 ids.append(rid)
         if ok:
             self._book.opened_many(ids)
@@ -297,7 +304,7 @@ class Producer:
         for rid, prompt_len, num_cached, tokens, filled in items:
             try:
                 out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled))
-            except Exception as e:  # noqa: BLE001 -- token ids that are no sequence: that request alone
+            except Exception as e:  # noqa: BLE001 -- an id passed as checked that cannot travel: it alone
                 self._book.refuse(rid)
                 self._build_failed("open", rid, e)
         return out
@@ -476,25 +483,28 @@ class Producer:
 
         Each item is ("finish", request_id, num_output_tokens, finish_reason, output_token_ids or None) or
         ("abort", request_id, num_output_tokens or None, reason, None), num_output_tokens an int. Parts of refused
-        ids are dropped and counted as finish() drops them. Raises ValueError for a malformed item before
-        anything of this call is taken; returns how many were sent."""
+        ids are dropped and counted as finish() drops them. Raises ValueError for a malformed item (token ids
+        included) before anything of this call is taken; returns how many were sent."""
         self._check()
+        tokens = []
         for end in ends:
-            kind, _, n, _, _ = end
+            kind, _, n, _, toks = end
             if kind != "finish" and kind != "abort":
                 raise ValueError(f"end kind must be 'finish' or 'abort', got {kind!r}")
             if type(n) is not int and not (kind == "abort" and n is None):
                 raise ValueError(f"num_output_tokens of a {kind} must be an int, got {n!r}")
+            try:                                        # as finish(): a list copied (C speed), an array int32
+                tokens.append(None if toks is None else _tokens(toks))
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"output token ids of a {kind}: {type(e).__name__}: {e}") from e
         verdicts = self._book.ended_many([end[1] for end in ends])
         items = []
-        for end, (refused, lost, known) in zip(ends, verdicts):
-            kind, rid, n, reason, tokens = end
+        for end, toks, (refused, lost, known) in zip(ends, tokens, verdicts):
+            kind, rid, n, reason, _ = end
             if refused or (not known and self._book.problem(rid) is not None):
                 self._drop_parts(kind, rid)
                 continue
-            if type(tokens) is list:                    # the caller's list may change: a copy (C speed)
-                tokens = tuple(tokens)
-            items.append((kind, rid, n, reason, tokens, lost))
+            items.append((kind, rid, n, reason, toks, lost))
         if items:
             self._put_many(Announces(self._end_items, items))
         return len(items)
@@ -506,7 +516,7 @@ class Producer:
             try:
                 out.append(self._finish_item(rid, n, reason, tokens, lost) if kind == "finish"
                            else self._abort_item(rid, reason, n))
-            except Exception as e:  # noqa: BLE001 -- token ids that are no sequence: that request alone
+            except Exception as e:  # noqa: BLE001 -- defensive: the caller checked the values
                 self._build_failed(kind, rid, e)
         return out
 

@@ -147,18 +147,25 @@ def test_open_many_and_end_many_send_what_open_finish_and_abort_send_and_refuse_
 
 
 def test_open_many_items_the_thread_cannot_build_are_dropped_alone_and_counted(fake_and_producer, caplog):
-    """Token ids that are not a sequence pass the caller's checks and fail on the producer's thread: that open is
-    logged, counted and its id refused; the others of the same call go, and the queue count comes back to 0."""
+    """An id passed as checked that cannot travel fails on the producer's thread: that open is logged, counted and
+    its id refused; the others of the same call go, and the queue count comes back to 0. Token ids that are no
+    sequence fail at the call, returned like open()'s errors; end_many refuses them before taking anything."""
     fake, p = fake_and_producer
     with caplog.at_level(logging.WARNING, logger="routing_replay.producer"):
-        assert p.open_many([("a", 2, 0, None, False), ("b", 2, 0, object(), False), ("c", 2, 0, [1, 2], False)]) == []
+        failed = p.open_many([("a", 2, 0, None, False), (BAD, 2, 0, None, False), ("b", 2, 0, object(), False),
+                              ("c", 2, 0, [1, 2], False)], ids_checked=True)
         got = [fake.recv() for _ in range(2)]
+    assert [(i, type(e).__name__) for i, e in failed] == [(2, "TypeError")]
     assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "c")]
     assert p.stats.encode_errors == 1 and p.queued_msgs == 0
-    assert any("dropped the open of request 'b' it could not build (1 so far)" in r.getMessage()
-               for r in caplog.records)
-    p.publish_rows(["b", "c"], [0, 0], [2, 2], rows(4))
+    assert any("dropped the open of request 'req-\\udc80-lone' it could not build (1 so far)" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    p.publish_rows([BAD, "b", "c"], [0, 0, 0], [1, 2, 2], rows(5))
     assert fake.recv()[0].key == ["c"]
+    with pytest.raises(ValueError, match="output token ids of a finish: TypeError"):
+        p.end_many([("finish", "a", 1, "stop", None), ("finish", "c", 1, "stop", object())])
+    assert p.end_many([("finish", "a", 1, "stop", None)]) == 1      # nothing of the refused call was taken
+    assert fake.recv()[0].kind == "finish" and p.stats.dropped_parts == 1 + 1
 
 
 def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(fake_and_producer):
