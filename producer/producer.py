@@ -79,6 +79,12 @@ def _token_frames(body: dict, count_key: str, ids: Any) -> list:
     return [toks]
 
 
+def _id_error(request_id: Any) -> wire.ProtocolError | None:
+    """open's error for an id that cannot travel (None if it can)."""
+    problem = wire.request_id_problem(request_id)
+    return None if problem is None else wire.ProtocolError("bad_request_id", f"{problem}: {escaped_id(request_id)}")
+
+
 def _check_array(values: np.ndarray, name: str) -> None:
     if values.ndim != 1 or values.dtype.kind not in "iu":
         raise ValueError(f"{name} must be a 1-D integer array, got shape {values.shape} dtype {values.dtype}")
@@ -276,9 +282,9 @@ class Producer:
         ok, ids, failed = [], [], []
         for i, item in enumerate(opens):
             rid, prompt_len, num_cached, tokens, filled = item
-            problem = None if ids_checked else wire.request_id_problem(rid)
-            if problem is not None:
-                failed.append((i, wire.ProtocolError("bad_request_id", f"{problem}: {escaped_id(rid)}")))
+            bad = None if ids_checked else _id_error(rid)
+            if bad is not None:
+                failed.append((i, bad))
             elif type(prompt_len) is not int or type(num_cached) is not int or not 0 <= num_cached <= prompt_len:
                 self._book.refuse(rid)
                 failed.append((i, ValueError(f"num_cached_tokens={num_cached!r} outside [0, prompt_len="
@@ -311,9 +317,9 @@ class Producer:
 
     def _open_item(self, request_id: str, prompt_len: int, num_cached_tokens: int, prompt_token_ids: Any,
                    prefix_filled: bool) -> Announce:
-        problem = wire.request_id_problem(request_id)
-        if problem is not None:
-            raise wire.ProtocolError("bad_request_id", f"{problem}: {escaped_id(request_id)}")
+        bad = _id_error(request_id)
+        if bad is not None:
+            raise bad
         if not 0 <= num_cached_tokens <= prompt_len:
             raise ValueError(f"num_cached_tokens={num_cached_tokens} outside [0, prompt_len={prompt_len}]")
         body = {"prompt_len": int(prompt_len), "num_cached": int(num_cached_tokens),

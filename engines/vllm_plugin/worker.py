@@ -818,11 +818,10 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not self._store_trusted():
             store = None                            # before a request opens with rows from it
-        opens = self._opens
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
                 self._open_request(new)
-        if opens:
+        if self._opens:
             self._send_opens()
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
