@@ -89,8 +89,10 @@ def _outside(fn, so, acc: list) -> None:
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
         ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
-        churn_same_ids: bool = False, on_producer=None) -> dict:
-    """One probe run; the result as a dict. churn_same_ids: a new request takes the id of the one it replaces (ids
+        churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0) -> dict:
+    """One probe run; the result as a dict. churn_optout K: every K-th new request of --churn is not captured (its
+    sampling params opt out), so captured and uncaptured requests share steps. churn_same_ids: a new request takes
+    the id of the one it replaces (ids
     that callers reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls)."""
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
@@ -139,6 +141,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
     captured = mode == "on"
     sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
+    sp_out = SimpleNamespace(extra_args={"return_routed_experts": False})
     ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
     new = [SimpleNamespace(req_id=r, sampling_params=sp, prompt_token_ids=list(range(prompt_len)),
                            prompt_embeds=None, num_computed_tokens=0, block_ids=([i],)) for i, r in enumerate(ids)]
@@ -176,7 +179,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
                 gone.add(ids[j])
                 ids = ids[:j] + [ids[j] if churn_same_ids else f"cmpl-{serial:08x}-0-{serial:04d}"] + ids[j + 1:]
                 serial += 1
-                fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp,
+                out = churn_optout and serial % churn_optout == 0
+                fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp_out if out else sp,
                                              prompt_token_ids=list(range(churn_prompt)), prompt_embeds=None,
                                              num_computed_tokens=0, block_ids=([j],)))
                 qs[j], done[j] = churn_prompt, 0
@@ -259,6 +263,8 @@ def main(argv=None) -> int:
                          "rounds: 256 requests opened and finished in about 262 steps is about 1)")
     ap.add_argument("--churn-prompt", type=int, default=512, help="--churn: the new requests' prompt tokens")
     ap.add_argument("--churn-output", type=int, default=256, help="--churn: the finished requests' output ids")
+    ap.add_argument("--churn-optout", type=int, default=0, metavar="K",
+                    help="--churn: every K-th new request is not captured (0: all are)")
     ap.add_argument("--json", help="write the results here too")
     a = ap.parse_args(argv)
     logging.disable(logging.WARNING)                # the producer reports, every few seconds, that nobody listens
@@ -266,7 +272,7 @@ def main(argv=None) -> int:
     for m in (MODES if a.mode == "all" else (a.mode,)):
         r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces,
                 stamp=a.step_stamp, ring=a.step_ring, churn=a.churn, churn_prompt=a.churn_prompt,
-                churn_output=a.churn_output)
+                churn_output=a.churn_output, churn_optout=a.churn_optout)
         out.append(r)
         print(json.dumps(r), flush=True)
     if a.json:

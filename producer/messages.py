@@ -61,10 +61,13 @@ class StepParts(NamedTuple):
     rows: Any
 
     def step(self, hints: OwnerHints | None = None) -> Step:
-        merged = merge_decode_steps(self, hints)
+        parts = self
+        if getattr(self.rows, "deferred", False):   # the worker's raw steps: their keys, starts and counts now
+            parts = StepParts(*self.rows.resolve(self.request_ids, self.starts, self.counts), self.rows)
+        merged = merge_decode_steps(parts, hints)
         if merged is not None:
             return merged
-        return Step(flat_ids(self.request_ids), flat_ints(self.starts), flat_ints(self.counts), self.rows, None)
+        return Step(flat_ids(parts.request_ids), flat_ints(parts.starts), flat_ints(parts.counts), self.rows, None)
 
 
 class OwnerHints:
@@ -581,6 +584,10 @@ class QueueLedger:
     def taken(self, nbytes: int) -> None:
         self.taken_bytes += nbytes
         self.taken_msgs += 1
+
+    def shrunk(self, nbytes: int) -> None:
+        """An item taken out of the queue carries `nbytes` less than was put (rows its resolution left out)."""
+        self.put_bytes -= nbytes
 
     @property
     def bytes(self) -> int:

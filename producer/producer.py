@@ -400,7 +400,11 @@ class Producer:
 
         checked=True: the caller built the per-step lists and arrays itself and vouches for their lengths and
         types, and `rows` has a `shape` whose first entry is the rows of all steps (the vLLM plugin's worker):
-        the per-step checks are skipped. The ids are still screened."""
+        the per-step checks are skipped. The ids are still screened.
+
+        With checked=True, `rows` may be `deferred` (the worker's steps added raw): its `resolve(request_ids,
+        starts, counts)` gives the steps' real ids, starts and counts on the producer's thread, and may leave rows
+        out (`rows.shape` shrinks). Those ids are not screened here; the thread drops the parts of refused ids."""
         self._check()
         if not (len(request_ids) == len(starts) == len(counts)) or not request_ids:
             raise ValueError(f"{len(request_ids)} id lists, {len(starts)} starts, {len(counts)} counts (one per "
@@ -432,6 +436,8 @@ class Producer:
 
     def _publish_parts(self, request_ids: Sequence, starts: Sequence, counts: Sequence, rows: Any,
                        total: int) -> bool:
+        if getattr(rows, "deferred", False):
+            return self._publish_deferred(request_ids, starts, counts, rows, total)
         book = self._book
         last, refusals = self._screened
         for ids in {id(x): x for x in request_ids}.values():
@@ -445,6 +451,16 @@ class Producer:
         if not getattr(rows, "dropped", False) and self._put(item, total * self.row_bytes, True):
             return True
         self._step_dropped(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows, None, total)
+        return False
+
+    def _publish_deferred(self, request_ids: Sequence, starts: Sequence, counts: Sequence, rows: Any,
+                          total: int) -> bool:
+        """publish_steps of rows whose ids the producer's thread resolves (see there)."""
+        item = StepParts(list(request_ids), list(starts), list(counts), rows)
+        if not getattr(rows, "dropped", False) and self._put(item, total * self.row_bytes, True):
+            return True
+        ids, starts, counts = rows.resolve(item.request_ids, item.starts, item.counts)     # dropped: which keys
+        self._step_dropped(flat_ids(ids), flat_ints(starts), flat_ints(counts), rows, None, rows.shape[0])
         return False
 
     def _step_dropped(self, request_ids, starts, counts, rows, keep, total: int) -> None:

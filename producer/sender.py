@@ -206,7 +206,7 @@ class Sender:
                     break
             item, stash = stash, None
             if type(item) is StepParts:             # the caller's per-step references, flattened here
-                item = item.step(self.hints)
+                item = self._step_of(item)
             if item is STOP:
                 self._stopping = True
             elif type(item) is Announces:           # Producer.open_many / end_many: built here, in order
@@ -225,6 +225,18 @@ class Sender:
                 self._intake(item)
         return stash
 
+    def _step_of(self, parts: StepParts) -> Step:
+        """The caller's per-step references as one Step; rows that resolving the ids left out (the worker's raw
+        steps) leave the queue's count."""
+        before = getattr(parts.rows, "shape", None)
+        step = parts.step(self.hints)
+        if before is not None:
+            cut = int(before[0]) - step_rows(step)
+            if cut:
+                with self._ledger.lock:
+                    self._ledger.shrunk(cut * self.cfg.row_bytes)
+        return step
+
     def _more_steps(self, first: Step) -> tuple[list, Any]:
         """`first` and the steps queued right behind it that fit one message (COALESCE_*); the first item taken
         that does not fit is returned to be handled next."""
@@ -241,7 +253,7 @@ class Sender:
             except queue.Empty:
                 return batch, None
             if type(nxt) is StepParts:
-                nxt = nxt.step(self.hints)
+                nxt = self._step_of(nxt)
             if not isinstance(nxt, Step):
                 return batch, nxt
             b = step_rows(nxt) * rb

@@ -803,3 +803,72 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     assert cache.slot_writes == before
     with pytest.raises(ValueError, match="outside the step ring"):
         copier.submit_slot(0, 20, 0)
+
+
+def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_captured_stays_out(tmp_path):
+    """A step whose batch changed goes to the producer as the runner laid it out (_StepBatch.add_raw): engine ids,
+    computed positions, query start locations. The producer's thread maps the ids to record keys through the
+    worker's table and leaves out a request that is not captured, one captured only from a later forward on, and
+    one with no rows in the step, with their rows. Through a real Producer to a socket: the delta's ids, starts,
+    counts and rows are exactly those of the captured requests, steps added by reference keep theirs, and the
+    queue's byte count comes back to 0 (the rows left out leave it too)."""
+    import zmq
+
+    from routing_replay.capture import AsyncCopier, RoutingCache
+    from routing_replay.producer import Producer
+    from routing_replay.producer.messages import StepParts
+    from tests.test_producer_faults import FakeBroker, wait_for
+    S, Lr, Kr = 4, 3, 8
+    cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
+    copier = AsyncCopier(cache, num_slots=8, max_rows=32)
+    batch = _StepBatch(Kr, stamped=True)
+    batch.stamps.baseline(cache.stamp_value(), 0)
+
+    def slot_of(forward):
+        return ((forward + batch.stamps.offset) & batch.stamps._mask) % S
+
+    table = {"r0": ("k0", 1), "r2": ("k2", 1), "r3": ("k3", 2), "r4": ("k4", 1)}     # r1: not captured
+    # forward 1: r0 3 rows, r1 1 (not captured), r2 none, r3 2 (captured from forward 2 on), r4 1
+    w1 = _ring_step(cache, 1, 7)
+    qsl1 = np.array([0, 3, 4, 4, 6, 7], dtype=np.int32)
+    batch.add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
+    # forward 2: every request captured, one row each
+    w2 = _ring_step(cache, 2, 3)
+    batch.add_raw(0, 3, slot_of(2), ["r0", "r3", "r4"], np.array([3, 5, 8], np.int32),
+                  np.array([0, 1, 2, 3], np.int32), 2)
+    # forward 3: a step added with its keys (rows 1..2 of the slot)
+    w3 = _ring_step(cache, 3, 4)
+    batch.add_slot(1, 2, slot_of(3), ["k0", "k4"], np.array([4, 9]), np.array([1, 1]), 3)
+    with pytest.raises(ValueError, match="needs the table"):
+        batch.take_parts()
+    ids, starts, counts, rows = batch.hand_over(copier, 3, table)
+    assert rows.deferred and rows.shape[0] == 7 + 3 + 2
+    want_ids = ["k0", "k4", "k0", "k3", "k4", "k0", "k4"]
+    want = np.concatenate([w1[[0, 1, 2, 6]], w2, w3[1:3]])
+
+    ctx = zmq.Context()
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=Lr, top_k=Kr, context=ctx, linger_ms=0)
+    try:
+        assert p.open_many([(k, 16, 0, None, False) for k in ("k0", "k3", "k4")], ids_checked=True) == []
+        assert p.publish_steps(ids, starts, counts, rows, checked=True) is True
+        got = [fake.recv() for _ in range(4)]
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "k0"), ("open", "k3"), ("open", "k4"),
+                                                     ("delta", want_ids)]
+        d = wire.parse_delta(got[3][0])
+        assert d.starts.tolist() == [0, 7, 3, 5, 8, 4, 9] and d.counts.tolist() == [3, 1, 1, 1, 1, 1, 1]
+        payload = b"".join(bytes(f) for f in got[3][1])
+        assert payload == want.tobytes()
+        wait_for(lambda: p.queued_msgs == 0)
+        assert p.queued_bytes == 0 and p.stats.encode_errors == 0 and p._failure is None
+        assert rows.shape[0] == 4 + 3 + 2 and batch.stamps.steps == 3
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+        ctx.term()
+    # resolved on the thread that reads them, once: the same steps again, read directly
+    batch.add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
+    step = StepParts(*batch.hand_over(copier, 3, {"r1": ("k1", 1)})).step()
+    assert (step.request_ids, step.starts, step.counts) == (["k1"], [10], [1])
+    assert np.array_equal(step.rows.result(), w1[3:4]) and step.rows.owns_result
+    step.rows.release()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.procs import load_script
@@ -47,13 +48,23 @@ def test_probe_with_step_stamps_checks_every_step_and_launches_no_fill():
     assert not plain["step_stamp"] and plain["stamps_checked"] == 0 and plain["pieces_wall_us"]["fill_step"] > 0
 
 
-def _watch(events: list):
-    """on_producer for run(): the worker's calls into its real producer, in order (each call goes on to it)."""
+def _watch(events: list, entries: list | None = None):
+    """on_producer for run(): the worker's calls into its real producer, in order (each call goes on to it); the
+    delta entries (key, start, count) in `entries`. Steps added raw are resolved as the producer's thread will
+    (their table only gains ids no step of theirs holds before that thread reads them)."""
+    from routing_replay.engines.vllm_plugin.worker import resolve_raw_steps
+
     def attach(p):
         steps, ends, opens = p.publish_steps, p.end_many, p.open_many
 
         def publish_steps(ids, starts, counts, rows, **kw):
-            events.append(("rows", {k for step in ids for k in step}))
+            keys, st, cn = ids, starts, counts
+            if getattr(rows, "deferred", False):
+                keys, st, cn, _, _ = resolve_raw_steps(rows._raw, rows._table, rows._forwards, ids, starts, counts)
+            events.append(("rows", {k for step in keys for k in step}))
+            if entries is not None:
+                for k, a, c in zip(keys, st, cn):
+                    entries.extend(zip(k, np.asarray(a).tolist(), np.asarray(c).tolist()))
             return steps(ids, starts, counts, rows, **kw)
 
         def end_many(items):
@@ -100,6 +111,40 @@ def test_churn_finishes_wait_for_the_batch_that_holds_their_last_rows(same_ids):
             assert open_keys.get(what) is None                      # never opened twice without a finish between
             open_keys[what] = i
     assert sum(v is not None for v in open_keys.values()) == n      # the last n are still running at the end
+
+
+@pytest.mark.parametrize("same_ids", [False, True])
+def test_churn_with_requests_not_captured_publishes_what_the_engine_thread_mapping_publishes(same_ids):
+    """Under churn every step's batch changes, and with the step ring it goes to the producer raw: the producer's
+    thread maps the engine ids to keys and leaves out the requests not captured (every 3rd new one here; with
+    same_ids a captured and an uncaptured request take turns on one id). Exactly the same delta entries, in the
+    same order, as the engine thread's own mapping (stamps without the ring), and no request's rows outside its
+    open .. finish."""
+    n, steps, prompt_len = 8, 40, 16
+    runs = {}
+    for ring in (True, False):
+        events, entries = [], []
+        r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=ring,
+                         churn=1, churn_prompt=12, churn_output=5, churn_same_ids=same_ids, churn_optout=3,
+                         on_producer=_watch(events, entries))
+        assert r["producer_drained"] and r["encode_errors"] == 0
+        runs[ring] = (r, events, entries)
+    (r, events, entries), (r0, _, entries0) = runs[True], runs[False]
+    warm = steps // 4
+    assert r["ring_steps"] == r["active_steps"] == steps + warm and r0["ring_steps"] == 0
+    assert entries == entries0 and (r["opened"], r["finished"]) == (r0["opened"], r0["finished"])
+    churned = steps + warm - 1
+    optout = sum(1 for serial in range(n + 1, n + churned + 1) if serial % 3 == 0)     # as the probe picks them
+    assert r["opened"] == n + churned - optout and (same_ids or len(entries) == len(set(entries)))
+    live: set = set()
+    for kind, what in events:
+        if kind == "open":
+            assert what not in live
+            live.add(what)
+        elif kind == "finish":
+            live.remove(what)
+        else:
+            assert what <= live, what - live
 
 
 def test_help():

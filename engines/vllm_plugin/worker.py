@@ -87,7 +87,7 @@ class WorkerStats:
     steps: int = 0                  # execute_model calls seen
     active_steps: int = 0           # steps that published rows
     ring_steps: int = 0             # of them: read from the step ring (nothing launched on the engine thread)
-    rows: int = 0
+    rows: int = 0                   # rows handed over (a raw step's all: the producer's thread leaves some out)
     opened: int = 0
     finished: int = 0
     aborted: int = 0
@@ -192,11 +192,15 @@ class _BatchedRows:
     releases every part."""
 
     __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "_copier", "_slots", "shape",
-                 "dtype", "dropped")
+                 "dtype", "dropped", "_raw", "_table", "_select")
 
     def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
-                 ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0):
+                 ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0,
+                 raw: list | None = None, table: dict | None = None):
         self._parts = parts
+        self._raw = raw                 # per part: added raw (_StepBatch.add_raw), resolved by resolve(); or None
+        self._table = table             # engine id -> (record key, first forward it holds for) for resolve()
+        self._select = None             # per part: the rows resolve() kept (an index array), or None for all
         self._ckpt_forward = ckpt_forward   # step-ring parts: the engine's forward count at the hand-over
         self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
         self._forwards = forwards       # per part: the engine's forward count at its step (stamped parts)
@@ -213,8 +217,31 @@ class _BatchedRows:
 
     @property
     def owns_result(self) -> bool:
-        """result() of several steps is a new array (their concatenation); of one step, a view of the host ring."""
-        return len(self._parts) > 1
+        """result() of several steps is a new array (their concatenation); of one step, a view of the host ring
+        (unless resolve() left some of its rows out)."""
+        return len(self._parts) > 1 or (self._select is not None and self._select[0] is not None)
+
+    @property
+    def deferred(self) -> bool:
+        """Some steps were added raw: their id lists are engine ids until resolve() runs (producer's thread)."""
+        return self._raw is not None
+
+    def resolve(self, request_ids: list, starts: list, counts: list) -> tuple[list, list, list]:
+        """On the producer's thread, before anything else reads the batch: the steps added raw (_StepBatch.add_raw:
+        the runner's engine ids, computed positions and query start locations) as record keys, starts and counts,
+        as post_step would have made them on the engine thread. A request with no key for the step (not captured,
+        or captured only from a later step on) or no rows in it is left out, and so are its rows. Steps not added
+        raw pass as they are. Returns the per-step (keys, starts, counts) for Producer.publish_steps' StepParts."""
+        raw, table = self._raw, self._table
+        if raw is None:
+            return request_ids, starts, counts
+        self._raw = None
+        keys_out, starts_out, counts_out, select, cut = resolve_raw_steps(raw, table, self._forwards, request_ids,
+                                                                          starts, counts)
+        if cut:
+            self._select = select
+            self.shape = (self.shape[0] - cut, *self.shape[1:])
+        return keys_out, starts_out, counts_out
 
     def _taken(self) -> None:
         """The parts handed over by reference get their host-ring rows now (on this thread, not the engine's)."""
@@ -233,6 +260,8 @@ class _BatchedRows:
         self._taken()
         launch_rows(self._parts)            # consecutive steps: one host copy for all of them
         arrays = [p.result() for p in self._parts]
+        if self._select is not None:        # resolve() left rows of raw steps out
+            arrays = [a if k is None else a[k] for a, k in zip(arrays, self._select)]
         check = self._stamps
         ring = None                         # a part read from the step ring: it carries the batch's checkpoint
         for i, (p, a, strict) in enumerate(zip(self._parts, arrays, self._strict)):
@@ -278,6 +307,34 @@ class _BatchedRows:
                 p.release()
 
 
+def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list, starts: list, counts: list):
+    """_BatchedRows.resolve's work, without changing the batch: per step (keys, starts, counts), each step's kept
+    rows (an index array into the step's rows, or None for all of them) and the rows left out in all."""
+    keys_out, starts_out, counts_out = list(request_ids), list(starts), list(counts)
+    select = [None] * len(raw)
+    cut = 0
+    get = table.get
+    for i, is_raw in enumerate(raw):
+        if not is_raw:
+            continue
+        ids, computed, qsl = request_ids[i], starts[i], counts[i]
+        fwd = forwards[i]
+        keys = [k[0] if k is not None and k[1] <= fwd else None for k in map(get, ids)]
+        count = qsl[1:] - qsl[:-1]
+        if None not in keys and np.count_nonzero(count) == len(count):
+            keys_out[i], starts_out[i], counts_out[i] = keys, computed, count
+            continue
+        idx = np.flatnonzero(np.array([k is not None for k in keys], dtype=bool) & (count > 0))
+        keys_out[i] = [keys[j] for j in idx.tolist()]
+        cn = count[idx]
+        starts_out[i], counts_out[i] = computed[idx], cn
+        local = (qsl[:-1] - qsl[0])[idx]                 # each kept request's first row in the step
+        ends = np.cumsum(cn)
+        select[i] = np.repeat(local - (ends - cn), cn) + np.arange(int(ends[-1]) if len(ends) else 0)
+        cut += int(qsl[-1] - qsl[0]) - len(select[i])
+    return keys_out, starts_out, counts_out, select, cut
+
+
 class _Fill:
     """One request's prefix rows on their way out of the store: the KV slots of positions [0, hits), in order,
     and how many were gathered so far."""
@@ -297,7 +354,8 @@ class _StepBatch:
     starts and counts as arrays): nothing per request is touched on the engine thread; the producer's thread
     flattens them (Producer.publish_steps)."""
 
-    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed", "by_ref")
+    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed", "by_ref",
+                 "raw")
 
     def __init__(self, top_k: int = 1, stamped: bool = False):
         # used on the producer's thread, one batch after the other
@@ -310,7 +368,8 @@ class _StepBatch:
         self.counts: list = []
         self.rows = 0
         self.ringed = False             # a part reads the step ring: the hand-over takes a checkpoint
-        self.by_ref = 0                 # step-ring steps added by reference (add_slot)
+        self.by_ref = 0                 # step-ring steps added by reference (add_slot, add_raw)
+        self.raw: list | None = None    # per step: added raw (add_raw); None while no step was
 
     def add(self, pending, keys: list, starts, counts, strict: bool = True, forward: int = 0) -> None:
         """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
@@ -325,6 +384,8 @@ class _StepBatch:
         self.starts.append(starts)
         self.counts.append(counts)
         self.rows += pending.shape[0]
+        if self.raw is not None:
+            self.raw.append(False)
 
     def add_slot(self, first: int, n: int, slot: int, keys: list, starts, counts, forward: int) -> None:
         """A step-ring step by reference: its rows [first, first + n) of slot `slot` get their host-ring rows on
@@ -339,21 +400,49 @@ class _StepBatch:
         self.starts.append(starts)
         self.counts.append(counts)
         self.rows += n
+        if self.raw is not None:
+            self.raw.append(False)
 
-    def hand_over(self, copier: AsyncCopier, forward: int):
+    def add_raw(self, first: int, n: int, slot: int, ids: list, computed, qsl, forward: int) -> None:
+        """A step-ring step by reference, as the runner laid it out: its engine ids, the positions computed
+        before it and its query start locations (rows [first, first + n) of slot `slot`: the whole step). The
+        producer's thread maps the ids to record keys and leaves out what is not captured (_BatchedRows.resolve),
+        so a step whose batch changed costs the engine thread no work per request. `ids`, `computed` and `qsl`
+        must not be modified afterwards; hand the batch over with hand_over(table=...)."""
+        if self.raw is None:
+            self.raw = [False] * len(self.parts)
+        self.parts.append((first, n, slot))
+        self.ringed = True
+        self.by_ref += 1
+        self.strict.append(True)
+        self.forwards.append(forward)
+        self.keys.append(ids)
+        self.starts.append(computed)
+        self.counts.append(qsl)
+        self.rows += n
+        self.raw.append(True)
+
+    def hand_over(self, copier: AsyncCopier, forward: int, table: dict | None = None):
         """On the engine thread: the batch's one event (and, with step-ring parts, the checkpoint), then the
-        batch as Producer.publish_steps arguments; `forward`: the engine's forward count now."""
+        batch as Producer.publish_steps arguments; `forward`: the engine's forward count now; `table`: engine id
+        -> (record key, first forward) for the steps added raw."""
         ringed = self.ringed
         sb = copier.mark_batch(self.parts, checkpoint=ringed, slots=self.by_ref)
-        return self.take_parts(forward if ringed else None, copier if sb is not None else None, sb)
+        return self.take_parts(forward if ringed else None, copier if sb is not None else None, sb, table)
 
-    def take_parts(self, ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None):
+    def take_parts(self, ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None,
+                   table: dict | None = None):
         """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
         thread); the batch is empty afterwards. `ckpt_forward`: the engine's forward count when the batch's
-        checkpoint was taken (batches with step-ring parts); `copier` and `slots`: for parts added by reference."""
+        checkpoint was taken (batches with step-ring parts); `copier` and `slots`: for parts added by reference;
+        `table`: for the steps added raw (add_raw)."""
+        raw = self.raw
+        if raw is not None and table is None:
+            raise ValueError("a batch with steps added raw needs the table of their engine ids")
         out = (self.keys, self.starts, self.counts,
                _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward, copier, slots,
-                            self.rows))
+                            self.rows, raw, table))
+        self.raw = None
         self.ringed = False
         self.by_ref = 0
         self.parts, self.strict, self.forwards = [], [], []
@@ -547,6 +636,12 @@ class WorkerCapture:
         self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
         self.tracked: dict[str, str] = {}       # engine request id -> record key
         self._tracked_gen = 0                   # bumped on every change of `tracked`
+        # engine id -> (record key, first forward it is captured in): `tracked` and the requests that ended since
+        # the last hand-over, for the producer's thread to resolve steps added raw (_StepBatch.add_raw); only
+        # added to between hand-overs (never a key taken from under the thread)
+        self._seen: dict[str, tuple] = {}
+        self._seen_shared = False               # _seen went out with a batch: a request that ended needs a new one
+        self._ended: list = []                  # engine ids that ended since _seen was last cut down
         self._last_keys = (None, -1, None, True)  # (request ids, _tracked_gen, their keys, any None) of the last step
         self._last_layout = (None, None, None, None, None, None)  # post_step's per-layout results (see there)
         self.active = False
@@ -800,6 +895,7 @@ class WorkerCapture:
                 self._tracked_gen += 1
                 if key is None:
                     continue
+                self._ended.append(rid)
                 info = notes.get(rid) if notes is not None else None
                 if info is not None and self.batch.parts:
                     # a request's rows go out before its finish: this one goes right after the batch that holds
@@ -852,6 +948,8 @@ class WorkerCapture:
         Its open waits in self._opens for the step's others (_send_opens: one producer call per step)."""
         try:
             if not self.settings.captures(new.sampling_params):
+                if new.req_id in self._seen:
+                    self._flush()   # the batch may hold raw steps where this id is a request that was captured
                 return
             key, problem = _keys.capture_key(new.req_id, self.randomized)
             if key in self._closing:
@@ -866,9 +964,12 @@ class WorkerCapture:
                 # runners append to their block tables); slot = block x block size + offset
                 self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
+            if new.req_id in self._seen:
+                self._flush()       # as for a request not captured
             self._skip(new.req_id, "open", e)
             return
         self.tracked[new.req_id] = key
+        self._seen[new.req_id] = (key, self.forwards + 1)     # (this step's forward, once pre_step counts it)
         self._tracked_gen += 1
         if problem is not None:
             self.stats.derived_keys += 1
@@ -888,6 +989,7 @@ class WorkerCapture:
             rid = opens[i][0]
             if self.tracked.pop(rid, None) is not None:
                 self._tracked_gen += 1
+            self._seen.pop(rid, None)   # (opened this step: no step of the batch holds it yet)
             if self._fills:
                 self._fills = [f for f in self._fills if f[0] != rid]
             self._skip(rid, "open", e)
@@ -1004,7 +1106,22 @@ class WorkerCapture:
         last_ids, last_gen, keys, uncaptured = self._last_keys
         # decode steps repeat the batch: compared item by item by identity (C speed, no id touched); the list
         # is copied and mapped to keys only when it changed
-        if last_gen != self._tracked_gen or last_ids != req_ids:
+        changed = last_gen != self._tracked_gen or last_ids != req_ids
+        if changed and self.cache.slots:
+            slot = self._ring_slot(None, so.total_num_scheduled_tokens)
+            if slot is not None:
+                # the batch changed (requests started or ended): the step goes to the producer's thread as the
+                # runner laid it out, which maps the ids to keys and leaves out what is not captured there
+                req_ids = list(req_ids)
+                self._last_keys = (req_ids, self._tracked_gen, None, None)
+                lo = int(qsl[0])
+                n = int(qsl[-1]) - lo
+                batch = self.batch
+                batch.add_raw(lo, n, slot, req_ids, computed.copy(), qsl.copy(), self.forwards)
+                self.stats.ring_steps += 1
+                self._stepped(batch, n, t0, w0)
+                return
+        if changed or keys is None:
             req_ids = list(req_ids)
             tracked = self.tracked
             keys = list(map(tracked.get, req_ids))     # C speed: churn steps change the list every step
@@ -1058,6 +1175,22 @@ class WorkerCapture:
                 self.producer.publish_rows(keys, computed, count, pending)
             else:
                 batch.add(pending, keys, computed, count, forward=self.forwards)
+        self._stepped(batch, n, t0, w0)
+
+    def _cut_seen(self) -> None:
+        """Take the requests that ended out of _seen (after a hand-over: the batch is empty); a table a batch took
+        with it is copied first (C speed), so the producer's thread still finds every id of that batch."""
+        ended, self._ended = self._ended, []
+        seen, tracked = self._seen, self.tracked
+        if self._seen_shared:
+            seen = self._seen = seen.copy()
+            self._seen_shared = False
+        for rid in ended:
+            if rid not in tracked:          # (not an id opened again since)
+                seen.pop(rid, None)
+
+    def _stepped(self, batch: _StepBatch, n: int, t0: int, w0: int) -> None:
+        """post_step's end for a step whose `n` rows went into the batch."""
         if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
             self._flush()
         self.stats.active_steps += 1
@@ -1067,9 +1200,10 @@ class WorkerCapture:
 
     def _ring_slot(self, segments, n: int) -> int | None:
         """The step-ring slot this step's flush wrote (stamp = forwards + offset, mod the slots), or None where the
-        rows are not in the ring (a step larger than a slot, several runs, no baseline yet)."""
+        rows are not in the ring (a step larger than a slot, several runs, no baseline yet). segments None: the
+        whole step."""
         off = self.batch.stamps.offset
-        if off is None or len(segments) != 1 or n > self.cache.slot_rows:
+        if off is None or (segments is not None and len(segments) != 1) or n > self.cache.slot_rows:
             return None
         # the device computes (signed counter) mod S; S, a power of two, divides 2**bits: the same slot
         return ((self.forwards + off) & self.batch.stamps._mask) % self.cache.slots
@@ -1091,7 +1225,11 @@ class WorkerCapture:
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         batch = self.batch
         if batch.parts:                     # (step ring: the device counter now proves which slots it reads)
-            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards), checked=True)
+            if batch.raw is not None:
+                self._seen_shared = True    # the producer's thread reads it: nothing is taken out of it now
+            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, self._seen), checked=True)
+        if self._ended:                     # requests ended since: out of the table (no step holds them now)
+            self._cut_seen()
         if self._closing:                   # finishes that waited for this batch (pre_step)
             closing, self._closing = self._closing, {}
             for key, (rid, info) in closing.items():
