@@ -872,3 +872,41 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     assert (step.request_ids, step.starts, step.counts) == (["k1"], [10], [1])
     assert np.array_equal(step.rows.result(), w1[3:4]) and step.rows.owns_result
     step.rows.release()
+
+
+def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions_lost(tmp_path):
+    """A batch with raw steps that the producer's queue bound refuses is resolved on the caller's thread instead:
+    the positions reported lost are the captured requests' own, under their keys; nothing of the request not
+    captured is counted."""
+    import zmq
+
+    from routing_replay.capture import AsyncCopier, RoutingCache
+    from routing_replay.producer import Producer
+    from tests.test_producer_faults import FakeBroker
+    S, Lr, Kr = 4, 3, 8
+    cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
+    copier = AsyncCopier(cache, num_slots=8, max_rows=32)
+    batch = _StepBatch(Kr, stamped=True)
+    batch.stamps.baseline(cache.stamp_value(), 0)
+    slot = ((1 + batch.stamps.offset) & batch.stamps._mask) % S
+    _ring_step(cache, 1, 5)
+    batch.add_raw(0, 5, slot, ["r0", "r1", "r2"], np.array([0, 10, 6], np.int32), np.array([0, 3, 4, 5], np.int32), 1)
+    free = copier.free_rows
+    ids, starts, counts, rows = batch.hand_over(copier, 1, {"r0": ("k0", 1), "r2": ("k2", 1)})
+    ctx = zmq.Context()
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=Lr, top_k=Kr, context=ctx, linger_ms=0, max_queue_bytes=8)
+    try:
+        p.open_many([("k0", 4, 0, None, False), ("k2", 7, 0, None, False)], ids_checked=True)
+        assert p.publish_steps(ids, starts, counts, rows, checked=True) is False
+        assert (p.stats.dropped_msgs, p.stats.dropped_rows) == (1, 4)
+        p.end_many([("finish", "k0", 1, "stop", None), ("finish", "k2", 1, "stop", None)])
+        got = [fake.recv() for _ in range(4)]
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "k0"), ("open", "k2"), ("finish", "k0"),
+                                                     ("finish", "k2")]
+        assert got[2][0].body["lost"] == [[0, 3]] and got[3][0].body["lost"] == [[6, 7]]
+        assert copier.free_rows == free and p.queued_bytes == 0 and p.queued_msgs == 0
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+        ctx.term()
