@@ -328,7 +328,7 @@ class Sender:
                 keep = [a and b for a, b in zip(screen.keep, before)]
                 self.stats.dropped_parts += before.count(True) - keep.count(True)
                 item = item._replace(keep=keep)
-        if item.keep is not None and not any(item.keep):
+        if not item.request_ids or (item.keep is not None and not any(item.keep)):    # (empty: all left out)
             release = getattr(item.rows, "release", None)
             if release is not None:
                 release()

@@ -862,13 +862,23 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
         wait_for(lambda: p.queued_msgs == 0)
         assert p.queued_bytes == 0 and p.stats.encode_errors == 0 and p._failure is None
         assert rows.shape[0] == 4 + 3 + 2 and batch.stamps.steps == 3
+        # a batch of which nothing is captured: no message at all, its host-ring rows given back
+        _ring_step(cache, 4, 3)
+        batch.add_raw(0, 3, slot_of(4), ["r1", "r5", "r6"], np.zeros(3, np.int32), np.array([0, 1, 2, 3], np.int32), 4)
+        free = copier.free_rows
+        assert p.publish_steps(*batch.hand_over(copier, 4, table), checked=True) is True
+        wait_for(lambda: p.queued_msgs == 0)
+        assert p.queued_bytes == 0 and copier.free_rows == free and p.stats.encode_errors == 0
+        p.publish_rows(["k0"], [8], [1], want[:1])
+        h, frames = fake.recv()
+        assert (h.kind, h.key, h.seq) == ("delta", ["k0"], got[3][0].seq + 1)
     finally:
         p.close(timeout_s=1)
         fake.close()
         ctx.term()
     # resolved on the thread that reads them, once: the same steps again, read directly
     batch.add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
-    step = StepParts(*batch.hand_over(copier, 3, {"r1": ("k1", 1)})).step()
+    step = StepParts(*batch.hand_over(copier, 4, {"r1": ("k1", 1)})).step()
     assert (step.request_ids, step.starts, step.counts) == (["k1"], [10], [1])
     assert np.array_equal(step.rows.result(), w1[3:4]) and step.rows.owns_result
     step.rows.release()

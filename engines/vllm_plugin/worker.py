@@ -411,16 +411,8 @@ class _StepBatch:
         must not be modified afterwards; hand the batch over with hand_over(table=...)."""
         if self.raw is None:
             self.raw = [False] * len(self.parts)
-        self.parts.append((first, n, slot))
-        self.ringed = True
-        self.by_ref += 1
-        self.strict.append(True)
-        self.forwards.append(forward)
-        self.keys.append(ids)
-        self.starts.append(computed)
-        self.counts.append(qsl)
-        self.rows += n
-        self.raw.append(True)
+        self.add_slot(first, n, slot, ids, computed, qsl, forward)
+        self.raw[-1] = True
 
     def hand_over(self, copier: AsyncCopier, forward: int, table: dict | None = None):
         """On the engine thread: the batch's one event (and, with step-ring parts, the checkpoint), then the
