@@ -12,7 +12,8 @@ which nothing can move out of view. --worker-timing adds the worker's own figure
 bench/vllm_gpu.py reads inside vLLM; `net_us` without its clocks), whose clocks then also count in `calls_us`.
 
 Modes: `on` (every request captured), `optout` (every request opted out), `optout-fill` (opted out, in an engine
-whose prefix store exists: ROUTING_REPLAY_PREFIX_ROWS=fill). Graph mode (hooks replayed from CUDA graphs: the -1
+whose prefix store exists: ROUTING_REPLAY_PREFIX_ROWS=fill), `fill` (captured, with that store: with --churn-hits
+the new requests' prefix-cache hits are gathered from it). Graph mode (hooks replayed from CUDA graphs: the -1
 fill in pre_step) unless --eager.
 
     python bench/worker_step_probe.py [--mode on] [--requests 256] [--layers 16] [--steps 1000] [--evict-mib 64]
@@ -41,7 +42,7 @@ from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
 from routing_replay.engines.vllm_plugin.worker import MAX_BATCH_STEPS, WorkerCapture, _StepBatch  # noqa: E402
 from routing_replay.producer import Producer  # noqa: E402
 
-MODES = ("on", "optout", "optout-fill")
+MODES = ("on", "optout", "optout-fill", "fill")
 
 
 class _Runner:
@@ -89,8 +90,9 @@ def _outside(fn, so, acc: list) -> None:
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
         ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
-        churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0) -> dict:
-    """One probe run; the result as a dict. churn_optout K: every K-th new request of --churn is not captured (its
+        churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0, churn_hits: int = 0) -> dict:
+    """One probe run; the result as a dict. churn_hits H: each new request of --churn starts with H prefix-cache
+    hit tokens (its blocks shared with the others; mode `fill` gathers their rows from the store). churn_optout K: every K-th new request of --churn is not captured (its
     sampling params opt out), so captured and uncaptured requests share steps. churn_same_ids: a new request takes
     the id of the one it replaces (ids
     that callers reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls)."""
@@ -98,7 +100,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
     max_tokens = max(8192, n * prompt_len, n + churn * churn_prompt)
-    settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode == "optout-fill" else "sentinel")
+    settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode in ("optout-fill", "fill") else "sentinel")
     runner = _Runner(n, max_tokens, dev)
     cap = WorkerCapture.__new__(WorkerCapture)
     cap._init_state(runner, "v1", settings)
@@ -139,7 +141,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap.producer.open_many = _timed(parts, "producer_open", cap.producer.open_many)
         cap.producer.end_many = _timed(parts, "producer_finish", cap.producer.end_many)
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
-    captured = mode == "on"
+    captured = mode in ("on", "fill")
     sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
     sp_out = SimpleNamespace(extra_args={"return_routed_experts": False})
     ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
@@ -151,6 +153,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     done = np.zeros(n, dtype=np.int64)              # tokens computed before the step, per place
     serial = n
     out_ids = list(range(churn_output))
+    hit_blocks = list(range(-(-churn_hits // 16) + n))[n:]       # shared by every new request (16-token blocks)
     topk = torch.randint(0, 128, (max_tokens, top_k), device=dev, dtype=torch.int32)
     ib, qsl = runner.input_batch, runner.query_start_loc.np
     big = np.ones(max(1, evict_mib) * 2**20 // 8) if evict_mib else None
@@ -181,9 +184,11 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
                 serial += 1
                 out = churn_optout and serial % churn_optout == 0
                 fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp_out if out else sp,
-                                             prompt_token_ids=list(range(churn_prompt)), prompt_embeds=None,
-                                             num_computed_tokens=0, block_ids=([j],)))
-                qs[j], done[j] = churn_prompt, 0
+                                             prompt_token_ids=list(range(churn_hits + churn_prompt)),
+                                             prompt_embeds=None, num_computed_tokens=churn_hits,
+                                             block_ids=(hit_blocks + [j + len(hit_blocks)],) if churn_hits
+                                             else ([j],)))
+                qs[j], done[j] = churn_prompt, churn_hits
             so = _so(fresh, dict(zip(ids, qs.tolist())), int(qs.sum()))
             so.finished_req_ids = gone
             setattr(so, scheduler_hooks.ATTR, {r: scheduler_hooks.Finished(churn_output, "stop", out_ids)
@@ -224,7 +229,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            "churn": churn, "opened": st.opened, "finished": st.finished,
-           "rows": st.rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
+           "rows": st.rows, "prefix_rows": st.prefix_rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
            "producer_drained": ok, "run_s": round(wall_s, 1)}
     if pieces:
         res["pieces_wall_us"] = {name: round(v / k / 1e3, 2) for name, v in parts.items()}
@@ -263,6 +268,8 @@ def main(argv=None) -> int:
                          "rounds: 256 requests opened and finished in about 262 steps is about 1)")
     ap.add_argument("--churn-prompt", type=int, default=512, help="--churn: the new requests' prompt tokens")
     ap.add_argument("--churn-output", type=int, default=256, help="--churn: the finished requests' output ids")
+    ap.add_argument("--churn-hits", type=int, default=0, metavar="H",
+                    help="--churn: the new requests' prefix-cache hit tokens (mode fill gathers their rows)")
     ap.add_argument("--churn-optout", type=int, default=0, metavar="K",
                     help="--churn: every K-th new request is not captured (0: all are)")
     ap.add_argument("--json", help="write the results here too")
@@ -272,7 +279,7 @@ def main(argv=None) -> int:
     for m in (MODES if a.mode == "all" else (a.mode,)):
         r = run(m, a.requests, a.layers, a.top_k, a.steps, a.evict_mib, a.device, a.eager, a.worker_timing, pieces=a.pieces,
                 stamp=a.step_stamp, ring=a.step_ring, churn=a.churn, churn_prompt=a.churn_prompt,
-                churn_output=a.churn_output, churn_optout=a.churn_optout)
+                churn_output=a.churn_output, churn_optout=a.churn_optout, churn_hits=a.churn_hits)
         out.append(r)
         print(json.dumps(r), flush=True)
     if a.json:
@@ -280,7 +287,7 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
     warm = min(100, a.steps // 4)
     bad = [r for r in out if not r["producer_drained"] or r["encode_errors"]
-           or (r["mode"] == "on" and r["active_steps"] != r["steps"] + warm)]
+           or (r["mode"] in ("on", "fill") and r["active_steps"] != r["steps"] + warm)]
     return 1 if bad else 0
 
 

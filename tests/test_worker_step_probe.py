@@ -147,6 +147,51 @@ def test_churn_with_requests_not_captured_publishes_what_the_engine_thread_mappi
             assert what <= live, what - live
 
 
+@pytest.mark.parametrize("n", [32, 8])
+def test_prefix_rows_of_requests_opened_with_hits_are_gathered_once_per_batch_and_before_their_finish(n):
+    """Fill mode (ROUTING_REPLAY_PREFIX_ROWS=fill) under churn: each new request starts with 32 prefix-cache hits,
+    whose rows the worker gathers from the prefix store. The gathers are one per 16 steps, not one per request
+    (each is torch calls on the engine thread), and each request's rows arrive before its finish, exactly once.
+    With 8 requests each lives 8 steps: its blocks are freed before its turn, so its finish gathers them."""
+    steps, hits = 60, 32
+    events, entries = [], []
+    fills: list = []
+
+    def attach(p):
+        _watch(events, entries)(p)
+        steps_ = p.publish_steps
+
+        def publish_steps(ids, starts, counts, rows, **kw):
+            for i, strict in enumerate(rows._strict):
+                if not strict:                      # a gather of prefix rows
+                    fills.append(list(zip(ids[i], np.asarray(starts[i]).tolist(), np.asarray(counts[i]).tolist())))
+                    events.append(("fill", {k for k in ids[i]}))
+            return steps_(ids, starts, counts, rows, **kw)
+        p.publish_steps = publish_steps
+
+    r = _probe().run("fill", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
+                     churn_prompt=12, churn_output=5, churn_hits=hits, on_producer=attach)
+    warm = steps // 4
+    churned = steps + warm - 1
+    assert r["producer_drained"] and r["encode_errors"] == 0 and r["opened"] == n + churned
+    assert r["prefix_rows"] == churned * hits
+    got: dict = {}
+    for part in fills:
+        for key, start, count in part:
+            got.setdefault(key, []).append((start, count))
+    gathered = sum(c for parts in got.values() for _, c in parts)
+    queued_at_end = churned * hits - gathered                  # opened in the last steps, still waiting
+    assert all(sorted(v) == [(0, hits)] for v in got.values()) and 0 <= queued_at_end < 16 * hits
+    if n == 32:                                                  # one gather per 16 steps at most (no finish
+        assert len(fills) <= -(-(steps + warm) // 16)            # forced: each request lives 32 steps)
+    seen_fill: set = set()
+    for kind, what in events:
+        if kind == "fill":
+            seen_fill |= what
+        elif kind == "finish" and what.startswith("cmpl-") and int(what.split("-")[1], 16) >= n:
+            assert what in seen_fill, what                       # its prefix rows went before its finish
+
+
 def test_help():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--evict-mib" in p.stdout and "--worker-timing" in p.stdout

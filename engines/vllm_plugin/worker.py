@@ -649,7 +649,9 @@ class WorkerCapture:
         self._opens: list = []                  # (engine id, Producer.open_many item): this step's, one call
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
-        self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for room in the host ring
+        self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
+        self._fill_wait = 0                     # steps since the fill queue was last emptied
+        self._fill_rows = 0                     # rows in the fill queue (a gather is due at half a step's rows)
         self.binding = None
         self.sink = None
         self._warned_no_notes = False
@@ -791,6 +793,7 @@ class WorkerCapture:
         self.cache.detach_store()
         self._keepalive.append(self.store)      # captured graphs may still write it: never free it
         self.store, self.fill, self._fills, self._fill_queue = None, False, [], deque()
+        self._fill_wait = self._fill_rows = 0
         log.error("routing-replay: prefix store dropped (%s); prefix-cached prompt rows stay -1 from now on "
                   "(num_prefix_filled=0)", why)
 
@@ -808,15 +811,16 @@ class WorkerCapture:
         bs = self._block_size
         for rid, key, hits, blocks in fills:
             self._fill_queue.append(_Fill(rid, key, hit_slots(blocks, bs, hits)))
+            self._fill_rows += hits
             self.stats.prefix_requests += 1
             self.stats.prefix_rows += hits
 
     def _pump_fills(self, force: set | None = None) -> None:
         """Gather queued prefix rows into the host ring, oldest first, up to half a step's rows per gather (many
         requests' rows in one index_select), while the ring keeps room for two worst-case steps (the steps' own
-        rows are never pushed out by prefix rows). `force`: engine ids whose blocks are freed in this step
-        (finished, preempted): their rows go now, dropped (published as lost, the record says so) if the ring
-        is full."""
+        rows are never pushed out by prefix rows). `force`: only the requests with these engine ids, whose
+        blocks are freed in this step (finished, preempted): their rows go now, dropped (published as lost, the
+        record says so) if the ring is full."""
         q = self._fill_queue
         chunk = max(1, self.copier.max_rows // 2)
         if force:
@@ -824,11 +828,13 @@ class WorkerCapture:
             self._fill_queue = q = deque(f for f in q if f.rid not in force)
             while forced:
                 self._gather(forced, chunk, may_drop=True)
+            return                              # the others wait for their turn (post_step)
         reserve = 2 * self.copier.max_rows
         while q:
             want = min(chunk, sum(len(f.slots) - f.done for f in q))
             if self.copier.free_rows < want + reserve or not self._gather(q, chunk, may_drop=False):
                 return
+        self._fill_wait = 0
 
     def _gather(self, q: deque, chunk: int, may_drop: bool) -> bool:
         """One gather of up to `chunk` rows taken from the front of `q` (whole requests while they fit, then part
@@ -853,6 +859,7 @@ class WorkerCapture:
             f.done += n
             if f.done == len(f.slots):
                 q.popleft()
+        self._fill_rows -= sum(counts)
         if pending.dropped:                     # host ring full: published as lost, the record says so
             self._flush()
             self.producer.publish_rows(keys, starts, counts, pending)
@@ -1079,12 +1086,15 @@ class WorkerCapture:
                 log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV slots "
                             "hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
                             so.total_num_scheduled_tokens, self.stats.store_forgotten)
-            if self._fills or self._fill_queue:
-                self._store_trusted()           # may drop the store (and with it both queues)
-            if self._fills:
+            if self._fills and self._store_trusted():     # (else the store went, and both queues with it)
                 self._queue_fills()
             if self._fill_queue:
-                self._pump_fills()
+                # one gather per batch's worth of steps, not one per request opened (each gather is torch calls
+                # on this thread); a request whose blocks are freed before its turn is gathered then (pre_step)
+                self._fill_wait += 1
+                if (self._fill_wait >= self.max_batch_steps or self._fill_rows >= self.copier.max_rows // 2) \
+                        and self._store_trusted():
+                    self._pump_fills()
         if not active:
             if t0:
                 self._count_host(t0, w0)
