@@ -33,7 +33,8 @@ the write is part of the replayed graph and costs the engine thread nothing (the
 when vLLM starts its warm-up, after the KV cache is sized and before graphs are captured; on CPU the hooks then
 record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
 (its block-table row -> slots) into the same host ring and delta as computed rows, after the step's forward (a
-hit may point at blocks another request computed in this very step). A weight reload or wake-up invalidates the
+hit may point at blocks another request computed in this very step): with other requests' rows, once the queue
+has waited 16 steps or holds half a step's rows, or at once when the request's blocks are freed. A weight reload or wake-up invalidates the
 store; a step whose hooks did not all run writes -1 to its slots. Rows read as -1 reach the consumer as such and
 make the record `prefix_not_found`.
 
