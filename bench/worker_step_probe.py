@@ -90,12 +90,14 @@ def _outside(fn, so, acc: list) -> None:
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
         ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
-        churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0, churn_hits: int = 0) -> dict:
+        churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0, churn_hits: int = 0,
+        on_step=None) -> dict:
     """One probe run; the result as a dict. churn_hits H: each new request of --churn starts with H prefix-cache
     hit tokens (its blocks shared with the others; mode `fill` gathers their rows from the store). churn_optout K: every K-th new request of --churn is not captured (its
     sampling params opt out), so captured and uncaptured requests share steps. churn_same_ids: a new request takes
     the id of the one it replaces (ids
-    that callers reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls)."""
+    that callers reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls);
+    on_step(step, worker) after each step's post_step."""
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
@@ -209,6 +211,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         for layer in range(layers):
             cap.cache.record(layer, topk[:rows])
         _outside(cap.post_step, so, outer)
+        if on_step is not None:
+            on_step(step, cap)
         if big is not None:
             big += 1.0
             for d in junk[::3]:

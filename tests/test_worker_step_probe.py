@@ -192,6 +192,33 @@ def test_prefix_rows_of_requests_opened_with_hits_are_gathered_once_per_batch_an
             assert what in seen_fill, what                       # its prefix rows went before its finish
 
 
+def test_a_weight_reload_gathers_the_queued_prefix_rows_before_the_store_is_invalidated():
+    """Prefix rows wait up to 16 steps for their gather; a weight reload (rebind) invalidates the store. The rows
+    of requests still queued then are gathered first, on the same stream, so a request in flight keeps the rows
+    its KV came with: at the invalidation the queue is empty and the batch holds their gathers."""
+    seen = {}
+
+    def on_step(step, cap):
+        if step != 20:
+            return
+        queued = {f.key for f in cap._fill_queue}
+        invalidate = cap.store.invalidate
+
+        def watched():
+            gathered = {k for part, strict, keys in zip(cap.batch.parts, cap.batch.strict, cap.batch.keys)
+                        if not strict for k in keys}
+            seen.update(queued=queued, left=len(cap._fill_queue), gathered=gathered)
+            invalidate()
+        cap.store.invalidate = watched
+        cap._invalidate_store()
+        cap.store.invalidate = invalidate
+
+    r = _probe().run("fill", 32, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
+                     churn_prompt=12, churn_output=5, churn_hits=32, on_step=on_step)
+    assert r["producer_drained"] and r["encode_errors"] == 0
+    assert seen["queued"] and seen["left"] == 0 and seen["queued"] <= seen["gathered"]
+
+
 def test_help():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--evict-mib" in p.stdout and "--worker-timing" in p.stdout

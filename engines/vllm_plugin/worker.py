@@ -34,8 +34,9 @@ when vLLM starts its warm-up, after the KV cache is sized and before graphs are 
 record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
 (its block-table row -> slots) into the same host ring and delta as computed rows, after the step's forward (a
 hit may point at blocks another request computed in this very step): with other requests' rows, once the queue
-has waited 16 steps or holds half a step's rows, or at once when the request's blocks are freed. A weight reload or wake-up invalidates the
-store; a step whose hooks did not all run writes -1 to its slots. Rows read as -1 reach the consumer as such and
+has waited 16 steps or holds half a step's rows, or at once when the request's blocks are freed. A weight
+reload or wake-up invalidates the store (the queue is gathered first); a step whose hooks did not all run writes
+-1 to its slots. Rows read as -1 reach the consumer as such and
 make the record `prefix_not_found`.
 
 Positions are absolute, so chunked prefill, preemption + recompute (a re-sent position overwrites) and
@@ -675,11 +676,19 @@ class WorkerCapture:
         self.binding.bind()
         self.stats.rebinds += 1
         if self.store is not None:              # cached KV came from the old weights: its routing is not valid
-            self.store.invalidate()
+            self._invalidate_store()
         log.info("routing-replay: re-bound %d MoE layers after %s%s", len(layers), reason,
                  "; prefix store invalidated" if self.store is not None else "")
 
     # ---- prefix store (fill mode) ------------------------------------------------------------------------------
+
+    def _invalidate_store(self) -> None:
+        """Set every stored row to -1 (new weights), after gathering the rows still queued for requests in flight:
+        their KV, and so their routing, came from the old weights, and the queue waits up to 16 steps."""
+        if self._fill_queue and self._store_trusted():
+            self._pump_fills(force={f.rid for f in self._fill_queue})
+        if self.store is not None:
+            self.store.invalidate()
 
     def set_prefix_rows(self, mode: str) -> None:
         """Switch fill mode between steps (benchmarks compare both on one engine); call only while no captured
