@@ -706,6 +706,7 @@ class WorkerCapture:
                                  "captured graphs: start the engine with ROUTING_REPLAY_PREFIX_ROWS=fill")
         self.fill = mode == "fill"
         self._fills, self._fill_queue = [], deque()
+        self._fill_wait = self._fill_rows = 0
         if not self.fill and gate and self.store is not None:
             self.cache.detach_store()
             self.store = None
