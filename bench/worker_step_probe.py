@@ -93,10 +93,10 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0, churn_hits: int = 0,
         on_step=None) -> dict:
     """One probe run; the result as a dict. churn_hits H: each new request of --churn starts with H prefix-cache
-    hit tokens (its blocks shared with the others; mode `fill` gathers their rows from the store). churn_optout K: every K-th new request of --churn is not captured (its
-    sampling params opt out), so captured and uncaptured requests share steps. churn_same_ids: a new request takes
-    the id of the one it replaces (ids
-    that callers reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls);
+    hit tokens (its blocks shared with the others; mode `fill` gathers their rows from the store). churn_optout K:
+    every K-th new request of --churn is not captured (its sampling params opt out), so captured and uncaptured
+    requests share steps. churn_same_ids: a new request takes the id of the one it replaces (ids that callers
+    reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls);
     on_step(step, worker) after each step's post_step."""
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
@@ -155,7 +155,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     done = np.zeros(n, dtype=np.int64)              # tokens computed before the step, per place
     serial = n
     out_ids = list(range(churn_output))
-    hit_blocks = list(range(-(-churn_hits // 16) + n))[n:]       # shared by every new request (16-token blocks)
+    hit_blocks = list(range(n, n - (-churn_hits // 16)))        # shared by every new request (16-token blocks)
     topk = torch.randint(0, 128, (max_tokens, top_k), device=dev, dtype=torch.int32)
     ib, qsl = runner.input_batch, runner.query_start_loc.np
     big = np.ones(max(1, evict_mib) * 2**20 // 8) if evict_mib else None
@@ -233,7 +233,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            "churn": churn, "opened": st.opened, "finished": st.finished,
-           "rows": st.rows, "prefix_rows": st.prefix_rows, "active_steps": st.active_steps, "producer_queued_msgs": cap.producer.stats.queued_msgs,
+           "rows": st.rows, "prefix_rows": st.prefix_rows, "active_steps": st.active_steps,
+           "producer_queued_msgs": cap.producer.stats.queued_msgs,
            "producer_drained": ok, "run_s": round(wall_s, 1)}
     if pieces:
         res["pieces_wall_us"] = {name: round(v / k / 1e3, 2) for name, v in parts.items()}

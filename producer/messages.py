@@ -587,7 +587,8 @@ class QueueLedger:
 
     def shrunk(self, nbytes: int) -> None:
         """An item taken out of the queue carries `nbytes` less than was put (rows its resolution left out)."""
-        self.put_bytes -= nbytes
+        with self.lock:
+            self.put_bytes -= nbytes
 
     @property
     def bytes(self) -> int:

@@ -228,13 +228,13 @@ class Sender:
     def _step_of(self, parts: StepParts) -> Step:
         """The caller's per-step references as one Step; rows that resolving the ids left out (the worker's raw
         steps) leave the queue's count."""
-        before = getattr(parts.rows, "shape", None)
+        if not getattr(parts.rows, "deferred", False):
+            return parts.step(self.hints)
+        before = parts.rows.shape[0]
         step = parts.step(self.hints)
-        if before is not None:
-            cut = int(before[0]) - step_rows(step)
-            if cut:
-                with self._ledger.lock:
-                    self._ledger.shrunk(cut * self.cfg.row_bytes)
+        cut = before - step_rows(step)
+        if cut:
+            self._ledger.shrunk(cut * self.cfg.row_bytes)
         return step
 
     def _more_steps(self, first: Step) -> tuple[list, Any]:

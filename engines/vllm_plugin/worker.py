@@ -200,7 +200,7 @@ class _BatchedRows:
                  ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0,
                  raw: list | None = None, table: dict | None = None):
         self._parts = parts
-        self._raw = raw                 # per part: added raw (_StepBatch.add_raw), resolved by resolve(); or None
+        self._raw = raw                 # indices of the parts added raw (_StepBatch.add_raw) until resolve(); or None
         self._table = table             # engine id -> (record key, first forward it holds for) for resolve()
         self._select = None             # per part: the rows resolve() kept (an index array), or None for all
         self._ckpt_forward = ckpt_forward   # step-ring parts: the engine's forward count at the hand-over
@@ -310,15 +310,14 @@ class _BatchedRows:
 
 
 def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list, starts: list, counts: list):
-    """_BatchedRows.resolve's work, without changing the batch: per step (keys, starts, counts), each step's kept
-    rows (an index array into the step's rows, or None for all of them) and the rows left out in all."""
+    """_BatchedRows.resolve's work, without changing the batch: for the steps at indices `raw`, per step (keys,
+    starts, counts), each step's kept rows (an index array into the step's rows, or None for all of them) and the
+    rows left out in all."""
     keys_out, starts_out, counts_out = list(request_ids), list(starts), list(counts)
-    select = [None] * len(raw)
+    select = [None] * len(request_ids)
     cut = 0
     get = table.get
-    for i, is_raw in enumerate(raw):
-        if not is_raw:
-            continue
+    for i in raw:
         ids, computed, qsl = request_ids[i], starts[i], counts[i]
         fwd = forwards[i]
         keys = [k[0] if k is not None and k[1] <= fwd else None for k in map(get, ids)]
@@ -371,7 +370,7 @@ class _StepBatch:
         self.rows = 0
         self.ringed = False             # a part reads the step ring: the hand-over takes a checkpoint
         self.by_ref = 0                 # step-ring steps added by reference (add_slot, add_raw)
-        self.raw: list | None = None    # per step: added raw (add_raw); None while no step was
+        self.raw: list = []             # indices of the steps added raw (add_raw)
 
     def add(self, pending, keys: list, starts, counts, strict: bool = True, forward: int = 0) -> None:
         """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
@@ -386,8 +385,6 @@ class _StepBatch:
         self.starts.append(starts)
         self.counts.append(counts)
         self.rows += pending.shape[0]
-        if self.raw is not None:
-            self.raw.append(False)
 
     def add_slot(self, first: int, n: int, slot: int, keys: list, starts, counts, forward: int) -> None:
         """A step-ring step by reference: its rows [first, first + n) of slot `slot` get their host-ring rows on
@@ -402,8 +399,6 @@ class _StepBatch:
         self.starts.append(starts)
         self.counts.append(counts)
         self.rows += n
-        if self.raw is not None:
-            self.raw.append(False)
 
     def add_raw(self, first: int, n: int, slot: int, ids: list, computed, qsl, forward: int) -> None:
         """A step-ring step by reference, as the runner laid it out: its engine ids, the positions computed
@@ -411,10 +406,8 @@ class _StepBatch:
         producer's thread maps the ids to record keys and leaves out what is not captured (_BatchedRows.resolve),
         so a step whose batch changed costs the engine thread no work per request. `ids`, `computed` and `qsl`
         must not be modified afterwards; hand the batch over with hand_over(table=...)."""
-        if self.raw is None:
-            self.raw = [False] * len(self.parts)
+        self.raw.append(len(self.parts))
         self.add_slot(first, n, slot, ids, computed, qsl, forward)
-        self.raw[-1] = True
 
     def hand_over(self, copier: AsyncCopier, forward: int, table: dict | None = None):
         """On the engine thread: the batch's one event (and, with step-ring parts, the checkpoint), then the
@@ -430,13 +423,13 @@ class _StepBatch:
         thread); the batch is empty afterwards. `ckpt_forward`: the engine's forward count when the batch's
         checkpoint was taken (batches with step-ring parts); `copier` and `slots`: for parts added by reference;
         `table`: for the steps added raw (add_raw)."""
-        raw = self.raw
+        raw = self.raw or None
         if raw is not None and table is None:
             raise ValueError("a batch with steps added raw needs the table of their engine ids")
         out = (self.keys, self.starts, self.counts,
                _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward, copier, slots,
                             self.rows, raw, table))
-        self.raw = None
+        self.raw = []
         self.ringed = False
         self.by_ref = 0
         self.parts, self.strict, self.forwards = [], [], []
@@ -682,6 +675,11 @@ class WorkerCapture:
 
     # ---- prefix store (fill mode) ------------------------------------------------------------------------------
 
+    def _clear_fills(self) -> None:
+        """No prefix rows waiting: neither this step's opens nor the queue."""
+        self._fills, self._fill_queue = [], deque()
+        self._fill_wait = self._fill_rows = 0
+
     def _invalidate_store(self) -> None:
         """Set every stored row to -1 (new weights), after gathering the rows still queued for requests in flight:
         their KV, and so their routing, came from the old weights, and the queue waits up to 16 steps."""
@@ -705,8 +703,7 @@ class WorkerCapture:
                 raise ValueError("routing-replay: prefix rows `fill` under CUDA graphs needs the store in the "
                                  "captured graphs: start the engine with ROUTING_REPLAY_PREFIX_ROWS=fill")
         self.fill = mode == "fill"
-        self._fills, self._fill_queue = [], deque()
-        self._fill_wait = self._fill_rows = 0
+        self._clear_fills()
         if not self.fill and gate and self.store is not None:
             self.cache.detach_store()
             self.store = None
@@ -803,8 +800,8 @@ class WorkerCapture:
         self.store.invalidate()
         self.cache.detach_store()
         self._keepalive.append(self.store)      # captured graphs may still write it: never free it
-        self.store, self.fill, self._fills, self._fill_queue = None, False, [], deque()
-        self._fill_wait = self._fill_rows = 0
+        self.store, self.fill = None, False
+        self._clear_fills()
         log.error("routing-replay: prefix store dropped (%s); prefix-cached prompt rows stay -1 from now on "
                   "(num_prefix_filled=0)", why)
 
@@ -956,10 +953,10 @@ class WorkerCapture:
         """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
         captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
         Its open waits in self._opens for the step's others (_send_opens: one producer call per step)."""
+        if new.req_id in self._seen:
+            self._flush()           # the batch may hold raw steps where this id is a request that ended
         try:
             if not self.settings.captures(new.sampling_params):
-                if new.req_id in self._seen:
-                    self._flush()   # the batch may hold raw steps where this id is a request that was captured
                 return
             key, problem = _keys.capture_key(new.req_id, self.randomized)
             if key in self._closing:
@@ -974,8 +971,6 @@ class WorkerCapture:
                 # runners append to their block tables); slot = block x block size + offset
                 self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
-            if new.req_id in self._seen:
-                self._flush()       # as for a request not captured
             self._skip(new.req_id, "open", e)
             return
         self.tracked[new.req_id] = key
@@ -1238,7 +1233,7 @@ class WorkerCapture:
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         batch = self.batch
         if batch.parts:                     # (step ring: the device counter now proves which slots it reads)
-            if batch.raw is not None:
+            if batch.raw:
                 self._seen_shared = True    # the producer's thread reads it: nothing is taken out of it now
             self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, self._seen), checked=True)
         if self._ended:                     # requests ended since: out of the table (no step holds them now)
