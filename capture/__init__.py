@@ -2,8 +2,8 @@
 
 from routing_replay.capture.cache import RoutingCache
 from routing_replay.capture.copier import AsyncCopier, CopierStats, PendingRows
-from routing_replay.capture.prefix_store import PrefixStore, hit_slots
+from routing_replay.capture.prefix_store import PrefixStore, hit_slots, hit_slots_many
 from routing_replay.capture.ring import RingRange, RowRing
 
 __all__ = ["RoutingCache", "AsyncCopier", "CopierStats", "PendingRows", "RingRange", "RowRing", "PrefixStore",
-           "hit_slots"]
+           "hit_slots", "hit_slots_many"]

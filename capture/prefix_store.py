@@ -24,6 +24,8 @@ token, 0.78%).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -69,3 +71,25 @@ def hit_slots(block_row, block_size: int, num_tokens: int):
     pos = np.arange(num_tokens, dtype=np.int64)
     blocks = np.asarray(block_row[:(num_tokens + block_size - 1) // block_size], dtype=np.int64)
     return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def hit_slots_many(spans, block_size: int) -> np.ndarray:
+    """The KV slots of many requests' positions in one go, concatenated in order: `spans` holds (block_row, start,
+    count) per request, for positions [start, start + count) (block_row: a sequence of the engine's block ids in
+    order). Equal to concatenating hit_slots(row, block_size, start + count)[start:] over the spans, in a fixed
+    number of numpy calls where every span is block-aligned (prefix-cache hits are whole blocks), one slice per
+    span otherwise."""
+    bs = block_size
+    rows, cuts, aligned, total = [], [], True, 0
+    for row, start, count in spans:
+        b0 = start // bs
+        b1 = (start + count + bs - 1) // bs
+        rows.append(row[b0:b1])
+        cuts.append((total * bs + start - b0 * bs, count))    # where the span's slots sit in the blocks' slots
+        total += b1 - b0
+        aligned = aligned and start % bs == 0 and count % bs == 0
+    blocks = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+    slots = (blocks[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)
+    if aligned or not cuts:
+        return slots
+    return np.concatenate([slots[at:at + count] for at, count in cuts])

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots, ring_kernels
+from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots_many, ring_kernels
 from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_dtype, stamp_lanes
 from routing_replay.capture.copier import ROW_DTYPE, launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
@@ -337,13 +337,14 @@ def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list,
 
 
 class _Fill:
-    """One request's prefix rows on their way out of the store: the KV slots of positions [0, hits), in order,
-    and how many were gathered so far."""
+    """One request's prefix rows on their way out of the store: positions [0, hits), whose KV slots follow from
+    the request's first blocks (`blocks`, the engine's block ids), and how many were gathered so far. The slots
+    are computed at the gather, for all its requests at once (hit_slots_many)."""
 
-    __slots__ = ("rid", "key", "slots", "done")
+    __slots__ = ("rid", "key", "blocks", "hits", "done")
 
-    def __init__(self, rid: str, key: str, slots: np.ndarray):
-        self.rid, self.key, self.slots, self.done = rid, key, slots, 0
+    def __init__(self, rid: str, key: str, blocks: list, hits: int):
+        self.rid, self.key, self.blocks, self.hits, self.done = rid, key, blocks, hits, 0
 
 
 class _StepBatch:
@@ -645,6 +646,7 @@ class WorkerCapture:
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
+        self._fill_rids: set = set()            # the engine ids in the fill queue
         self._fill_wait = 0                     # steps since the fill queue was last emptied
         self._fill_rows = 0                     # rows in the fill queue (a gather is due at half a step's rows)
         self.binding = None
@@ -678,13 +680,14 @@ class WorkerCapture:
     def _clear_fills(self) -> None:
         """No prefix rows waiting: neither this step's opens nor the queue."""
         self._fills, self._fill_queue = [], deque()
+        self._fill_rids = set()
         self._fill_wait = self._fill_rows = 0
 
     def _invalidate_store(self) -> None:
         """Set every stored row to -1 (new weights), after gathering the rows still queued for requests in flight:
         their KV, and so their routing, came from the old weights, and the queue waits up to 16 steps."""
         if self._fill_queue and self._store_trusted():
-            self._pump_fills(force={f.rid for f in self._fill_queue})
+            self._pump_fills(force=set(self._fill_rids))
         if self.store is not None:
             self.store.invalidate()
 
@@ -817,11 +820,13 @@ class WorkerCapture:
         finishes or is preempted, so the slots keep their rows until then)."""
         fills, self._fills = self._fills, []
         bs = self._block_size
+        queue, rids = self._fill_queue, self._fill_rids
         for rid, key, hits, blocks in fills:
-            self._fill_queue.append(_Fill(rid, key, hit_slots(blocks, bs, hits)))
+            queue.append(_Fill(rid, key, blocks[:(hits + bs - 1) // bs], hits))     # (a copy: C speed)
+            rids.add(rid)
             self._fill_rows += hits
-            self.stats.prefix_requests += 1
-            self.stats.prefix_rows += hits
+        self.stats.prefix_requests += len(fills)
+        self.stats.prefix_rows += sum(f[2] for f in fills)
 
     def _pump_fills(self, force: set | None = None) -> None:
         """Gather queued prefix rows into the host ring, oldest first, up to half a step's rows per gather (many
@@ -834,12 +839,13 @@ class WorkerCapture:
         if force:
             forced = deque(f for f in q if f.rid in force)
             self._fill_queue = q = deque(f for f in q if f.rid not in force)
+            self._fill_rids -= force
             while forced:
                 self._gather(forced, chunk, may_drop=True)
             return                              # the others wait for their turn (post_step)
         reserve = 2 * self.copier.max_rows
         while q:
-            want = min(chunk, sum(len(f.slots) - f.done for f in q))
+            want = min(chunk, self._fill_rows)      # (the rows still queued: no walk over the queue)
             if self.copier.free_rows < want + reserve or not self._gather(q, chunk, may_drop=False):
                 return
         self._fill_wait = 0
@@ -847,26 +853,27 @@ class WorkerCapture:
     def _gather(self, q: deque, chunk: int, may_drop: bool) -> bool:
         """One gather of up to `chunk` rows taken from the front of `q` (whole requests while they fit, then part
         of the next); finished requests leave the queue. False if the ring had no room (nothing taken)."""
-        keys, starts, counts, parts = [], [], [], []
+        keys, starts, counts, spans = [], [], [], []
         room = chunk
         for f in q:
             if room == 0:
                 break
-            n = min(room, len(f.slots) - f.done)
+            n = min(room, f.hits - f.done)
             keys.append(f.key)
             starts.append(f.done)
             counts.append(n)
-            parts.append(f.slots[f.done:f.done + n])
+            spans.append((f.blocks, f.done, n))
             room -= n
-        slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        slots = hit_slots_many(spans, self._block_size)     # every request's slots in a few numpy calls
         pending = self.copier.submit_gather(self.store.rows, slots, may_drop=may_drop)
         if pending is None:
             return False
         for n in counts:
             f = q[0]
             f.done += n
-            if f.done == len(f.slots):
+            if f.done == f.hits:
                 q.popleft()
+                self._fill_rids.discard(f.rid)
         self._fill_rows -= sum(counts)
         if pending.dropped:                     # host ring full: published as lost, the record says so
             self._flush()
@@ -891,8 +898,10 @@ class WorkerCapture:
         if so.scheduled_spec_decode_tokens:
             self.stats.spec_steps += 1
         tracked = self.tracked
-        if self._fill_queue and (so.finished_req_ids or so.preempted_req_ids):
-            freed = {f.rid for f in self._fill_queue} & (set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+        if self._fill_rids and (so.finished_req_ids or so.preempted_req_ids):
+            freed = self._fill_rids.intersection(so.finished_req_ids)
+            if so.preempted_req_ids:
+                freed |= self._fill_rids.intersection(so.preempted_req_ids)
             if freed and self._store_trusted():     # their blocks may be reused by this step's forward
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
