@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, RowRing, hit_slots
+from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, RowRing, hit_slots, hit_slots_many
 from routing_replay.capture.cache import read_stamp, stamp_bits
 
 
@@ -494,6 +494,29 @@ def test_hit_slots_follow_the_block_table():
     row = np.array([7, 3, 9, 0, 0], dtype=np.int32)
     np.testing.assert_array_equal(hit_slots(row, 4, 10), [28, 29, 30, 31, 12, 13, 14, 15, 36, 37])
     assert hit_slots(row, 4, 0).shape == (0,)
+
+
+def test_hit_slots_many_is_the_requests_slots_concatenated():
+    """One gather's slots for many requests (the worker's fill queue): whole block-aligned requests, then parts
+    that start or end inside a block (a gather that splits a request), equal to hit_slots' per request."""
+    got = hit_slots_many([([7, 3], 0, 8), ([5], 0, 4), ([2, 6, 1], 0, 12)], 4)
+    np.testing.assert_array_equal(got, [28, 29, 30, 31, 12, 13, 14, 15, 20, 21, 22, 23, 8, 9, 10, 11, 24, 25, 26,
+                                        27, 4, 5, 6, 7])
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(hit_slots_many([([7, 3, 9], 2, 7), ([5], 1, 0), ([2, 6], 5, 2)], 4),
+                                  [30, 31, 12, 13, 14, 15, 36, 25, 26])
+    assert hit_slots_many([], 16).shape == (0,)
+    rnd = np.random.default_rng(0)
+    for _ in range(300):
+        bs = int(rnd.choice([1, 4, 16, 128]))
+        spans, want = [], []
+        for _ in range(int(rnd.integers(1, 6))):
+            row = rnd.integers(0, 1000, int(rnd.integers(1, 6))).tolist()
+            end = int(rnd.integers(0, len(row) * bs + 1))
+            start = int(rnd.integers(0, end + 1))
+            spans.append((row, start, end - start))
+            want.append(hit_slots(np.array(row), bs, end)[start:])
+        np.testing.assert_array_equal(hit_slots_many(spans, bs), np.concatenate(want))
 
 
 _RING_KERNELS_SCRIPT = r'''

@@ -219,6 +219,41 @@ def test_a_weight_reload_gathers_the_queued_prefix_rows_before_the_store_is_inva
     assert seen["queued"] and seen["left"] == 0 and seen["queued"] <= seen["gathered"]
 
 
+def test_a_preempted_requests_queued_prefix_rows_are_gathered_before_its_blocks_go():
+    """A request preempted while its prefix rows wait in the fill queue gives its KV blocks back in that step: its
+    rows are gathered in pre_step, before the step's forward can overwrite the blocks, and it leaves the queue;
+    the other queued requests keep waiting for their turn."""
+    seen = {}
+    probe = _probe()
+
+    def on_step(step, cap):
+        if step != 20:
+            return
+        queued = [f.rid for f in cap._fill_queue]
+        victim, key = queued[0], cap._fill_queue[0].key
+        gathered = []
+        gather = cap._gather
+
+        def watched(q, chunk, may_drop):
+            gathered.append([f.key for f in q])
+            return gather(q, chunk, may_drop)
+        cap._gather = watched
+        so = probe._so([], {}, 0)
+        so.preempted_req_ids = {victim, "cmpl-not-captured"}
+        cap.pre_step(so)
+        del cap._gather
+        seen.update(queued=len(queued), victim=victim, key=key, gathered=gathered,
+                    left=[f.rid for f in cap._fill_queue], rids=set(cap._fill_rids))
+
+    r = probe.run("fill", 32, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
+                  churn_prompt=12, churn_output=5, churn_hits=32, on_step=on_step)
+    assert r["producer_drained"] and r["encode_errors"] == 0
+    assert seen["queued"] >= 2
+    assert seen["gathered"] == [[seen["key"]]]                  # one gather, of the preempted request alone
+    assert seen["victim"] not in seen["left"] and len(seen["left"]) == seen["queued"] - 1
+    assert seen["rids"] == set(seen["left"])
+
+
 def test_help():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--evict-mib" in p.stdout and "--worker-timing" in p.stdout
