@@ -68,9 +68,7 @@ def hit_slots(block_row, block_size: int, num_tokens: int):
     """The KV slots of positions [0, num_tokens) of a request whose block-table row is `block_row` (numpy, the
     engine's block ids in order), computed as vLLM's slot mapping does without context parallelism:
     block_row[pos // block_size] * block_size + pos % block_size. Returns an (num_tokens,) int64 numpy array."""
-    pos = np.arange(num_tokens, dtype=np.int64)
-    blocks = np.asarray(block_row[:(num_tokens + block_size - 1) // block_size], dtype=np.int64)
-    return blocks[pos // block_size] * block_size + pos % block_size
+    return hit_slots_many([(block_row, 0, num_tokens)], block_size)
 
 
 def hit_slots_many(spans, block_size: int) -> np.ndarray:
