@@ -156,6 +156,45 @@ def _rpc_profile(worker, on: bool):
     return buf.getvalue()
 
 
+def _quiet_steps(s0: dict, s1: dict) -> dict:
+    """A round's quiet steps (WorkerStats.quiet_*: steps that opened, finished and preempted nothing) and their
+    engine-thread time per step, CPU and wall, with the timing clocks' own cost taken out."""
+    n = s1["quiet_steps"] - s0["quiet_steps"]
+    if not n:
+        return {"quiet_steps": 0}
+    d = {k: s1[k] - s0[k] for k in ("quiet_host_ns", "quiet_host_wall_ns", "quiet_clock_ns", "quiet_clock_wall_ns")}
+    return {"quiet_steps": n,
+            "quiet_net_us_per_step": (d["quiet_host_ns"] - d["quiet_clock_ns"]) / n / 1e3,
+            "quiet_wall_net_us_per_step": (d["quiet_host_wall_ns"] - d["quiet_clock_wall_ns"]) / n / 1e3}
+
+
+def _rpc_line_profile(worker, on: bool):
+    """--line-profile: line_profiler (if installed) over WorkerCapture.pre_step/post_step on the engine thread, the
+    same way as _rpc_profile; the report is the time of each line (its own profiling overhead included: compare
+    lines with each other, not with the unprofiled figures)."""
+    import io
+
+    from line_profiler import LineProfiler
+
+    from routing_replay.engines.vllm_plugin import capture_of
+
+    cap = capture_of(worker)
+    if cap is None:
+        return False
+    cls = type(cap)
+    if on:
+        lp = LineProfiler()
+        cap.pre_step = lp(cls.pre_step).__get__(cap)
+        cap.post_step = lp(cls.post_step).__get__(cap)
+        cap._bench_lines = lp
+        return True
+    lp = cap.__dict__.pop("_bench_lines")
+    del cap.pre_step, cap.post_step
+    buf = io.StringIO()
+    lp.print_stats(stream=buf, output_unit=1e-6, stripzeros=True)
+    return buf.getvalue()
+
+
 def _rpc_prefix_rows(worker, mode: str) -> bool:
     from routing_replay.engines.vllm_plugin import capture_of
 
@@ -177,9 +216,11 @@ def _rpc_stats(worker) -> dict:
         return d
     st, cop, prod = cap.stats, cap.copier.stats, cap.producer.stats
     cfg = worker.vllm_config
-    d.update(capture=True, steps=st.steps, active_steps=st.active_steps, rows=st.rows, host_ns=st.host_ns,
+    d.update(capture=True, steps=st.steps, active_steps=st.active_steps, ring_steps=st.ring_steps, rows=st.rows, host_ns=st.host_ns,
              host_wall_ns=st.host_wall_ns, clock_ns=st.clock_ns, clock_wall_ns=st.clock_wall_ns,
-             timed_sections=st.timed_sections,
+             timed_sections=st.timed_sections, quiet_steps=st.quiet_steps, quiet_sections=st.quiet_sections,
+             quiet_host_ns=st.quiet_host_ns, quiet_host_wall_ns=st.quiet_host_wall_ns,
+             quiet_clock_ns=st.quiet_clock_ns, quiet_clock_wall_ns=st.quiet_clock_wall_ns,
              prefix_rows=st.prefix_rows, prefix_requests=st.prefix_requests,
              store_device_bytes=cap.store.nbytes if cap.store is not None else 0,
              store_slots=cap.store.num_slots if cap.store is not None else 0,
@@ -439,6 +480,9 @@ def _check_records(npz: Path, outs, prompt_len: int, lens: list, layers: int, to
         if r.output_token_ids.tolist() != list(o.outputs[0].token_ids):
             bad.append((o.request_id, "output tokens differ"))
             continue
+        if r.prompt_token_ids.tolist() != list(o.prompt_token_ids):
+            bad.append((o.request_id, "prompt tokens differ"))
+            continue
         c = np.bincount(rows.reshape(-1).astype(np.int64))
         counts = c if counts is None else np.pad(counts, (0, max(0, len(c) - len(counts)))) + \
             np.pad(c, (0, max(0, len(counts) - len(c))))
@@ -478,6 +522,9 @@ def main(argv=None) -> int:
                     help="ROUTING_REPLAY_PREFIX_ROWS of the plugin engine (sentinel: no store, no fill rounds)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="leading prompt tokens shared by all requests (prefix-cache hits; the fill mode's gathers)")
+    ap.add_argument("--line-profile", action="store_true",
+                    help="after the rounds, one more round of on (and fill) under line_profiler (must be installed): "
+                         "time per line of pre_step and post_step, in lines_on.txt / lines_fill.txt")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds: one `on` and one `fill` round under cProfile (engine thread, pre_step + "
                          "post_step), reports in profile_on.txt / profile_fill.txt")
@@ -573,10 +620,12 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         if s1["capture"]:
             steps = s1["steps"] - s0["steps"]
             r.update(steps=steps, active_steps=s1["active_steps"] - s0["active_steps"],
+                     ring_steps=s1["ring_steps"] - s0["ring_steps"],
                      host_us_per_step=(s1["host_ns"] - s0["host_ns"]) / steps / 1e3,
                      host_wall_us_per_step=(s1["host_wall_ns"] - s0["host_wall_ns"]) / steps / 1e3,
                      clock_us_per_step=(s1["clock_ns"] - s0["clock_ns"]) / steps / 1e3,
                      clock_wall_us_per_step=(s1["clock_wall_ns"] - s0["clock_wall_ns"]) / steps / 1e3,
+                     **_quiet_steps(s0, s1),
                      timed_sections_per_step=(s1["timed_sections"] - s0["timed_sections"]) / steps,
                      hook_us_per_step=(s1["hook_ns"] - s0["hook_ns"]) / steps / 1e3,
                      engine_cpu_us_per_step=(c1 - c0) / steps * 1e6,
@@ -612,6 +661,14 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
             report = engines[m].collective_rpc(_rpc_profile, args=(False,))[0]
             (out / f"profile_{m}.txt").write_text(report)
             print(f"== cProfile, engine thread, {m} round (pre_step + post_step)\n" + report[:6000], flush=True)
+
+    if a.line_profile:
+        for m in ("on", "fill") if "fill" in modes else ("on",):
+            engines[m].collective_rpc(_rpc_line_profile, args=(True,))
+            one_round(m, -3)
+            report = engines[m].collective_rpc(_rpc_line_profile, args=(False,))[0]
+            (out / f"lines_{m}.txt").write_text(report)
+            print(f"== line_profiler, engine thread, {m} round: lines_{m}.txt", flush=True)
 
     gpu = engines["on"].collective_rpc(_rpc_gpu_cost, args=([a.requests, int(info["max_num_batched_tokens"])],))[0]
     final = engines["on"].collective_rpc(_rpc_stats)[0]
@@ -675,6 +732,11 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         res[f"timed_sections_per_step_{m}"] = med(m, "timed_sections_per_step")
         res[f"host_net_us_per_step_{m}"] = med(m, "host_us_per_step") - res[f"clock_us_per_step_{m}"]
         res[f"host_wall_net_us_per_step_{m}"] = med(m, "host_wall_us_per_step") - res[f"clock_wall_us_per_step_{m}"]
+        qs = [r for r in rounds if r["mode"] == m and r["round"] >= 0 and r.get("quiet_steps")]
+        if qs:
+            res[f"quiet_steps_per_round_{m}"] = statistics.median(r["quiet_steps"] for r in qs)
+            res[f"quiet_net_us_per_step_{m}"] = statistics.median(r["quiet_net_us_per_step"] for r in qs)
+            res[f"quiet_wall_net_us_per_step_{m}"] = statistics.median(r["quiet_wall_net_us_per_step"] for r in qs)
     res["engine_cpu_us_per_step"] = {m: 1e6 * res[f"{m}_engine_cpu_s"] / res["steps_per_round"] for m in modes}
     res["records_wait_s"] = statistics.median(r["records_wait_s"] for r in on_rounds)
     res["helpers_cpu_s_per_round"] = statistics.median(r["helpers_cpu_s"] for r in on_rounds)
@@ -744,6 +806,12 @@ def _print_summary(r: dict) -> None:
               f"{m} {r[f'host_net_us_per_step_{m}']:.1f} / {r[f'host_wall_net_us_per_step_{m}']:.1f} us (clocks "
               f"{r[f'clock_us_per_step_{m}']:.1f} / {r[f'clock_wall_us_per_step_{m}']:.1f} us, "
               f"{r[f'timed_sections_per_step_{m}']:.2f} sections per step)" for m in r["modes"] if m != "off"))
+    quiet = [m for m in r["modes"] if f"quiet_net_us_per_step_{m}" in r]
+    if quiet:
+        print("  quiet steps only (nothing opened, finished or preempted: one step of the running batch), the same "
+              "without the clocks, CPU / wall: " + ", ".join(
+                  f"{m} {r[f'quiet_net_us_per_step_{m}']:.1f} / {r[f'quiet_wall_net_us_per_step_{m}']:.1f} us "
+                  f"({r[f'quiet_steps_per_round_{m}']:.0f} of {r['steps_per_round']:.0f} steps)" for m in quiet))
     print("  engine-core CPU per step: " + ", ".join(f"{m} {v:.0f} us" for m, v in r["engine_cpu_us_per_step"].items()))
     for n, g in r["gpu_cost"].items():
         if isinstance(g, dict):

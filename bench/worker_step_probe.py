@@ -242,7 +242,10 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     if worker_timing:
         res.update(pre_post_us=round(d[1] / k / 1e3, 2), clocks_us=round(d[2] / k / 1e3, 2),
                    net_us=round((d[1] - d[2]) / k / 1e3, 2), wall_us=round(d[3] / k / 1e3, 2),
-                   net_wall_us=round((d[3] - d[4]) / k / 1e3, 2), sections_per_step=round(d[5] / k, 3))
+                   net_wall_us=round((d[3] - d[4]) / k / 1e3, 2), sections_per_step=round(d[5] / k, 3),
+                   quiet_steps=st.quiet_steps, quiet_sections=st.quiet_sections)      # (whole run, warm-up too)
+        if st.quiet_steps:
+            res["quiet_net_wall_us"] = round((st.quiet_host_wall_ns - st.quiet_clock_wall_ns) / st.quiet_steps / 1e3, 2)
     cap.producer.close(0.1)                         # nobody listens: what it holds goes with it
     return res
 

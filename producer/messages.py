@@ -367,15 +367,16 @@ _TOKEN_KEYS = {"open": "n_prompt_tokens", "finish": "n_output_tokens"}
 
 
 def token_frames(item: Announce) -> tuple[Announce, str | None]:
-    """The announce with its token ids as int32 arrays: the caller's thread handed a list as a tuple
-    (producer._tokens). Ids that are not int32 integers are left out, with the body's count of them: the
-    announce still travels (the record has no token ids then), and the error is returned to be reported."""
-    if not any(type(x) is tuple for x in item.frames):
+    """The announce with its token ids as int32 arrays: the caller's thread handed a list as a tuple, or as the
+    list itself when it never modifies it (producer._tokens). Ids that are not int32 integers are left out, with
+    the body's count of them: the announce still travels (the record has no token ids then), and the error is
+    returned to be reported."""
+    if not any(type(x) is tuple or type(x) is list for x in item.frames):
         return item, None
     try:
         frames = []
         for x in item.frames:
-            a = np.asarray(x, dtype=wire.TOKEN_DTYPE) if type(x) is tuple else x
+            a = np.asarray(x, dtype=wire.TOKEN_DTYPE) if type(x) is tuple or type(x) is list else x
             if a.ndim != 1:
                 raise ValueError(f"token ids must be a flat sequence, got shape {a.shape}")
             frames.append(a)

@@ -61,20 +61,25 @@ def _positions(values: Any, name: str) -> Any:
     return values
 
 
-def _tokens(ids: Any) -> Any:
+def _tokens(ids: Any, frozen: bool = False) -> Any:
     """Token ids on the caller's thread: a list or tuple is only copied (a tuple; C speed, about 0.5 us for 512
-    ids, against about 7 us to convert them), the producer's thread converts it (messages.token_frames); anything
-    else becomes an int32 array here."""
-    if type(ids) is list or type(ids) is tuple:
-        return tuple(ids)
+    ids warm, against about 7 us to convert them), the producer's thread converts it (messages.token_frames);
+    anything else becomes an int32 array here. `frozen`: the caller never modifies its lists afterwards, so a list
+    goes by reference (no copy: the copy writes every id's reference count, one cache line per id when the ids
+    are cold or another thread touches them, 10-40 us for 512 ids on an engine thread)."""
+    if type(ids) is list:
+        return ids if frozen else tuple(ids)
+    if type(ids) is tuple:
+        return ids
     return np.ascontiguousarray(ids, dtype=wire.TOKEN_DTYPE)
 
 
-def _token_frames(body: dict, count_key: str, ids: Any) -> list:
-    """An announce's token-id frame (_tokens), its count put in body[count_key]; none for ids None."""
+def _token_frames(body: dict, count_key: str, ids: Any, frozen: bool = False) -> list:
+    """An announce's token-id frame (_tokens), its count put in body[count_key]; none for ids None. `frozen`: as
+    _tokens' (on the producer's thread: ids that already went through _tokens on the caller's)."""
     if ids is None:
         return []
-    toks = _tokens(ids)
+    toks = _tokens(ids, frozen)
     body[count_key] = len(toks)
     return [toks]
 
@@ -268,14 +273,16 @@ class Producer:
         self._book.opened(request_id)
         self._put(item, 0, False)
 
-    def open_many(self, opens: Sequence[tuple], ids_checked: bool = False) -> list[tuple[int, Exception]]:
+    def open_many(self, opens: Sequence[tuple], ids_checked: bool = False,
+                  tokens_frozen: bool = False) -> list[tuple[int, Exception]]:
         """`open` for several requests in one call: one lock and one queue item for all of them, their messages
         built on the producer's thread (an engine hands over a step's new requests so).
 
         Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with
         int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem (the
         thread checks it again: an id that cannot travel is then refused, logged and counted in
-        stats.encode_errors). Returns (index, exception) for each item open() would have raised for; nothing is
+        stats.encode_errors). `tokens_frozen`: the caller never modifies the token id lists it passes (an engine's
+        prompt lists): they go to the producer's thread by reference, not copied. Returns (index, exception) for each item open() would have raised for; nothing is
         announced for those (their ids are refused as open() refuses them). The others are announced, in
         order."""
         self._check()
@@ -292,7 +299,7 @@ class Producer:
             else:
                 if tokens is not None:                  # as open(): a list copied (C speed), an array made int32
                     try:
-                        tokens = _tokens(tokens)
+                        tokens = _tokens(tokens, tokens_frozen)
                     except Exception as e:  # noqa: BLE001 -- this item's problem, returned
                         self._book.refuse(rid)
                         failed.append((i, e))
@@ -309,14 +316,14 @@ class Producer:
         out = []
         for rid, prompt_len, num_cached, tokens, filled in items:
             try:
-                out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled))
+                out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled, frozen=True))
             except Exception as e:  # noqa: BLE001 -- an id passed as checked that cannot travel: it alone
                 self._book.refuse(rid)
                 self._build_failed("open", rid, e)
         return out
 
     def _open_item(self, request_id: str, prompt_len: int, num_cached_tokens: int, prompt_token_ids: Any,
-                   prefix_filled: bool) -> Announce:
+                   prefix_filled: bool, frozen: bool = False) -> Announce:
         bad = _id_error(request_id)
         if bad is not None:
             raise bad
@@ -326,7 +333,7 @@ class Producer:
                 "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
         if prefix_filled:
             body["prefix_filled"] = True
-        return Announce("open", request_id, body, _token_frames(body, "n_prompt_tokens", prompt_token_ids))
+        return Announce("open", request_id, body, _token_frames(body, "n_prompt_tokens", prompt_token_ids, frozen))
 
     def publish(self, step: Iterable[tuple[str, int, np.ndarray]]) -> bool:
         """Publish one engine step given as (request_id, start_position, rows (n, L, K) int16) tuples.
@@ -499,14 +506,15 @@ class Producer:
             return
         self._put(self._abort_item(request_id, reason, num_output_tokens), 0, False)
 
-    def end_many(self, ends: Sequence[tuple]) -> int:
+    def end_many(self, ends: Sequence[tuple], tokens_frozen: bool = False) -> int:
         """`finish` and `abort` for several requests in one call: one lock and one queue item for all of them,
         their messages built on the producer's thread.
 
         Each item is ("finish", request_id, num_output_tokens, finish_reason, output_token_ids or None) or
         ("abort", request_id, num_output_tokens or None, reason, None), num_output_tokens an int. Parts of refused
         ids are dropped and counted as finish() drops them. Raises ValueError for a malformed item (token ids
-        included) before anything of this call is taken; returns how many were sent."""
+        included) before anything of this call is taken; returns how many were sent. `tokens_frozen`: as
+        open_many's (output token id lists the caller made for this call and never modifies)."""
         self._check()
         tokens = []
         for end in ends:
@@ -516,7 +524,7 @@ class Producer:
             if type(n) is not int and not (kind == "abort" and n is None):
                 raise ValueError(f"num_output_tokens of a {kind} must be an int, got {n!r}")
             try:                                        # as finish(): a list copied (C speed), an array int32
-                tokens.append(None if toks is None else _tokens(toks))
+                tokens.append(None if toks is None else _tokens(toks, tokens_frozen))
             except Exception as e:  # noqa: BLE001
                 raise ValueError(f"output token ids of a {kind}: {type(e).__name__}: {e}") from e
         verdicts = self._book.ended_many([end[1] for end in ends])
@@ -536,7 +544,7 @@ class Producer:
         out = []
         for kind, rid, n, reason, tokens, lost in items:
             try:
-                out.append(self._finish_item(rid, n, reason, tokens, lost) if kind == "finish"
+                out.append(self._finish_item(rid, n, reason, tokens, lost, frozen=True) if kind == "finish"
                            else self._abort_item(rid, reason, n))
             except Exception as e:  # noqa: BLE001 -- defensive: the caller checked the values
                 self._build_failed(kind, rid, e)
@@ -551,7 +559,7 @@ class Producer:
     @staticmethod
     def _finish_item(request_id: str, num_output_tokens: int, finish_reason: str, output_token_ids: Any,
                      lost: list | None, prompt_len: int | None = None,
-                     num_cached_tokens: int | None = None) -> Announce:
+                     num_cached_tokens: int | None = None, frozen: bool = False) -> Announce:
         body: dict = {"num_output": int(num_output_tokens), "reason": finish_reason}
         if prompt_len is not None:
             body["prompt_len"] = int(prompt_len)
@@ -559,7 +567,7 @@ class Producer:
             body["num_cached"] = int(num_cached_tokens)
         if lost:
             body["lost"] = lost
-        return Announce("finish", request_id, body, _token_frames(body, "n_output_tokens", output_token_ids))
+        return Announce("finish", request_id, body, _token_frames(body, "n_output_tokens", output_token_ids, frozen))
 
     @staticmethod
     def _abort_item(request_id: str, reason: str, num_output_tokens: int | None) -> Announce:

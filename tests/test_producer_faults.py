@@ -146,6 +146,31 @@ def test_open_many_and_end_many_send_what_open_finish_and_abort_send_and_refuse_
     assert p.queued_msgs == 0 and p.stats.encode_errors == 0 and p._failure is None
 
 
+def test_frozen_token_lists_go_by_reference_and_travel_exact(fake_and_producer, caplog):
+    """tokens_frozen=True (the vLLM plugin: prompt lists vLLM never modifies, output lists the scheduler hook made):
+    open_many and end_many take the lists as they are (no copy on the caller's thread: a copy writes every id's
+    reference count), the producer's thread converts them, and the messages carry exactly the ids; ids that are
+    not int32 leave the token frame out as a copied list does, the message still going."""
+    from routing_replay.producer import producer as pmod
+
+    ids = list(range(1 << 15, 1 << 16))                 # a 32K-token prompt: ints above the small-int cache
+    assert pmod._tokens(ids, True) is ids and pmod._tokens(ids) is not ids and pmod._tokens(ids) == tuple(ids)
+    fake, p = fake_and_producer
+    out = [2**31 - 1, 0, 7]
+    wide = [1, 2**40]                                   # not int32
+    assert p.open_many([("a", len(ids), 0, ids, False), ("w", 2, 0, wide, False)], ids_checked=True,
+                       tokens_frozen=True) == []
+    assert p.end_many([("finish", "a", 3, "stop", out), ("finish", "w", 2, "stop", wide)], tokens_frozen=True) == 2
+    with caplog.at_level(logging.WARNING, logger="routing_replay.producer"):
+        got = [fake.recv() for _ in range(4)]
+    assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "w"), ("finish", "a"), ("finish", "w")]
+    (ha, fa), (hw, fw), (fh, ff), (wh, wf) = got
+    assert ha.body["n_prompt_tokens"] == len(ids) and bytes(fa[0]) == np.array(ids, "<i4").tobytes()
+    assert fh.body["n_output_tokens"] == 3 and bytes(ff[0]) == np.array(out, "<i4").tobytes()
+    assert "n_prompt_tokens" not in hw.body and fw == [] and "n_output_tokens" not in wh.body and wf == []
+    assert p.queued_msgs == 0 and p._failure is None
+
+
 def test_open_many_items_the_thread_cannot_build_are_dropped_alone_and_counted(fake_and_producer, caplog):
     """An id passed as checked that cannot travel fails on the producer's thread: that open is logged, counted and
     its id refused; the others of the same call go, and the queue count comes back to 0. Token ids that are no

@@ -67,15 +67,30 @@ def _watch(events: list, entries: list | None = None):
                     entries.extend(zip(k, np.asarray(a).tolist(), np.asarray(c).tolist()))
             return steps(ids, starts, counts, rows, **kw)
 
-        def end_many(items):
+        def end_many(items, **kw):
             events.extend((kind, key) for kind, key, *_ in items)
-            return ends(items)
+            return ends(items, **kw)
 
         def open_many(items, **kw):
             events.extend(("open", item[0]) for item in items)
             return opens(items, **kw)
         p.publish_steps, p.end_many, p.open_many = publish_steps, end_many, open_many
     return attach
+
+
+@pytest.mark.parametrize("churn", [0, 1])
+def test_quiet_steps_are_the_timed_steps_that_open_finish_and_preempt_nothing(churn):
+    """WorkerStats.quiet_*: the bench's figure for one step of a running batch. Without churn every step but the
+    first (the opens) is quiet, both of its sections timed; with a request finishing and one starting every step
+    none is; without timing nothing is counted."""
+    n, steps = 8, 40
+    kw = dict(prompt_len=16, stamp=True, ring=True, churn=churn, churn_prompt=12, churn_output=5)
+    r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, worker_timing=True, **kw)
+    total = steps + steps // 4                                      # the probe's warm-up steps count here too
+    assert (r["quiet_steps"], r["quiet_sections"]) == ((total - 1, 2 * (total - 1)) if churn == 0 else (0, 0))
+    assert churn or r["quiet_net_wall_us"] > 0
+    untimed = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, worker_timing=False, **kw)
+    assert "quiet_steps" not in untimed
 
 
 @pytest.mark.parametrize("same_ids", [False, True])

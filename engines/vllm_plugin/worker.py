@@ -100,6 +100,14 @@ class WorkerStats:
     clock_ns: int = 0               # of host_ns: the timing clocks' own cost, one read pair per timed section,
     clock_wall_ns: int = 0          # measured in place (a second pair read right after the first); same for wall
     timed_sections: int = 0         # pre_step / post_step runs that were timed
+    # of them (only while `timing`): quiet steps, where nothing opened, finished or was preempted (a steady decode
+    # step: what one step of the batch costs, without the requests' opens and finishes)
+    quiet_steps: int = 0
+    quiet_sections: int = 0
+    quiet_host_ns: int = 0
+    quiet_host_wall_ns: int = 0
+    quiet_clock_ns: int = 0
+    quiet_clock_wall_ns: int = 0
     rebinds: int = 0
     prefix_requests: int = 0        # requests opened with prefix hits whose rows came from the prefix store
     prefix_rows: int = 0            # rows gathered from the prefix store
@@ -622,6 +630,7 @@ class WorkerCapture:
         self.publisher = self.announces = True
         self.stats = WorkerStats()
         self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
+        self._quiet = False             # while timing: this step opened, finished and preempted nothing
         self.tracked: dict[str, str] = {}       # engine request id -> record key
         self._tracked_gen = 0                   # bumped on every change of `tracked`
         # engine id -> (record key, first forward it is captured in): `tracked` and the requests that ended since
@@ -893,6 +902,9 @@ class WorkerCapture:
         t0 = time.thread_time_ns() if self.timing else 0
         w0 = time.perf_counter_ns() if t0 else 0
         self.stats.steps += 1
+        if t0:
+            self._quiet = not (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids)
+            self.stats.quiet_steps += self._quiet
         if so.preempted_req_ids:
             self.stats.preempted += len(so.preempted_req_ids)
         if so.scheduled_spec_decode_tokens:
@@ -995,7 +1007,8 @@ class WorkerCapture:
         """The step's opens in one producer call; a request whose open fails is not captured (as _open_request)."""
         opens, self._opens = self._opens, []
         try:
-            failed = self.producer.open_many([item for _, item in opens], ids_checked=True)
+            # (prompt lists by reference: vLLM never modifies a request's prompt_token_ids)
+            failed = self.producer.open_many([item for _, item in opens], ids_checked=True, tokens_frozen=True)
         except Exception as e:          # noqa: BLE001 -- engine-wide (the producer failed) re-raises in _skip
             failed = [(i, e) for i in range(len(opens))]
         self.stats.opened += len(opens) - len(failed)
@@ -1064,7 +1077,8 @@ class WorkerCapture:
         """The finishes and aborts collected since the last call, in one producer call."""
         ends, self._ends = self._ends, []
         try:
-            self.producer.end_many([end for _, end in ends])
+            # (output ids by reference: the scheduler hook's own list, or _end_of's)
+            self.producer.end_many([end for _, end in ends], tokens_frozen=True)
         except Exception as e:          # noqa: BLE001 -- engine-wide (the producer failed) re-raises in _skip
             for rid, end in ends:
                 self._failed_end(rid, end[1], e)
@@ -1236,6 +1250,12 @@ class WorkerCapture:
         st.clock_ns += t2 - t1
         st.clock_wall_ns += w2 - w1
         st.timed_sections += 1
+        if self._quiet:
+            st.quiet_host_ns += t1 - t0
+            st.quiet_host_wall_ns += w1 - w0
+            st.quiet_clock_ns += t2 - t1
+            st.quiet_clock_wall_ns += w2 - w1
+            st.quiet_sections += 1
 
     def _flush(self) -> None:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
