@@ -654,21 +654,16 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         for m in order:
             rounds.append(one_round(m, i))
         order = order[1:] + order[:1]
-    if a.profile:
-        for m in ("on", "fill") if "fill" in modes else ("on",):
-            engines[m].collective_rpc(_rpc_profile, args=(True,))
-            one_round(m, -2)
-            report = engines[m].collective_rpc(_rpc_profile, args=(False,))[0]
-            (out / f"profile_{m}.txt").write_text(report)
-            print(f"== cProfile, engine thread, {m} round (pre_step + post_step)\n" + report[:6000], flush=True)
-
-    if a.line_profile:
-        for m in ("on", "fill") if "fill" in modes else ("on",):
-            engines[m].collective_rpc(_rpc_line_profile, args=(True,))
-            one_round(m, -3)
-            report = engines[m].collective_rpc(_rpc_line_profile, args=(False,))[0]
-            (out / f"lines_{m}.txt").write_text(report)
-            print(f"== line_profiler, engine thread, {m} round: lines_{m}.txt", flush=True)
+    # one more round of on (and fill) under each profiler asked for: cProfile by function, line_profiler by line
+    for wanted, rpc, idx, name, what in ((a.profile, _rpc_profile, -2, "profile", "cProfile"),
+                                         (a.line_profile, _rpc_line_profile, -3, "lines", "line_profiler")):
+        for m in (("on", "fill") if "fill" in modes else ("on",)) if wanted else ():
+            engines[m].collective_rpc(rpc, args=(True,))
+            one_round(m, idx)
+            report = engines[m].collective_rpc(rpc, args=(False,))[0]
+            (out / f"{name}_{m}.txt").write_text(report)
+            print(f"== {what}, engine thread, {m} round (pre_step + post_step): {name}_{m}.txt\n" + report[:6000],
+                  flush=True)
 
     gpu = engines["on"].collective_rpc(_rpc_gpu_cost, args=([a.requests, int(info["max_num_batched_tokens"])],))[0]
     final = engines["on"].collective_rpc(_rpc_stats)[0]
