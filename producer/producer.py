@@ -65,8 +65,8 @@ def _tokens(ids: Any, frozen: bool = False) -> Any:
     """Token ids on the caller's thread: a list or tuple is only copied (a tuple; C speed, about 0.5 us for 512
     ids warm, against about 7 us to convert them), the producer's thread converts it (messages.token_frames);
     anything else becomes an int32 array here. `frozen`: the caller never modifies its lists afterwards, so a list
-    goes by reference (no copy: the copy writes every id's reference count, one cache line per id when the ids
-    are cold or another thread touches them, 10-40 us for 512 ids on an engine thread)."""
+    goes by reference (no copy: the copy writes every id's reference count, one cache line per cold id: 5.8 us for
+    512 ids, 74 us for 32,768, docs/PERFORMANCE.md session 30)."""
     if type(ids) is list:
         return ids if frozen else tuple(ids)
     if type(ids) is tuple:
@@ -282,9 +282,9 @@ class Producer:
         int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem (the
         thread checks it again: an id that cannot travel is then refused, logged and counted in
         stats.encode_errors). `tokens_frozen`: the caller never modifies the token id lists it passes (an engine's
-        prompt lists): they go to the producer's thread by reference, not copied. Returns (index, exception) for each item open() would have raised for; nothing is
-        announced for those (their ids are refused as open() refuses them). The others are announced, in
-        order."""
+        prompt lists): they go to the producer's thread by reference, not copied. Returns (index, exception) for
+        each item open() would have raised for; nothing is announced for those (their ids are refused as open()
+        refuses them). The others are announced, in order."""
         self._check()
         ok, ids, failed = [], [], []
         for i, item in enumerate(opens):
@@ -297,7 +297,7 @@ class Producer:
                 failed.append((i, ValueError(f"num_cached_tokens={num_cached!r} outside [0, prompt_len="
                                              f"{prompt_len!r}] (ints)")))
             else:
-                if tokens is not None:                  # as open(): a list copied (C speed), an array made int32
+                if tokens is not None:                  # as open(): a list copied (unless frozen), an array int32
                     try:
                         tokens = _tokens(tokens, tokens_frozen)
                     except Exception as e:  # noqa: BLE001 -- this item's problem, returned
@@ -523,7 +523,7 @@ class Producer:
                 raise ValueError(f"end kind must be 'finish' or 'abort', got {kind!r}")
             if type(n) is not int and not (kind == "abort" and n is None):
                 raise ValueError(f"num_output_tokens of a {kind} must be an int, got {n!r}")
-            try:                                        # as finish(): a list copied (C speed), an array int32
+            try:                                        # as finish(): a list copied (unless frozen), an array int32
                 tokens.append(None if toks is None else _tokens(toks, tokens_frozen))
             except Exception as e:  # noqa: BLE001
                 raise ValueError(f"output token ids of a {kind}: {type(e).__name__}: {e}") from e
