@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from routing_replay.capture import AsyncCopier, RoutingCache  # noqa: E402
 from routing_replay.engines.vllm_plugin import scheduler_hooks  # noqa: E402
+from routing_replay.engines.vllm_plugin.binding import CaptureBinding, MoELayer  # noqa: E402
 from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
 from routing_replay.engines.vllm_plugin.worker import MAX_BATCH_STEPS, WorkerCapture, _StepBatch  # noqa: E402
 from routing_replay.producer import Producer  # noqa: E402
@@ -53,6 +54,15 @@ class _Runner:
                                            block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(
                                                gpu=torch.zeros(max_tokens, dtype=torch.int64, device=device)))])
         self.query_start_loc = SimpleNamespace(np=np.zeros(n + 1, np.int32))
+
+
+class _Router:
+    """What the binding reads and sets of a vLLM router (FusedMoE's `router`): its capture function."""
+
+    capture_fn = None
+
+    def set_capture_fn(self, fn) -> None:
+        self.capture_fn = fn
 
 
 def _so(new, scheduled: dict, total: int):
@@ -87,6 +97,13 @@ def _outside(fn, so, acc: list) -> None:
     acc[1] += (w1 - w0) - (w2 - w1)
 
 
+def _forward(args) -> None:
+    """--eager: every MoE layer's router hands its top-k to its hook, in layer order, as in an eager forward."""
+    hooks, topk_ids = args
+    for hook in hooks:
+        hook(topk_ids)
+
+
 def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, device: str, eager: bool,
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
         ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
@@ -117,7 +134,12 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
     cap.batch = _StepBatch(top_k, stamped=stamp)
     cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
-    cap.binding = SimpleNamespace(gate=eager, active=False, calls=0, min_rows=0, layers=[None] * layers)
+    if eager:       # the real hooks on stand-in routers: the loop calls them as the routers do, timed (hooks_us)
+        cap.binding = CaptureBinding([MoELayer(i, f"model.layers.{i}.mlp", SimpleNamespace(router=_Router()), top_k,
+                                               128) for i in range(layers)], cap.cache.record, gate=True)
+        cap.binding.bind()
+    else:           # graph mode: the forward's replay writes the cache without Python (the loop calls record)
+        cap.binding = SimpleNamespace(gate=False, active=False, calls=0, min_rows=0, layers=[None] * layers)
     cap.layer_ids, cap.randomized = list(range(layers)), False
     where = tempfile.mkdtemp(prefix="rr-probe-")
     cap.producer = Producer(f"ipc://{where}/nobody", num_layers=layers, top_k=top_k, max_queue_bytes=1 << 30,
@@ -165,11 +187,14 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     t_run = time.perf_counter()
     s0 = None
     outer = [0, 0]                                  # the calls as the engine sees them (early exits included)
+    hooked = [0, 0]                                 # --eager: the router hooks, timed the same way
+    hooks = cap.binding.hooks if eager else None
     for step in range(steps + warm):
         if step == warm:
             st = cap.stats
             s0 = (st.steps, st.host_ns, st.clock_ns, st.host_wall_ns, st.clock_wall_ns, st.timed_sections)
             outer = [0, 0]
+            hooked = [0, 0]
             for name in parts:
                 parts[name] = 0
         first = step == 0
@@ -208,8 +233,11 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
             qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
             rows = n * q
-        for layer in range(layers):
-            cap.cache.record(layer, topk[:rows])
+        if hooks is not None:
+            _outside(_forward, (hooks, topk[:rows]), hooked)
+        else:
+            for layer in range(layers):
+                cap.cache.record(layer, topk[:rows])
         _outside(cap.post_step, so, outer)
         if on_step is not None:
             on_step(step, cap)
@@ -232,6 +260,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
            "ring_steps": cap.stats.ring_steps, "encode_errors": cap.producer.stats.encode_errors,
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
+           **({"hooks_us": round(hooked[0] / k / 1e3, 2), "hooks_wall_us": round(hooked[1] / k / 1e3, 2),
+               "plugin_us": round((outer[0] + hooked[0]) / k / 1e3, 2)} if eager else {}),
            "churn": churn, "opened": st.opened, "finished": st.finished,
            "rows": st.rows, "prefix_rows": st.prefix_rows, "active_steps": st.active_steps,
            "producer_queued_msgs": cap.producer.stats.queued_msgs,

@@ -35,6 +35,18 @@ def test_probe_runs_the_worker_and_counts_exactly(mode):
     assert r["sections_per_step"] == {"on": 2, "optout": 1, "optout-fill": 1}[mode]
     assert r["calls_us"] > 0 and r["calls_wall_us"] > 0 and 0 < r["clocks_us"] < r["pre_post_us"]
 
+def test_eager_probe_runs_the_real_router_hooks_and_times_them_apart():
+    """--eager (the CPU build, enforce_eager): the routers call the worker's real capture hooks every step, which
+    count the layers that covered the step (a step short of one would raise LostHookError in post_step); their
+    time is reported apart from pre_step/post_step's."""
+    n, steps, prompt_len = 8, 40, 16
+    r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=True, prompt_len=prompt_len)
+    warm = steps // 4
+    assert not r["graph_mode"] and r["producer_drained"] and r["encode_errors"] == 0
+    assert (r["active_steps"], r["rows"]) == (steps + warm, n * prompt_len + n * (steps + warm - 1))
+    assert r["hooks_us"] > 0 and r["plugin_us"] == pytest.approx(r["calls_us"] + r["hooks_us"], abs=0.02)
+
+
 def test_probe_with_step_stamps_checks_every_step_and_launches_no_fill():
     """Graph mode with step stamps (ROUTING_REPLAY_STEP_STAMP=on): no -1 fill, and the producer's thread checked the
     stamp of every step it published (a stale one would have stopped it)."""
@@ -46,6 +58,23 @@ def test_probe_with_step_stamps_checks_every_step_and_launches_no_fill():
     assert r["pieces_wall_us"]["fill_step"] == 0 and r["pieces_wall_us"]["copier_submit"] > 0
     plain = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, pieces=True)
     assert not plain["step_stamp"] and plain["stamps_checked"] == 0 and plain["pieces_wall_us"]["fill_step"] > 0
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_steps_where_nothing_is_captured_still_count_their_forwards_and_leave_the_hooks_as_the_mode_wants(eager):
+    """An opted-out engine's steps take pre_step's short path (nothing tracked, none opening, no prefix store): each
+    still counts its forward (step stamps and the step ring predict a step's stamp and slot from that count), the
+    worker stays inactive, and the router hooks run only where they are replayed from graphs (not eager)."""
+    n, steps = 8, 40
+    seen = []
+    r = _probe().run("optout", n, 4, 2, steps, 1, "cpu", eager=eager, prompt_len=16, stamp=True, ring=True,
+                     on_step=lambda step, cap: seen.append((cap.forwards, cap.active, cap.storing,
+                                                            cap.binding.active, cap.stats.steps)))
+    total = steps + steps // 4
+    assert [s[0] for s in seen] == list(range(1, total + 1))          # one forward per step, none missed
+    assert [s[4] for s in seen] == list(range(1, total + 1))
+    assert {s[1:4] for s in seen} == {(False, False, not eager)}
+    assert (r["active_steps"], r["rows"], r["opened"]) == (0, 0, 0)
 
 
 def _watch(events: list, entries: list | None = None):

@@ -901,14 +901,30 @@ class WorkerCapture:
             return
         t0 = time.thread_time_ns() if self.timing else 0
         w0 = time.perf_counter_ns() if t0 else 0
-        self.stats.steps += 1
+        st = self.stats
+        st.steps += 1
         if t0:
             self._quiet = not (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids)
-            self.stats.quiet_steps += self._quiet
+            st.quiet_steps += self._quiet
+        if not (self.tracked or so.scheduled_new_reqs or self.fill or self._closing):
+            # nothing captured runs, none starts, no prefix store: the step's counts and the forward, no more
+            # (an opt-out engine's every step; issue #16 asks <= 10 us for it on the engine thread)
+            if so.preempted_req_ids:
+                st.preempted += len(so.preempted_req_ids)
+            if so.scheduled_spec_decode_tokens:
+                st.spec_steps += 1
+            if so.total_num_scheduled_tokens:
+                self.forwards += 1
+            self.active = self.storing = False
+            b = self.binding
+            b.active = not b.gate
+            if t0:
+                self._count_host(t0, w0)
+            return
         if so.preempted_req_ids:
-            self.stats.preempted += len(so.preempted_req_ids)
+            st.preempted += len(so.preempted_req_ids)
         if so.scheduled_spec_decode_tokens:
-            self.stats.spec_steps += 1
+            st.spec_steps += 1
         tracked = self.tracked
         if self._fill_rids and (so.finished_req_ids or so.preempted_req_ids):
             freed = self._fill_rids.intersection(so.finished_req_ids)
