@@ -137,6 +137,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     if eager:       # the real hooks on stand-in routers: the loop calls them as the routers do, timed (hooks_us)
         cap.binding = CaptureBinding([MoELayer(i, f"model.layers.{i}.mlp", SimpleNamespace(router=_Router()), top_k,
                                                128) for i in range(layers)], cap.cache.record, gate=True)
+        if dev.type == "cpu":       # as the worker binds an eager CPU engine: captured steps' tensors by reference
+            cap.binding.take_step = cap._take_step
         cap.binding.bind()
     else:           # graph mode: the forward's replay writes the cache without Python (the loop calls record)
         cap.binding = SimpleNamespace(gate=False, active=False, calls=0, min_rows=0, layers=[None] * layers)

@@ -161,6 +161,50 @@ class PendingRows:
         self._copier._release(self._handle, self._event, self._waited or self._event is None)
 
 
+class HostRows:
+    """One eager step's (n, L, K) rows by reference, where the routers' top-k tensors are host memory already (an
+    engine on CPU): each MoE layer's (N, K) integer tensor as its router made it, and the step's captured rows as
+    (first, count) runs of them. Nothing is copied on the engine thread; result() builds the int16 rows on the
+    caller's thread (the producer's), one cast-copy per layer, and drops the tensors. Duck-types PendingRows for
+    the batch that carries it (shape, dtype, dropped, stamped, slot, nbytes, result, release)."""
+
+    __slots__ = ("shape", "dropped", "stamped", "slot", "_tensors", "_runs", "_out")
+    dtype = ROW_DTYPE
+
+    def __init__(self, tensors: list, runs: Sequence[tuple[int, int]], top_k: int):
+        self._tensors = tensors         # never modified by the caller afterwards (its own list of the step)
+        self._runs = runs
+        self.shape = (sum(c for _, c in runs), len(tensors), top_k)
+        self.dropped = self.stamped = False
+        self.slot = None
+        self._out = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.shape[2] * ROW_DTYPE.itemsize
+
+    def result(self) -> np.ndarray:
+        """The (n, L, K) int16 rows (a new array, read-only); the tensors are let go."""
+        if self._out is None:
+            if self._tensors is None:
+                raise RuntimeError("rows were released; result() must come before release()")
+            out = np.empty(self.shape, dtype=ROW_DTYPE)
+            runs = self._runs
+            for layer, t in enumerate(self._tensors):
+                a = t.numpy()
+                if len(runs) == 1:
+                    first, n = runs[0]
+                    out[:, layer] = a[first:first + n]
+                else:
+                    out[:, layer] = np.concatenate([a[first:first + n] for first, n in runs])
+            out.flags.writeable = False
+            self._out, self._tensors = out, None
+        return self._out
+
+    def release(self) -> None:
+        self._tensors = self._out = None
+
+
 # torch.cuda.Event.record without its Python frame (which looks the current stream up again); None on CPU builds
 _record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
 # the snapshot of a step submitted with mark=False, until mark_batch() records the batch's one event

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, RowRing, hit_slots, hit_slots_many
+from routing_replay.capture import (AsyncCopier, HostRows, PrefixStore, RoutingCache, RowRing, hit_slots,
+                                     hit_slots_many)
 from routing_replay.capture.cache import read_stamp, stamp_bits
 
 
@@ -194,6 +195,33 @@ def test_cache_rejects_bad_input_with_the_values():
 
 
 # ---- AsyncCopier on CPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_host_rows_are_the_runs_of_each_layers_tensor_as_int16_and_let_the_tensors_go(dtype):
+    """HostRows (an eager CPU step by reference): result() is the (n, L, K) int16 rows of the given runs, layer l
+    from tensor l, exactly; nothing is read before result(); after release() the tensors are gone."""
+    L, N, K = 3, 12, 4
+    tensors = [torch.arange(N * K, dtype=dtype).reshape(N, K) + 1000 * layer for layer in range(L)]
+    one = HostRows(tensors, [(3, 5)], K)
+    assert one.shape == (5, L, K) and one.nbytes == 5 * L * K * 2 and not (one.dropped or one.stamped)
+    assert one.slot is None and one.dtype == np.int16
+    want = np.stack([t.numpy()[3:8] for t in tensors], axis=1).astype(np.int16)
+    for t in tensors:
+        t.add_(7)                   # the caller's tensors change before result(): it reads them then (by reference)
+    got = one.result()
+    assert got.dtype == np.int16 and not got.flags.writeable
+    np.testing.assert_array_equal(got, want + 7)
+    assert one.result() is got
+    runs = [(9, 2), (0, 1), (4, 3)]
+    many = HostRows(tensors, runs, K)
+    want = np.concatenate([np.stack([t.numpy()[a:a + n] for t in tensors], axis=1) for a, n in runs]).astype(np.int16)
+    np.testing.assert_array_equal(many.result(), want)
+    assert many.shape == (6, L, K)
+    gone = HostRows(tensors, runs, K)
+    gone.release()
+    with pytest.raises(RuntimeError, match="released"):
+        gone.result()
 
 
 def test_copier_one_run_gives_rows_in_request_layout():

@@ -120,8 +120,12 @@ def test_many_concurrent_requests(eng):
     prompts = [_tokens(rnd, rnd.randrange(5, 200)) for _ in range(48)]
     sps = [SamplingParams(max_tokens=rnd.choice([1, 2, 7, 33, 64]), temperature=rnd.choice([0.0, 1.0]))
            for i in range(48)]
+    st = eng.cap.stats
+    h0, a0 = st.host_steps, st.active_steps
     outs = eng.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     recs = eng.check(outs)
+    # an eager CPU engine hands every captured step's router tensors over by reference (HostRows)
+    assert st.host_steps - h0 == st.active_steps - a0 > 0
     one = [r for k, r in recs.items() if r.routed_experts.shape[0] == 1]
     assert one and all((r.routed_experts == -1).all() for r in one)      # max_tokens=1: never fed back
 

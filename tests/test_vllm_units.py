@@ -289,11 +289,44 @@ def test_binding_records_gates_counts_and_chains():
     b.bind()                                               # re-bind keeps the foreign hook, not ours twice
     b.active = True
     layers[1].router.capture_fn(ids)
-    assert len(foreign) == 2 and b.calls == 1
+    assert len(foreign) == 2 and b.calls == 0 and len(got) == 3     # held until the last layer's hook...
+    b.drain()                                              # ...or until the step ends without it
+    assert b.calls == 1 and got[3:] == [(1, [[1, 2]])] and b.held == [None] * 3
     layers[2].router.set_capture_fn(None)                  # lost hook
     assert not b.bound()
     b.unbind()
     assert layers[0].router.capture_fn is None and layers[1].router.capture_fn == foreign.append
+
+
+def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
+    """WorkerCapture._take_step (binding.drain's target on an eager CPU engine): a captured step whose layers all
+    hold tensors of one shape and integer dtype is kept as it is (HostRows later), nothing written to the cache;
+    mixed dtypes, a step that only writes the prefix store (fill) or one not captured go into the cache layer by
+    layer, and a tensor of the wrong shape is refused there, named."""
+    from types import SimpleNamespace
+
+    from routing_replay.capture import RoutingCache
+    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+
+    cap = WorkerCapture.__new__(WorkerCapture)
+    cap._init_state(SimpleNamespace(), "v1", settings.Settings(broker="ipc://unused"))
+    cap.cache = RoutingCache(16, 3, 2)
+    cap.active = True
+    uniform = [torch.full((4, 2), layer, dtype=torch.int64) for layer in range(3)]
+    held = list(uniform)
+    cap._take_step(held)
+    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step, uniform))
+    assert (cap.cache.step_rows(4) == -1).all()                     # nothing copied
+    for case in ("mixed", "fill", "not captured"):
+        cap._host_step, cap.cache = None, RoutingCache(16, 3, 2)
+        cap.fill, cap.active = case == "fill", case != "not captured"
+        held = [uniform[0], uniform[1].to(torch.int32), uniform[2]] if case == "mixed" else list(uniform)
+        cap._take_step(held)
+        assert cap._host_step is None and held == [None] * 3, case
+        assert cap.cache.step_rows(4).tolist() == [[[layer] * 2] * 4 for layer in range(3)], case
+    cap.fill, cap.active, cap.cache = False, True, RoutingCache(16, 3, 2)
+    with pytest.raises(ValueError, match=r"layer 0: top-k ids of shape \(4, 3\)"):
+        cap._take_step([torch.zeros(4, 3, dtype=torch.int64)] * 3)
 
 
 _CPU_MOE_SRC = """

@@ -228,7 +228,13 @@ def local_rows(topk_ids: torch.Tensor, dp_rank: int) -> torch.Tensor:
 @dataclass
 class CaptureBinding:
     """Own the capture hooks bound to one model's routers: which cache row each MoE layer writes, whether
-    recording is on for the current step, and how many layers recorded since the last reset."""
+    recording is on for the current step, and how many layers recorded since the last reset.
+
+    With gate=True (eager execution: the hooks run in Python on every step) a hook only keeps its layer's top-k
+    tensor (a contiguous one by reference, as the cache's fused copy keeps it anyway; a strided one as a private
+    copy); the last layer's hook hands them all over in layer order (`drain`: to `take_step` if given, else to
+    `record` per layer). A step whose last hook did not run is drained by whoever ends the step (the worker's
+    post_step), so `calls` is read after `drain()`."""
 
     layers: list[MoELayer]
     record: Callable[[int, torch.Tensor], None]
@@ -241,10 +247,14 @@ class CaptureBinding:
     timing: bool = False               # benchmarks: add the hooks' engine-thread CPU time to hook_ns
     hook_ns: int = 0
     hooks: list = field(default_factory=list)
+    held: list = field(default_factory=list)    # gate=True: per layer, its top-k tensor since the last drain
+    # gate=True: takes the whole step's list (and empties it) instead of `record` per layer (the worker on CPU)
+    take_step: Callable[[list], None] | None = None
 
     def bind(self) -> None:
         """(Re)install one hook per MoE layer; an existing foreign hook is kept and called after ours."""
         self.hooks = []
+        self.held = [None] * len(self.layers)
         for idx, layer in enumerate(self.layers):
             prev = getattr(layer.router, "capture_fn", None)
             if getattr(prev, "_routing_replay", None) is self:
@@ -253,22 +263,56 @@ class CaptureBinding:
             layer.router.set_capture_fn(hook)
             self.hooks.append(hook)
 
+    def drain(self) -> None:
+        """gate=True: hand the held top-k tensors over in layer order, counting in `calls` those that cover
+        min_rows rows; the list is emptied first, so a tensor that is refused is not held again. A no-op when
+        nothing is held."""
+        held, m = self.held, self.min_rows
+        n = 0
+        for rows in held:
+            if rows is not None and rows.shape[0] >= m:
+                n += 1
+        if self.take_step is not None:
+            self.take_step(held)            # (empties it)
+        else:
+            items = [(idx, rows) for idx, rows in enumerate(held) if rows is not None]
+            held[:] = [None] * len(held)
+            record = self.record
+            for idx, rows in items:
+                record(idx, rows)
+        self.calls += n                     # counts only hooks that covered the whole step
+
     def _make_hook(self, idx: int, prev):
         record, binding = self.record, self
         dp_rank = self.dp_rank
         needs_dp = self.dp_size > 1
 
-        def hook(topk_ids: torch.Tensor) -> None:
-            if binding.active:
-                t0 = thread_time_ns() if binding.timing else 0
-                rows = local_rows(topk_ids, dp_rank) if needs_dp else topk_ids
-                record(idx, rows)
-                if rows.shape[0] >= binding.min_rows:
-                    binding.calls += 1              # counts only hooks that covered the whole step
-                if t0:
-                    binding.hook_ns += thread_time_ns() - t0
-            if prev is not None:
-                prev(topk_ids)
+        if self.gate:
+            held, last = self.held, len(self.layers) - 1
+
+            def hook(topk_ids: torch.Tensor) -> None:
+                if binding.active:
+                    t0 = thread_time_ns() if binding.timing else 0
+                    rows = local_rows(topk_ids, dp_rank) if needs_dp else topk_ids
+                    held[idx] = rows if rows.is_contiguous() else rows.contiguous()
+                    if idx == last:
+                        binding.drain()
+                    if t0:
+                        binding.hook_ns += thread_time_ns() - t0
+                if prev is not None:
+                    prev(topk_ids)
+        else:
+            def hook(topk_ids: torch.Tensor) -> None:
+                if binding.active:
+                    t0 = thread_time_ns() if binding.timing else 0
+                    rows = local_rows(topk_ids, dp_rank) if needs_dp else topk_ids
+                    record(idx, rows)
+                    if rows.shape[0] >= binding.min_rows:
+                        binding.calls += 1              # counts only hooks that covered the whole step
+                    if t0:
+                        binding.hook_ns += thread_time_ns() - t0
+                if prev is not None:
+                    prev(topk_ids)
 
         hook._routing_replay = self
         hook._routing_replay_prev = prev
@@ -279,6 +323,7 @@ class CaptureBinding:
         return all(layer.router.capture_fn is hook for layer, hook in zip(self.layers, self.hooks))
 
     def unbind(self) -> None:
+        self.held = [None] * len(self.layers)
         for layer, hook in zip(self.layers, self.hooks):
             if layer.router.capture_fn is hook:
                 layer.router.set_capture_fn(hook._routing_replay_prev)

@@ -24,6 +24,9 @@ Per step (`Worker.execute_model`, engine thread):
                       (flushed earlier before any finish/abort, and when half the copier's ring is used), after
                       one event recorded for the whole batch (`mark_batch`): the producer's thread launches
                       the copies after it, waits for them, checks for -1 rows, sends, and releases them.
+                      On CPU with enforce_eager the routers' top-k tensors are host memory already: the hooks
+                      keep them (binding.py) and the step goes into the batch as they are (HostRows), nothing
+                      copied on the engine thread; the producer's thread builds the rows from them.
 Steps with no captured request do nothing beyond two dict/set checks: no copy, no message.
 
 Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every forward, captured or not, also
@@ -55,8 +58,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routing_replay.capture import AsyncCopier, PrefixStore, RoutingCache, hit_slots_many, ring_kernels
-from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_dtype, stamp_lanes
+from routing_replay.capture import AsyncCopier, HostRows, PrefixStore, RoutingCache, hit_slots_many, ring_kernels
+from routing_replay.capture.cache import _ID_DTYPES, read_stamp, stamp_bits, stamp_dtype, stamp_lanes
 from routing_replay.capture.copier import ROW_DTYPE, launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
@@ -89,6 +92,7 @@ class WorkerStats:
     steps: int = 0                  # execute_model calls seen
     active_steps: int = 0           # steps that published rows
     ring_steps: int = 0             # of them: read from the step ring (nothing launched on the engine thread)
+    host_steps: int = 0             # of them: the routers' host tensors by reference (CPU, eager: HostRows)
     rows: int = 0                   # rows handed over (a raw step's all: the producer's thread leaves some out)
     opened: int = 0
     finished: int = 0
@@ -609,6 +613,11 @@ class WorkerCapture:
         self.binding = CaptureBinding(layers, self.cache.record,
                                       dp_rank=int(pc.data_parallel_rank), dp_size=int(pc.data_parallel_size),
                                       gate=eager)
+        if self.device.type == "cpu" and vc.model_config.enforce_eager:
+            # the routers' top-k tensors are host memory: a captured step's go to the producer's thread as they
+            # are (HostRows), no copy into the cache nor out of it on the engine thread. Not under torch.compile
+            # (it may trace the hooks) and not for a prefix store (it takes its rows from the cache).
+            self.binding.take_step = self._take_step
         self.binding.bind()
         self.layer_ids = local_ids
         self.randomized = _keys.randomized_ids()
@@ -650,6 +659,7 @@ class WorkerCapture:
         self._keepalive: list = []              # dropped stores that captured graphs may still write
         self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
+        self._host_step = None                  # CPU, eager: the step's top-k tensors, by layer (_take_step)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): this step's, one call
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -979,6 +989,10 @@ class WorkerCapture:
         if b.gate:
             if active or storing:               # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
+                held = b.held
+                if held.count(None) != len(held):   # a step that ended without post_step (its forward raised)
+                    held[:] = [None] * len(held)    # left tensors: they must not count for this one
+                self._host_step = None
         elif active and not self.cache.stamped:     # replayed from graphs: rows no router writes stay -1 (the
             self.cache.fill_step(n)             # store needs no fill: its write checks the layers at capture)
         if t0:
@@ -1115,8 +1129,13 @@ class WorkerCapture:
         w0 = time.perf_counter_ns() if t0 else 0
         self.active = self.storing = False
         b = self.binding
-        # ends the step: a no-op unless an eager step's last hook did not run (then it resets the cache's
-        # per-step count, so the next step is judged on its own, and forgets this step's slots)
+        # ends the step: a no-op unless an eager step's last hook did not run (then the layers held are recorded,
+        # and the cache's flush resets its per-step count, so the next step is judged on its own, and forgets
+        # this step's slots)
+        host = None
+        if b.gate:
+            b.drain()
+            host, self._host_step = self._host_step, None
         self.cache.flush()
         complete = True
         if b.gate:
@@ -1214,6 +1233,11 @@ class WorkerCapture:
             first, n = segments[0]              # and the producer's thread takes their host-ring rows
             batch.add_slot(first, n, slot, keys, computed, count, self.forwards)
             self.stats.ring_steps += 1
+        elif host is not None:                  # CPU, eager: the routers' tensors themselves, by reference
+            pending = HostRows(host, segments, self.cache.top_k)
+            n = pending.shape[0]
+            batch.add(pending, keys, computed, count, forward=self.forwards)
+            self.stats.host_steps += 1
         else:
             pending = self.copier.submit(segments, mark=False)     # one event per batch, recorded in _flush
             n = pending.shape[0]
@@ -1223,6 +1247,25 @@ class WorkerCapture:
             else:
                 batch.add(pending, keys, computed, count, forward=self.forwards)
         self._stepped(batch, n, t0, w0)
+
+    def _take_step(self, held: list) -> None:
+        """binding.drain's target on an eager CPU engine, with the step's top-k tensor of each MoE layer (the list
+        is emptied). A captured step's tensors are kept as they are for post_step (HostRows: nothing copied here)
+        when every layer holds one of the same shape and integer dtype; otherwise, and for steps that only write
+        the prefix store, each layer goes into the cache as before (RoutingCache.record, which also refuses a
+        tensor of the wrong shape, naming it)."""
+        if self.active and not self.fill:
+            sigs = {(t.shape, t.dtype) if t is not None else None for t in held}
+            if len(sigs) == 1:
+                sig = sigs.pop()
+                if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
+                    self._host_step = held[:]
+                    held[:] = [None] * len(held)
+                    return
+        items = [(layer, t) for layer, t in enumerate(held) if t is not None]
+        held[:] = [None] * len(held)
+        for layer, t in items:
+            self.cache.record(layer, t)
 
     def _cut_seen(self) -> None:
         """Take the requests that ended out of _seen (after a hand-over: the batch is empty); a table a batch took
@@ -1298,9 +1341,10 @@ class WorkerCapture:
             self.binding.unbind()
         if self.sink is not None:
             st = self.stats
-            log.info("routing-replay: worker capture closing: steps=%d active_steps=%d ring_steps=%d rows=%d "
-                     "opened=%d finished=%d aborted=%d derived_keys=%d skipped=%d rebinds=%d prefix_requests=%d "
-                     "prefix_rows=%d store_forgotten=%d", st.steps, st.active_steps, st.ring_steps, st.rows,
+            log.info("routing-replay: worker capture closing: steps=%d active_steps=%d ring_steps=%d host_steps=%d "
+                     "rows=%d opened=%d finished=%d aborted=%d derived_keys=%d skipped=%d rebinds=%d "
+                     "prefix_requests=%d prefix_rows=%d store_forgotten=%d", st.steps, st.active_steps, st.ring_steps,
+                     st.host_steps, st.rows,
                      st.opened, st.finished, st.aborted, st.derived_keys, st.skipped, st.rebinds,
                      st.prefix_requests, st.prefix_rows, st.store_forgotten)
             try:
