@@ -225,6 +225,15 @@ def local_rows(topk_ids: torch.Tensor, dp_rank: int) -> torch.Tensor:
                               "Sequence-parallel or other MoE dispatch layouts are not supported.")
 
 
+def record_held(held: list, record: Callable[[int, torch.Tensor], None]) -> None:
+    """Empty `held` (per MoE layer, its top-k tensor or None), then record(layer, tensor) for each, in layer order:
+    a tensor that record refuses is not held again."""
+    items = [(idx, rows) for idx, rows in enumerate(held) if rows is not None]
+    held[:] = [None] * len(held)
+    for idx, rows in items:
+        record(idx, rows)
+
+
 @dataclass
 class CaptureBinding:
     """Own the capture hooks bound to one model's routers: which cache row each MoE layer writes, whether
@@ -275,11 +284,7 @@ class CaptureBinding:
         if self.take_step is not None:
             self.take_step(held)            # (empties it)
         else:
-            items = [(idx, rows) for idx, rows in enumerate(held) if rows is not None]
-            held[:] = [None] * len(held)
-            record = self.record
-            for idx, rows in items:
-                record(idx, rows)
+            record_held(held, self.record)
         self.calls += n                     # counts only hooks that covered the whole step
 
     def _make_hook(self, idx: int, prev):

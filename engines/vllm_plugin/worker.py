@@ -63,7 +63,7 @@ from routing_replay.capture.cache import _ID_DTYPES, read_stamp, stamp_bits, sta
 from routing_replay.capture.copier import ROW_DTYPE, launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
-from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers
+from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers, record_held
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
@@ -1262,10 +1262,7 @@ class WorkerCapture:
                     self._host_step = held[:]
                     held[:] = [None] * len(held)
                     return
-        items = [(layer, t) for layer, t in enumerate(held) if t is not None]
-        held[:] = [None] * len(held)
-        for layer, t in items:
-            self.cache.record(layer, t)
+        record_held(held, self.cache.record)
 
     def _cut_seen(self) -> None:
         """Take the requests that ended out of _seen (after a hand-over: the batch is empty); a table a batch took
