@@ -168,7 +168,7 @@ class HostRows:
     caller's thread (the producer's), one cast-copy per layer, and drops the tensors. Duck-types PendingRows for
     the batch that carries it (shape, dtype, dropped, stamped, slot, nbytes, result, release)."""
 
-    __slots__ = ("shape", "dropped", "stamped", "slot", "_tensors", "_runs", "_out")
+    __slots__ = ("shape", "dropped", "stamped", "slot", "_tensors", "_runs", "_out", "extra_nbytes")
     dtype = ROW_DTYPE
 
     def __init__(self, tensors: list, runs: Sequence[tuple[int, int]], top_k: int):
@@ -178,6 +178,10 @@ class HostRows:
         self.dropped = self.stamped = False
         self.slot = None
         self._out = None
+        # what the tensors hold beyond the int16 rows made of them (the whole step's tokens, int32 or int64 ids),
+        # until result(): a queue that bounds its bytes counts it too (the tensors are of one shape and dtype)
+        t = tensors[0]
+        self.extra_nbytes = max(0, len(tensors) * t.numel() * t.element_size() - self.nbytes)
 
     @property
     def nbytes(self) -> int:

@@ -455,7 +455,10 @@ class Producer:
                 return self.publish_rows(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows)
             self._screened = (ids, seen)
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        if not getattr(rows, "dropped", False) and self._put(item, total * self.row_bytes, True):
+        # (extra_nbytes: what the rows object holds beyond its int16 rows until the thread takes it, e.g. an eager
+        # CPU engine's router tensors; the thread gives it back when it takes the item)
+        nbytes = total * self.row_bytes + getattr(rows, "extra_nbytes", 0)
+        if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
             return True
         self._step_dropped(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows, None, total)
         return False
@@ -464,7 +467,8 @@ class Producer:
                           total: int) -> bool:
         """publish_steps of rows whose ids the producer's thread resolves (see there)."""
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        if not getattr(rows, "dropped", False) and self._put(item, total * self.row_bytes, True):
+        nbytes = total * self.row_bytes + getattr(rows, "extra_nbytes", 0)
+        if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
             return True
         ids, starts, counts = rows.resolve(item.request_ids, item.starts, item.counts)     # dropped: which keys
         self._step_dropped(flat_ids(ids), flat_ints(starts), flat_ints(counts), rows, None, rows.shape[0])

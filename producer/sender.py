@@ -227,7 +227,10 @@ class Sender:
 
     def _step_of(self, parts: StepParts) -> Step:
         """The caller's per-step references as one Step; rows that resolving the ids left out (the worker's raw
-        steps) leave the queue's count."""
+        steps) leave the queue's count, and so do the bytes the rows held beyond their int16 rows (extra_nbytes)."""
+        extra = getattr(parts.rows, "extra_nbytes", 0)
+        if extra:
+            self._ledger.shrunk(extra)
         if not getattr(parts.rows, "deferred", False):
             return parts.step(self.hints)
         before = parts.rows.shape[0]

@@ -205,6 +205,9 @@ def test_host_rows_are_the_runs_of_each_layers_tensor_as_int16_and_let_the_tenso
     tensors = [torch.arange(N * K, dtype=dtype).reshape(N, K) + 1000 * layer for layer in range(L)]
     one = HostRows(tensors, [(3, 5)], K)
     assert one.shape == (5, L, K) and one.nbytes == 5 * L * K * 2 and not (one.dropped or one.stamped)
+    # the tensors' bytes beyond the rows (all N tokens, 4- or 8-byte ids): a bounded queue counts them too
+    assert one.extra_nbytes == L * N * K * tensors[0].element_size() - 5 * L * K * 2 == {torch.int32: 456,
+                                                                                        torch.int64: 1032}[dtype]
     assert one.slot is None and one.dtype == np.int16
     want = np.stack([t.numpy()[3:8] for t in tensors], axis=1).astype(np.int16)
     for t in tensors:

@@ -329,6 +329,66 @@ def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
         cap._take_step([torch.zeros(4, 3, dtype=torch.int64)] * 3)
 
 
+def test_a_queue_bound_counts_the_router_tensors_an_eager_cpu_batch_holds(tmp_path):
+    """A batch of HostRows parts (an eager CPU engine's steps by reference) holds the routers' whole-step int32
+    tensors until the producer's thread takes it: the queue bound counts those bytes too (a bound that the int16
+    rows alone fit refuses the batch, its positions reported lost), and the thread gives them back when it takes
+    the batch (queued_bytes returns to 0)."""
+    import zmq
+
+    from routing_replay.capture import AsyncCopier, HostRows, RoutingCache
+    from routing_replay.producer import Producer
+    from tests.test_producer_faults import FakeBroker, wait_for
+    L, K, N = 3, 2, 10                      # each step: 10 tokens routed, requests k0 (rows 0..3) and k1 (rows 6..8)
+    copier = AsyncCopier(RoutingCache(64, L, K), num_slots=2, max_rows=32)
+
+    def batch_of(steps: int) -> tuple:
+        b = _StepBatch(K)
+        want = []
+        for s in range(steps):
+            tensors = [torch.arange(N * K, dtype=torch.int32).reshape(N, K) + 100 * layer + 1000 * s
+                       for layer in range(L)]
+            runs = [(0, 4), (6, 3)]
+            want.append(np.concatenate([np.stack([t.numpy()[a:a + n] for t in tensors], axis=1) for a, n in runs]))
+            b.add(HostRows(tensors, runs, K), ["k0", "k1"], np.array([4 * s, 3 * s]), np.array([4, 3]), forward=s + 1)
+        assert b.rows == 7 * steps and b.extra == steps * (L * N * K * 4 - 7 * L * K * 2)
+        return b.hand_over(copier, steps), np.concatenate(want).astype(np.int16)
+
+    rows_bytes, extra = 2 * 7 * L * K * 2, 2 * (L * N * K * 4 - 7 * L * K * 2)     # two steps: 168 and 312 bytes
+    ctx = zmq.Context()
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    # the int16 rows fit the bound, the tensors held with them do not
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0,
+                 max_queue_bytes=rows_bytes + extra - 1)
+    try:
+        p.open_many([("k0", 16, 0, None, False), ("k1", 16, 0, None, False)], ids_checked=True)
+        (ids, starts, counts, rows), _ = batch_of(2)
+        assert rows.extra_nbytes == extra and rows.shape == (14, L, K)
+        assert p.publish_steps(ids, starts, counts, rows, checked=True) is False
+        assert (p.stats.dropped_msgs, p.stats.dropped_rows) == (1, 14)
+        p.close(timeout_s=1)
+        p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0,
+                     max_queue_bytes=rows_bytes + extra)
+        got = [fake.recv() for _ in range(2)]           # the first producer's opens (its rows were dropped)
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "k0"), ("open", "k1")]
+        p.open_many([("k0", 16, 0, None, False), ("k1", 16, 0, None, False)], ids_checked=True)
+        (ids, starts, counts, rows), want = batch_of(2)
+        assert p.publish_steps(ids, starts, counts, rows, checked=True) is True
+        got = [fake.recv() for _ in range(3)]
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "k0"), ("open", "k1"),
+                                                     ("delta", ["k0", "k1", "k0", "k1"])]
+        d = wire.parse_delta(got[2][0])
+        assert d.starts.tolist() == [0, 0, 4, 3] and d.counts.tolist() == [4, 3, 4, 3]
+        payload = np.frombuffer(b"".join(bytes(f) for f in got[2][1]), np.int16).reshape(14, L, K)
+        np.testing.assert_array_equal(payload, want)
+        wait_for(lambda: p.queued_msgs == 0)
+        assert p.queued_bytes == 0 and p.stats.dropped_msgs == 0 and p.stats.encode_errors == 0
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+        ctx.term()
+
+
 _CPU_MOE_SRC = """
 import torch
 

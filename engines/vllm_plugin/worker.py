@@ -206,12 +206,13 @@ class _BatchedRows:
     releases every part."""
 
     __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "_copier", "_slots", "shape",
-                 "dtype", "dropped", "_raw", "_table", "_select")
+                 "dtype", "dropped", "_raw", "_table", "_select", "extra_nbytes")
 
     def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
                  ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0,
-                 raw: list | None = None, table: dict | None = None):
+                 raw: list | None = None, table: dict | None = None, extra_nbytes: int = 0):
         self._parts = parts
+        self.extra_nbytes = extra_nbytes    # bytes the parts hold beyond their int16 rows (HostRows' tensors)
         self._raw = raw                 # indices of the parts added raw (_StepBatch.add_raw) until resolve(); or None
         self._table = table             # engine id -> (record key, first forward it holds for) for resolve()
         self._select = None             # per part: the rows resolve() kept (an index array), or None for all
@@ -369,7 +370,7 @@ class _StepBatch:
     flattens them (Producer.publish_steps)."""
 
     __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed", "by_ref",
-                 "raw")
+                 "raw", "extra")
 
     def __init__(self, top_k: int = 1, stamped: bool = False):
         # used on the producer's thread, one batch after the other
@@ -384,6 +385,7 @@ class _StepBatch:
         self.ringed = False             # a part reads the step ring: the hand-over takes a checkpoint
         self.by_ref = 0                 # step-ring steps added by reference (add_slot, add_raw)
         self.raw: list = []             # indices of the steps added raw (add_raw)
+        self.extra = 0                  # bytes the parts hold beyond their rows (HostRows: the routers' tensors)
 
     def add(self, pending, keys: list, starts, counts, strict: bool = True, forward: int = 0) -> None:
         """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
@@ -398,6 +400,9 @@ class _StepBatch:
         self.starts.append(starts)
         self.counts.append(counts)
         self.rows += pending.shape[0]
+        extra = getattr(pending, "extra_nbytes", 0)
+        if extra:
+            self.extra += extra
 
     def add_slot(self, first: int, n: int, slot: int, keys: list, starts, counts, forward: int) -> None:
         """A step-ring step by reference: its rows [first, first + n) of slot `slot` get their host-ring rows on
@@ -441,8 +446,9 @@ class _StepBatch:
             raise ValueError("a batch with steps added raw needs the table of their engine ids")
         out = (self.keys, self.starts, self.counts,
                _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward, copier, slots,
-                            self.rows, raw, table))
+                            self.rows, raw, table, self.extra))
         self.raw = []
+        self.extra = 0
         self.ringed = False
         self.by_ref = 0
         self.parts, self.strict, self.forwards = [], [], []
