@@ -286,6 +286,14 @@ class Producer:
         each item open() would have raised for; nothing is announced for those (their ids are refused as open()
         refuses them). The others are announced, in order."""
         self._check()
+        if ids_checked and tokens_frozen and opens:
+            # an engine's own items (the vLLM worker's): checked in one pass, taken as they are when all are sound
+            if not any(type(p) is not int or type(c) is not int or not 0 <= c <= p
+                       or (t is not None and type(t) is not list) for _, p, c, t, _ in opens):
+                ok = list(opens)
+                self._book.opened_many([item[0] for item in ok])
+                self._put_many(Announces(self._open_items, ok))
+                return []
         ok, ids, failed = [], [], []
         for i, item in enumerate(opens):
             rid, prompt_len, num_cached, tokens, filled = item

@@ -207,6 +207,8 @@ def request_id_problem(key: Any) -> str | None:
         return f"request id must be a non-empty str, got {type(key).__name__} {str(key)[:64]!r}"
     if len(key) > MAX_REQUEST_ID_BYTES:       # cheap bound first: every character is at least one byte
         return f"request id of {len(key)} characters exceeds {MAX_REQUEST_ID_BYTES} UTF-8 bytes"
+    if key.isascii():                         # (a flag of the str: one byte per character, nothing to encode)
+        return None
     try:
         n = len(key.encode("utf-8"))
     except UnicodeEncodeError as e:

@@ -171,26 +171,30 @@ def test_frozen_token_lists_go_by_reference_and_travel_exact(fake_and_producer, 
     assert p.queued_msgs == 0 and p._failure is None
 
 
-def test_open_many_items_the_thread_cannot_build_are_dropped_alone_and_counted(fake_and_producer, caplog):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_open_many_items_the_thread_cannot_build_are_dropped_alone_and_counted(fake_and_producer, caplog, frozen):
     """An id passed as checked that cannot travel fails on the producer's thread: that open is logged, counted and
     its id refused; the others of the same call go, and the queue count comes back to 0. Token ids that are no
-    sequence fail at the call, returned like open()'s errors; end_many refuses them before taking anything."""
+    sequence fail at the call, returned like open()'s errors, and so do lengths out of range; end_many refuses
+    them before taking anything. The same with tokens_frozen (the vLLM worker's call, whose sound items are taken
+    in one pass)."""
     fake, p = fake_and_producer
     with caplog.at_level(logging.WARNING, logger="routing_replay.producer"):
         failed = p.open_many([("a", 2, 0, None, False), (BAD, 2, 0, None, False), ("b", 2, 0, object(), False),
-                              ("c", 2, 0, [1, 2], False)], ids_checked=True)
+                              ("c", 2, 0, [1, 2], False), ("d", 2, 3, None, False)], ids_checked=True,
+                             tokens_frozen=frozen)
         got = [fake.recv() for _ in range(2)]
-    assert [(i, type(e).__name__) for i, e in failed] == [(2, "TypeError")]
+    assert [(i, type(e).__name__) for i, e in failed] == [(2, "TypeError"), (4, "ValueError")]
     assert [(h.kind, h.key) for h, _ in got] == [("open", "a"), ("open", "c")]
     assert p.stats.encode_errors == 1 and p.queued_msgs == 0
     assert any("dropped the open of request 'req-\\udc80-lone' it could not build (1 so far)" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
-    p.publish_rows([BAD, "b", "c"], [0, 0, 0], [1, 2, 2], rows(5))
+    p.publish_rows([BAD, "b", "c", "d"], [0, 0, 0, 0], [1, 2, 2, 1], rows(6))
     assert fake.recv()[0].key == ["c"]
     with pytest.raises(ValueError, match="output token ids of a finish: TypeError"):
         p.end_many([("finish", "a", 1, "stop", None), ("finish", "c", 1, "stop", object())])
     assert p.end_many([("finish", "a", 1, "stop", None)]) == 1      # nothing of the refused call was taken
-    assert fake.recv()[0].kind == "finish" and p.stats.dropped_parts == 1 + 1
+    assert fake.recv()[0].kind == "finish" and p.stats.dropped_parts == 3
 
 
 def test_a_failed_deferred_result_drops_its_message_and_reports_the_loss(fake_and_producer):

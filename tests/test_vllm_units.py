@@ -164,6 +164,10 @@ def test_external_key_strips_vllm_suffix_only():
         keys.external_key("no-suffix")
     with pytest.raises(ValueError):
         keys.external_key("x-0123ABCD")                  # vLLM's suffix is lowercase hex
+    assert keys.external_key("-0123abcd") == ""
+    for bad in ("0123abcd", "x-0123abcd-y", "x-0123abcd\n", "x-0123abc", ""):    # only the id's last 9 characters
+        with pytest.raises(ValueError, match="lacks vLLM's random"):
+            keys.external_key(bad)
 
 
 def test_record_key_matches_vllm_child_naming():

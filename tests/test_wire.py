@@ -107,6 +107,20 @@ def test_overlong_request_id_refused_by_the_unpack_limit():
     assert e.value.reason == "undecodable"
 
 
+def test_request_id_problem_counts_utf8_bytes():
+    """The one rule for ids (every sender): a non-empty str of at most MAX_REQUEST_ID_BYTES UTF-8 bytes; ASCII ids
+    are judged by their length, others by their encoding (lone surrogates have none)."""
+    M = wire.MAX_REQUEST_ID_BYTES
+    assert wire.request_id_problem("cmpl-7") is None and wire.request_id_problem("a" * M) is None
+    assert wire.request_id_problem("é" * (M // 2)) is None                   # 2 bytes each: exactly M
+    assert wire.request_id_problem("a" * (M + 1)) == f"request id of {M + 1} characters exceeds {M} UTF-8 bytes"
+    assert wire.request_id_problem("é" * (M // 2 + 1)) == (f"request id of {M // 2 + 1} characters is {M + 2} "
+                                                           f"UTF-8 bytes, limit {M}")
+    assert wire.request_id_problem("id-\udc80").startswith("request id is not encodable as UTF-8")
+    assert wire.request_id_problem("").startswith("request id must be a non-empty str")
+    assert wire.request_id_problem(b"x").startswith("request id must be a non-empty str, got bytes")
+
+
 def test_payload_size_and_split_checked():
     d = wire.parse_delta(wire.decode_header(delta_header()))
     with pytest.raises(wire.ProtocolError) as e:

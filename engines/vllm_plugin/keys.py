@@ -26,7 +26,7 @@ import re
 from routing_replay.protocol.ids import record_key_for
 from routing_replay.protocol.wire import request_id_problem
 
-_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+_SUFFIX = re.compile(r"-[0-9a-f]{8}")        # matched at the id's last 9 characters only (fullmatch from there)
 
 
 def randomized_ids() -> bool:
@@ -38,11 +38,11 @@ def randomized_ids() -> bool:
 def external_key(internal_id: str, randomized: bool = True) -> str:
     """The record key of an engine-internal request id (suffix stripped, child index kept)."""
     if randomized:
-        m = _SUFFIX.search(internal_id)
-        if m is None:
+        start = len(internal_id) - 9
+        if start < 0 or _SUFFIX.fullmatch(internal_id, start) is None:
             raise ValueError(f"request id {internal_id!r} lacks vLLM's random '-xxxxxxxx' suffix; "
                              "is VLLM_DISABLE_REQUEST_ID_RANDOMIZATION set in the engine but not here?")
-        return internal_id[:m.start()]
+        return internal_id[:start]
     return internal_id
 
 

@@ -83,6 +83,8 @@ class Settings:
         flag = extra.get(EXTRA_ARG) if extra else None
         if flag is None:
             return self.requests == "all"
+        if flag is True or flag is False:          # (per open on the engine thread: no message built for it)
+            return flag
         return _truthy(flag, f"extra_args[{EXTRA_ARG!r}]")
 
 
