@@ -192,8 +192,10 @@ def test_open_many_items_the_thread_cannot_build_are_dropped_alone_and_counted(f
     p.publish_rows([BAD, "b", "c", "d"], [0, 0, 0, 0], [1, 2, 2, 1], rows(6))
     assert fake.recv()[0].key == ["c"]
     with pytest.raises(ValueError, match="output token ids of a finish: TypeError"):
-        p.end_many([("finish", "a", 1, "stop", None), ("finish", "c", 1, "stop", object())])
-    assert p.end_many([("finish", "a", 1, "stop", None)]) == 1      # nothing of the refused call was taken
+        p.end_many([("finish", "a", 1, "stop", None), ("finish", "c", 1, "stop", object())], tokens_frozen=frozen)
+    with pytest.raises(ValueError, match="must be an int"):
+        p.end_many([("finish", "a", 1, "stop", None), ("finish", "c", 1.0, "stop", [1])], tokens_frozen=frozen)
+    assert p.end_many([("finish", "a", 1, "stop", None)], tokens_frozen=frozen) == 1   # nothing refused was taken
     assert fake.recv()[0].kind == "finish" and p.stats.dropped_parts == 3
 
 

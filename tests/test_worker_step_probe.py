@@ -157,6 +157,31 @@ def test_churn_finishes_wait_for_the_batch_that_holds_their_last_rows(same_ids):
     assert sum(v is not None for v in open_keys.values()) == n      # the last n are still running at the end
 
 
+def test_a_steps_finishes_go_in_one_call_when_no_batch_holds_rows():
+    """A step's finishes that wait for no batch (the batch was just handed over) go to the producer together, in one
+    end_many after the step's finish loop, not one call each (the old code flushed before each of them, which sent
+    the one before: 4 calls of one finish in such a step here); finishes that wait for the batch go with it."""
+    n, steps, churn = 8, 40, 4
+    sizes: list = []
+
+    def watch(p):
+        ends = p.end_many
+
+        def end_many(items, **kw):
+            sizes.append(len(items))
+            return ends(items, **kw)
+        p.end_many = end_many
+
+    r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True,
+                     churn=churn, churn_prompt=3, churn_output=5, on_producer=watch)
+    churned = (steps + steps // 4 - 1) * churn
+    assert r["producer_drained"] and r["encode_errors"] == 0 and r["finished"] == churned
+    assert sum(sizes) == churned
+    # each call: one step's 4 finishes (the step after a hand-over), or those of the steps the batch held
+    assert sizes and all(k % churn == 0 for k in sizes), sizes
+    assert sizes.count(churn) >= (steps + steps // 4) // 16 - 1, sizes
+
+
 @pytest.mark.parametrize("same_ids", [False, True])
 def test_churn_with_requests_not_captured_publishes_what_the_engine_thread_mapping_publishes(same_ids):
     """Under churn every step's batch changes, and with the step ring it goes to the producer raw: the producer's
