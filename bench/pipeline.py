@@ -20,8 +20,9 @@ thread, and cProfile stats of its main thread, in DIR (BENCH_PROFILE=threads: th
 --batches N: each workload N times back to back as rollout batches (new request ids; each batch after the last
 one's records are out), the last one measured: N=2 is a long-running consumer's steady state, its record memory
 already faulted in (`--keep-mib`: the consumers' keep_bytes). Throughput, CPU and memory are the last batch's.
+--repeat N: each workload's chains N times, their order alternated, each repeat's ratios and their median printed.
 Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
-       [--coalesce-bytes N] [--replay-mib N] [--batches N] [--keep-mib N] [--profile DIR]
+       [--coalesce-bytes N] [--replay-mib N] [--batches N] [--keep-mib N] [--repeat N] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -505,6 +506,21 @@ def _latency(send_times, recv_maps, n_steps):
             "per_step_ms": [round(per_step.get(i, -1.0), 3) for i in range(n_steps)]}
 
 
+def ratios(results: list, workloads: list, repeats: int) -> list:
+    """Per workload and chain compared (raw, proxy): ours' tokens/s over that chain's, one ratio per repeat (each
+    repeat measured both side by side), their median, min and max, as summary entries."""
+    out = []
+    by = {(r["workload"], r["chain"], r.get("repeat", 0)): r for r in results if "latency" not in r}
+    for w in workloads:
+        for c in ("raw", "proxy"):
+            rs = [by[(w, "ours", i)]["tokens_per_s"] / by[(w, c, i)]["tokens_per_s"] for i in range(repeats)
+                  if (w, "ours", i) in by and (w, c, i) in by]
+            if rs:
+                out.append({"summary": True, "workload": w, "vs": c, "ratios": [round(x, 4) for x in rs],
+                            "median": statistics.median(rs), "min": min(rs), "max": max(rs)})
+    return out
+
+
 STEPS = {"decode": 4000, "prefill": 200, "batched": 250, "mixed": 100}     # about 1M tokens each (mixed: 1.2M)
 
 
@@ -526,6 +542,10 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-mib", type=int, default=None, metavar="N",
                     help="the consumers' keep_bytes in MiB: memory of finished requests' rows kept for the next "
                          "requests (default: the Consumer's own, the most held at once)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="measure each workload's chains N times, alternating their order (as given, then "
+                         "reversed, ...), and print each repeat's ratios with their median: one run's ratio on a "
+                         "shared machine moves with its load, the median of alternated repeats much less")
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--profile", metavar="DIR",
                     help="run the producer, broker and consumers of 'ours' under cProfile; stats and CPU seconds "
@@ -537,19 +557,25 @@ def main(argv=None) -> int:
     results = []
     replay = a.replay_mib << 20 if a.replay_mib is not None else None
     workloads = [w for w in a.workloads.split(",") if w]       # --workloads "": the latency run alone
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    chains = [c for c in a.chains.split(",") if c]
     for workload in workloads:
         steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
-        for chain in a.chains.split(","):
-            r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay,
-                              batches=a.batches, keep_bytes=None if a.keep_mib is None else a.keep_mib << 20)
-            results.append(r)
-            print(f"{workload:8s} {chain:6s}" + (f" batch {a.batches}/{a.batches}" if a.batches > 1 else "")
-                  + f" tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
-                  f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']}"
-                  + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
-                     f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
-                     if chain == "ours" else ""),
-                  flush=True)
+        for rep in range(a.repeat):
+            for chain in (chains if rep % 2 == 0 else chains[::-1]):
+                r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay,
+                                  batches=a.batches, keep_bytes=None if a.keep_mib is None else a.keep_mib << 20)
+                r["repeat"] = rep
+                results.append(r)
+                print(f"{workload:8s} {chain:6s}" + (f" repeat {rep + 1}/{a.repeat}" if a.repeat > 1 else "")
+                      + (f" batch {a.batches}/{a.batches}" if a.batches > 1 else "")
+                      + f" tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
+                      f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']}"
+                      + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
+                         f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
+                         if chain == "ours" else ""),
+                      flush=True)
     if not a.no_latency:
         lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes,
                             replay_bytes=replay)
@@ -557,13 +583,13 @@ def main(argv=None) -> int:
         shown = {k: v for k, v in lat["latency"].items() if k != "per_step_ms"}
         print(f"latency at 100k tokens/s offered (decode steps of 256): {shown} "
               f"messages={lat['messages']} records={lat['records']}", flush=True)
-    by = {(r["workload"], r["chain"]): r for r in results if "latency" not in r}
-    for w in workloads:
-        if (w, "ours") not in by:
-            continue
-        ours = by[(w, "ours")]["tokens_per_s"]
-        print(f"{w}: " + " ".join(f"ours/{c}={ours / by[(w, c)]['tokens_per_s']:.2f}" for c in ("raw", "proxy")
-                                  if (w, c) in by))
+    results.extend(ratios(results, workloads, a.repeat))
+    for r in results:
+        if r.get("summary"):
+            each = " ".join(f"{x:.2f}" for x in r["ratios"])
+            print(f"{r['workload']}: ours/{r['vs']}={r['median']:.2f}" +
+                  (f" (median of {len(r['ratios'])} alternated repeats: {each}; min {r['min']:.2f}, max "
+                   f"{r['max']:.2f})" if len(r["ratios"]) > 1 else ""), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
