@@ -463,10 +463,7 @@ class Producer:
                 return self.publish_rows(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows)
             self._screened = (ids, seen)
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        # (extra_nbytes: what the rows object holds beyond its int16 rows until the thread takes it, e.g. an eager
-        # CPU engine's router tensors; the thread gives it back when it takes the item)
-        nbytes = total * self.row_bytes + getattr(rows, "extra_nbytes", 0)
-        if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
+        if not getattr(rows, "dropped", False) and self._put(item, self._queued_bytes(rows, total), True):
             return True
         self._step_dropped(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows, None, total)
         return False
@@ -475,12 +472,17 @@ class Producer:
                           total: int) -> bool:
         """publish_steps of rows whose ids the producer's thread resolves (see there)."""
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        nbytes = total * self.row_bytes + getattr(rows, "extra_nbytes", 0)
-        if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
+        if not getattr(rows, "dropped", False) and self._put(item, self._queued_bytes(rows, total), True):
             return True
         ids, starts, counts = rows.resolve(item.request_ids, item.starts, item.counts)     # dropped: which keys
         self._step_dropped(flat_ids(ids), flat_ints(starts), flat_ints(counts), rows, None, rows.shape[0])
         return False
+
+    def _queued_bytes(self, rows: Any, total: int) -> int:
+        """What a step of `total` rows counts against the queue bound: its int16 rows, plus what the rows object
+        holds beyond them until the thread takes it (extra_nbytes: an eager CPU engine's router tensors; the
+        thread gives it back then, Sender._step_of)."""
+        return total * self.row_bytes + getattr(rows, "extra_nbytes", 0)
 
     def _step_dropped(self, request_ids, starts, counts, rows, keep, total: int) -> None:
         """A step refused by the queue bound (or dropped by capture): release its rows, report its positions lost."""
