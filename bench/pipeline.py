@@ -10,6 +10,9 @@ Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workl
 Chains (each role a separate process, loopback tcp):
   raw     : PUSH -> PULL, the same frames, the consumer only counts bytes (the wire's limit)
   proxy   : PUSH -> zmq.proxy(PULL, PUSH) -> 2 x PULL counting bytes (libzmq's C forwarder: one hop's limit)
+  copy    : the proxy chain whose 2 consumers also copy every payload byte once into memory they keep (a 256 MiB
+            buffer, faulted in before the clock starts, written round-robin): the least a consumer that holds
+            records must do, with no Python per request; ours/copy is how close ours comes to that floor
   ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
 Then latency: ours at an offered load of 100k tokens/s (decode steps), p50/p99 from publish() to applied.
 Peak RSS of broker and consumers is reported, and the CPU seconds (user + system, all threads) each process
@@ -185,8 +188,27 @@ def raw_sender(ep, workload, n_steps, q, batches, report, got=None):
     report.put(("sent", t0, _self_cpu() - c0))
 
 
-def raw_receiver(ep, bind, q, got=None):
+COPY_BUF = 256 << 20
+
+
+def copy_in(buf: np.ndarray, at: int, frames) -> int:
+    """The 'copy' chain's consumer work: each frame's bytes copied once into `buf` at offset `at` (back to 0 where
+    one does not fit before the end); returns the next offset."""
+    for f in frames:
+        src = np.frombuffer(f.buffer if hasattr(f, "buffer") else f, dtype=np.uint8)
+        if at + len(src) > len(buf):
+            at = 0
+        buf[at:at + len(src)] = src
+        at += len(src)
+    return at
+
+
+def raw_receiver(ep, bind, q, got=None, copy=False):
     import zmq
+    buf = None
+    if copy:                        # the 'copy' chain: every payload byte copied once into kept, warm memory
+        buf = np.ones(COPY_BUF, dtype=np.uint8)
+        at = 0
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 1000)
@@ -200,8 +222,11 @@ def raw_receiver(ep, bind, q, got=None):
                 break
             continue
         m = 0
-        for f in s.recv_multipart(copy=False):
+        frames = s.recv_multipart(copy=False)
+        for f in frames:
             m += len(f.buffer)
+        if buf is not None:
+            at = copy_in(buf, at, frames[1:])
         n += m
         last = time.monotonic()
         if got is not None:         # --batches: the sender waits for each batch to be received
@@ -417,7 +442,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     if chain == "raw":
         procs.append(ctx.Process(target=raw_receiver, args=(fe, True, q, got)))
         n_cons = 1
-    elif chain == "proxy":
+    elif chain in ("proxy", "copy"):
         procs.append(ctx.Process(target=proxy_proc, args=(fe, be, q)))
         n_cons = 2
     else:
@@ -427,8 +452,8 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     _wait(q, "ready", 1)
     if chain != "raw":
         for _ in range(n_cons):
-            if chain == "proxy":
-                p = ctx.Process(target=raw_receiver, args=(be, False, q, got))
+            if chain in ("proxy", "copy"):
+                p = ctx.Process(target=raw_receiver, args=(be, False, q, got, chain == "copy"))
             else:
                 p = _proc(ctx, consumer_proc, (be, q, bool(rate), cstop, keep_bytes), "consumer")
             p.start()
@@ -472,7 +497,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
            "tokens_per_s": tokens / dt, "MB_per_s": tokens * ROW / dt / 1e6,
            "consumer_rss_mb": [round(d[3], 1) for d in done]}
     # CPU seconds each process spent from the start signal to the end of the run (the sender: its own count)
-    roles = (["receiver"] if chain == "raw" else ["proxy" if chain == "proxy" else "broker"] + ["consumer"] * n_cons)
+    roles = (["receiver"] if chain == "raw" else ["broker" if chain == "ours" else "proxy"] + ["consumer"] * n_cons)
     res["cpu_s"] = {"sender": round(sent[-1], 2)}
     for role, a, b in zip(roles, cpu0, cpu1):
         res["cpu_s"].setdefault(role, []).append(round(b - a, 2))
@@ -507,16 +532,18 @@ def _latency(send_times, recv_maps, n_steps):
 
 
 def ratios(results: list, workloads: list, repeats: int) -> list:
-    """Per workload and chain compared (raw, proxy): ours' tokens/s over that chain's, one ratio per repeat (each
+    """Per workload, ours' tokens/s over each other chain's (raw, proxy, copy), and the copy chain's over the
+    proxy's (what copying the rows once costs by itself: the floor under ours/proxy), one ratio per repeat (each
     repeat measured both side by side), their median, min and max, as summary entries."""
     out = []
     by = {(r["workload"], r["chain"], r.get("repeat", 0)): r for r in results if "latency" not in r}
+    pairs = (("ours", "raw"), ("ours", "proxy"), ("ours", "copy"), ("copy", "proxy"))
     for w in workloads:
-        for c in ("raw", "proxy"):
-            rs = [by[(w, "ours", i)]["tokens_per_s"] / by[(w, c, i)]["tokens_per_s"] for i in range(repeats)
-                  if (w, "ours", i) in by and (w, c, i) in by]
+        for a, c in pairs:
+            rs = [by[(w, a, i)]["tokens_per_s"] / by[(w, c, i)]["tokens_per_s"] for i in range(repeats)
+                  if (w, a, i) in by and (w, c, i) in by]
             if rs:
-                out.append({"summary": True, "workload": w, "vs": c, "ratios": [round(x, 4) for x in rs],
+                out.append({"summary": True, "workload": w, "chain": a, "vs": c, "ratios": [round(x, 4) for x in rs],
                             "median": statistics.median(rs), "min": min(rs), "max": max(rs)})
     return out
 
@@ -529,7 +556,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--workloads", default="decode,prefill,batched,mixed")
-    ap.add_argument("--chains", default="raw,proxy,ours")
+    ap.add_argument("--chains", default="raw,proxy,ours", help="of raw, proxy, copy, ours (see above)")
     ap.add_argument("--coalesce-bytes", type=int, default=None,
                     help="Producer coalesce_max_bytes (default: the Producer's; 0: one message per publish call)")
     ap.add_argument("--replay-mib", type=int, default=None,
@@ -587,7 +614,7 @@ def main(argv=None) -> int:
     for r in results:
         if r.get("summary"):
             each = " ".join(f"{x:.2f}" for x in r["ratios"])
-            print(f"{r['workload']}: ours/{r['vs']}={r['median']:.2f}" +
+            print(f"{r['workload']}: {r['chain']}/{r['vs']}={r['median']:.2f}" +
                   (f" (median of {len(r['ratios'])} alternated repeats: {each}; min {r['min']:.2f}, max "
                    f"{r['max']:.2f})" if len(r["ratios"]) > 1 else ""), flush=True)
     if a.json:

@@ -35,7 +35,32 @@ def test_repeats_alternate_the_chains_and_report_each_ratio_with_the_median(monk
     assert "prefill: ours/proxy=0.80 (median of 3 alternated repeats: 0.80 1.50 0.70; min 0.70, max 1.50)" in text
     import json
     summary = [r for r in json.loads(out.read_text()) if r.get("summary")]
-    assert summary == [{"summary": True, "workload": "prefill", "vs": "proxy", "ratios": [0.8, 1.5, 0.7],
+    assert summary == [{"summary": True, "workload": "prefill", "chain": "ours", "vs": "proxy", "ratios": [0.8, 1.5, 0.7],
                         "median": 0.8, "min": 0.7, "max": 1.5}]
     with pytest.raises(SystemExit):
         bench.main(["--repeat", "0"])
+
+
+def test_the_copy_chains_consumer_copies_every_payload_byte_once_and_wraps_at_the_end():
+    import numpy as np
+    bench = load_script(SCRIPT, "bench_pipeline")
+    buf = np.zeros(10, dtype=np.uint8)
+    at = bench.copy_in(buf, 0, [b"\x01\x02\x03", bytearray(b"\x04\x05\x06\x07")])
+    assert at == 7 and buf.tolist() == [1, 2, 3, 4, 5, 6, 7, 0, 0, 0]
+    at = bench.copy_in(buf, at, [memoryview(b"\x08\x09\x0a\x0b")])     # does not fit before the end: at 0
+    assert at == 4 and buf.tolist() == [8, 9, 10, 11, 5, 6, 7, 0, 0, 0]
+
+
+def test_the_copy_chain_is_compared_with_ours_and_with_the_proxy(monkeypatch, capsys):
+    bench = load_script(SCRIPT, "bench_pipeline")
+    speed = {"ours": 60.0, "proxy": 100.0, "copy": 75.0}
+
+    def measure_chain(chain, workload, n_steps, **kw):
+        return {"chain": chain, "workload": workload, "tokens_per_s": speed[chain], "MB_per_s": 1.0,
+                "seconds": 1.0, "consumer_rss_mb": [], "cpu_s": {}, "records": 4, "messages": 9,
+                "held_peak_mb": [], "record_mb": [], "rss_over_records": []}
+
+    monkeypatch.setattr(bench, "measure_chain", measure_chain)
+    assert bench.main(["--workloads", "prefill", "--chains", "proxy,copy,ours", "--no-latency"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("prefill:")]
+    assert lines == ["prefill: ours/proxy=0.60", "prefill: ours/copy=0.80", "prefill: copy/proxy=0.75"]
