@@ -171,17 +171,21 @@ class HostRows:
     __slots__ = ("shape", "dropped", "stamped", "slot", "_tensors", "_runs", "_out", "extra_nbytes")
     dtype = ROW_DTYPE
 
-    def __init__(self, tensors: list, runs: Sequence[tuple[int, int]], top_k: int):
+    def __init__(self, tensors: list, runs: Sequence[tuple[int, int]], top_k: int, tensor_nbytes: int | None = None):
         self._tensors = tensors         # never modified by the caller afterwards (its own list of the step)
         self._runs = runs
-        self.shape = (sum(c for _, c in runs), len(tensors), top_k)
+        n = runs[0][1] if len(runs) == 1 else sum(c for _, c in runs)
+        self.shape = (n, len(tensors), top_k)
         self.dropped = self.stamped = False
         self.slot = None
         self._out = None
         # what the tensors hold beyond the int16 rows made of them (the whole step's tokens, int32 or int64 ids),
-        # until result(): a queue that bounds its bytes counts it too (the tensors are of one shape and dtype)
-        t = tensors[0]
-        self.extra_nbytes = max(0, len(tensors) * t.numel() * t.element_size() - self.nbytes)
+        # until result(): a queue that bounds its bytes counts it too (the tensors are of one shape and dtype;
+        # `tensor_nbytes`: the bytes of one, where the caller knows them already)
+        if tensor_nbytes is None:
+            t = tensors[0]
+            tensor_nbytes = t.numel() * t.element_size()
+        self.extra_nbytes = max(0, len(tensors) * (tensor_nbytes - n * top_k * ROW_DTYPE.itemsize))
 
     @property
     def nbytes(self) -> int:

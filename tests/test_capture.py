@@ -209,6 +209,8 @@ def test_host_rows_are_the_runs_of_each_layers_tensor_as_int16_and_let_the_tenso
     assert one.extra_nbytes == L * N * K * tensors[0].element_size() - 5 * L * K * 2 == {torch.int32: 456,
                                                                                         torch.int64: 1032}[dtype]
     assert one.slot is None and one.dtype == np.int16
+    # the same from the caller's count of one tensor's bytes (the worker knows it from its shape check)
+    assert HostRows(tensors, [(3, 5)], K, N * K * tensors[0].element_size()).extra_nbytes == one.extra_nbytes
     want = np.stack([t.numpy()[3:8] for t in tensors], axis=1).astype(np.int16)
     for t in tensors:
         t.add_(7)                   # the caller's tensors change before result(): it reads them then (by reference)

@@ -296,6 +296,18 @@ def test_binding_records_gates_counts_and_chains():
     assert len(foreign) == 2 and b.calls == 0 and len(got) == 3     # held until the last layer's hook...
     b.drain()                                              # ...or until the step ends without it
     assert b.calls == 1 and got[3:] == [(1, [[1, 2]])] and b.held == [None] * 3
+    taken = []
+
+    def take_step(held):                                   # (as the worker's: takes the list's tensors, empties it)
+        taken.append(held[:])
+        held[:] = [None] * len(held)
+
+    b.take_step = take_step
+    b.drain()                                              # nothing held (the step's last hook drained): no-op
+    assert b.calls == 1 and taken == [] and len(got) == 4
+    layers[2].router.capture_fn(ids)                       # the last layer's hook hands the step over
+    assert b.calls == 2 and taken == [[None, None, ids]] and b.held == [None] * 3
+    b.take_step = None
     layers[2].router.set_capture_fn(None)                  # lost hook
     assert not b.bound()
     b.unbind()
@@ -319,7 +331,8 @@ def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     uniform = [torch.full((4, 2), layer, dtype=torch.int64) for layer in range(3)]
     held = list(uniform)
     cap._take_step(held)
-    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step, uniform))
+    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step[0], uniform))
+    assert cap._host_step[1] == 4 * 2 * 8                           # the bytes of one layer's tensor
     assert (cap.cache.step_rows(4) == -1).all()                     # nothing copied
     for case in ("mixed", "fill", "not captured"):
         cap._host_step, cap.cache = None, RoutingCache(16, 3, 2)

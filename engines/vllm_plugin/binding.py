@@ -278,9 +278,14 @@ class CaptureBinding:
         nothing is held."""
         held, m = self.held, self.min_rows
         n = 0
-        for rows in held:
-            if rows is not None and rows.shape[0] >= m:
-                n += 1
+        some = False
+        for rows in held:                   # (`is not None`: list.count(None) would call each tensor's __eq__)
+            if rows is not None:
+                some = True
+                if rows.shape[0] >= m:
+                    n += 1
+        if not some:
+            return                          # (post_step's drain after a step whose last hook drained: every step)
         if self.take_step is not None:
             self.take_step(held)            # (empties it)
         else:

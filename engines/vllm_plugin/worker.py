@@ -665,7 +665,7 @@ class WorkerCapture:
         self._keepalive: list = []              # dropped stores that captured graphs may still write
         self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
-        self._host_step = None                  # CPU, eager: the step's top-k tensors, by layer (_take_step)
+        self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): this step's, one call
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -1243,7 +1243,7 @@ class WorkerCapture:
             batch.add_slot(first, n, slot, keys, computed, count, self.forwards)
             self.stats.ring_steps += 1
         elif host is not None:                  # CPU, eager: the routers' tensors themselves, by reference
-            pending = HostRows(host, segments, self.cache.top_k)
+            pending = HostRows(host[0], segments, self.cache.top_k, host[1])
             n = pending.shape[0]
             batch.add(pending, keys, computed, count, forward=self.forwards)
             self.stats.host_steps += 1
@@ -1268,7 +1268,7 @@ class WorkerCapture:
             if len(sigs) == 1:
                 sig = sigs.pop()
                 if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
-                    self._host_step = held[:]
+                    self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize)    # (tensors, bytes of one)
                     held[:] = [None] * len(held)
                     return
         record_held(held, self.cache.record)
