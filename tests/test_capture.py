@@ -223,6 +223,11 @@ def test_host_rows_are_the_runs_of_each_layers_tensor_as_int16_and_let_the_tenso
     want = np.concatenate([np.stack([t.numpy()[a:a + n] for t in tensors], axis=1) for a, n in runs]).astype(np.int16)
     np.testing.assert_array_equal(many.result(), want)
     assert many.shape == (6, L, K)
+    # strided tensors (an eager hook keeps the router's tensor as it is): the same rows
+    wide = [torch.stack([t, t], dim=2).reshape(N, 2 * K) for t in tensors]
+    views = [w[:, ::2] for w in wide]
+    assert not views[0].is_contiguous()
+    np.testing.assert_array_equal(HostRows(views, runs, K).result(), want)
     gone = HostRows(tensors, runs, K)
     gone.release()
     with pytest.raises(RuntimeError, match="released"):

@@ -3,6 +3,7 @@ notes, binding hooks, step batching, and the HF oracle on a generated model."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -312,6 +313,47 @@ def test_binding_records_gates_counts_and_chains():
     assert not b.bound()
     b.unbind()
     assert layers[0].router.capture_fn is None and layers[1].router.capture_fn == foreign.append
+
+
+def test_eager_hooks_of_all_layers_but_the_last_keep_their_tensor_without_python():
+    """gate=True: a layer's hook is C (list.__setitem__ on the held list) unless it is the last layer's, chains a
+    foreign hook, or slices a data-parallel batch. A C hook keeps its tensor as the router made it (strided too),
+    also on a step that is not captured; clear() lets go of it; the last layer's hook stays gated and drains."""
+    import types
+
+    layers = [FakeLayer(0), FakeLayer(1), FakeLayer(2), FakeLayer(3)]
+    foreign = []
+    layers[1].router.capture_fn = foreign.append
+    taken = []
+
+    def take_step(held):
+        taken.append(held[:])
+        held[:] = [None] * len(held)
+
+    b = CaptureBinding(layers, lambda i, ids: None, gate=True, take_step=take_step)
+    b.bind()
+    kinds = [type(layer.router.capture_fn) for layer in layers]
+    assert kinds[0] is functools.partial and kinds[2] is functools.partial
+    assert kinds[1] is types.FunctionType and kinds[3] is types.FunctionType       # foreign hook; last layer
+    assert b.bound()
+    base = torch.arange(24).reshape(3, 8)
+    strided = base[:, ::2]                                  # (3, 4), not contiguous: kept as it is
+    b.active = False                                        # a step not captured
+    for layer in layers:
+        layer.router.capture_fn(strided)
+    assert b.held[0] is strided and b.held[2] is strided and b.held[1] is None and b.held[3] is None
+    assert taken == [] and len(foreign) == 1
+    b.clear()
+    assert b.held == [None] * 4
+    b.active, b.min_rows = True, 3                          # a captured step: every layer held, then drained
+    for layer in layers:
+        layer.router.capture_fn(strided)
+    assert len(taken) == 1 and all(t is strided for t in taken[0]) and b.calls == 4 and b.held == [None] * 4
+    b.unbind()
+    assert layers[0].router.capture_fn is None and layers[1].router.capture_fn == foreign.append
+    dp = CaptureBinding(layers[:2], lambda i, ids: None, gate=True, dp_size=2)
+    dp.bind()                                               # data parallel: every hook in Python (local_rows)
+    assert {type(layer.router.capture_fn) for layer in layers[:2]} == {types.FunctionType}
 
 
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():

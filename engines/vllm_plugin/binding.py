@@ -23,6 +23,7 @@ What breaks it, and what happens then:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -299,12 +300,21 @@ class CaptureBinding:
 
         if self.gate:
             held, last = self.held, len(self.layers) - 1
+            if idx != last and prev is None and not needs_dp:
+                # every MoE layer but the last: its tensor goes into its slot in C, no Python frame per layer and
+                # step (a Python hook cost 5-7 us a call inside vLLM's CPU build). It cannot look at `active`, so
+                # it also keeps the tensor of a step that is not captured: the worker empties the list at the end
+                # of such a step (`clear`) and before a captured one. Tensors are kept as the router made them
+                # (strided too): HostRows and RoutingCache.record read strided tensors
+                hook = functools.partial(list.__setitem__, held, idx)
+                hook._routing_replay = self
+                hook._routing_replay_prev = prev
+                return hook
 
             def hook(topk_ids: torch.Tensor) -> None:
                 if binding.active:
                     t0 = thread_time_ns() if binding.timing else 0
-                    rows = local_rows(topk_ids, dp_rank) if needs_dp else topk_ids
-                    held[idx] = rows if rows.is_contiguous() else rows.contiguous()
+                    held[idx] = local_rows(topk_ids, dp_rank) if needs_dp else topk_ids
                     if idx == last:
                         binding.drain()
                     if t0:
@@ -327,6 +337,12 @@ class CaptureBinding:
         hook._routing_replay = self
         hook._routing_replay_prev = prev
         return hook
+
+    def clear(self) -> None:
+        """gate=True: let go of every held tensor (the end of a step that is not captured, whose tensors the C
+        hooks kept, and the start of a captured one)."""
+        held = self.held
+        held[:] = [None] * len(held)
 
     def bound(self) -> bool:
         """True if every router still holds the hook installed by the last bind()."""

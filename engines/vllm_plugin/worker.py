@@ -998,10 +998,8 @@ class WorkerCapture:
         if b.gate:
             if active or storing:               # hooks run in Python: count the ones that cover the step
                 b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
-                held = b.held
-                if held.count(None) != len(held):   # a step that ended without post_step (its forward raised)
-                    held[:] = [None] * len(held)    # left tensors: they must not count for this one
-                self._host_step = None
+                b.clear()       # tensors a step left (one not captured, whose C hooks kept them; one whose
+                self._host_step = None      # forward raised before post_step) must not count for this one
         elif active and not self.cache.stamped:     # replayed from graphs: rows no router writes stay -1 (the
             self.cache.fill_step(n)             # store needs no fill: its write checks the layers at capture)
         if t0:
@@ -1133,6 +1131,9 @@ class WorkerCapture:
         if not active and not storing:
             if self.store is not None:  # a step run outside the graphs whose last hook was lost ended without its
                 self.cache.flush()      # flush: end it now (its slots get -1 in the store); else a no-op
+            b = self.binding
+            if b.gate:
+                b.clear()               # eager: what the C hooks kept of a step not captured (binding._make_hook)
             return
         t0 = time.thread_time_ns() if self.timing else 0
         w0 = time.perf_counter_ns() if t0 else 0
