@@ -136,7 +136,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
     if eager:       # the real hooks on stand-in routers: the loop calls them as the routers do, timed (hooks_us)
         cap.binding = CaptureBinding([MoELayer(i, f"model.layers.{i}.mlp", SimpleNamespace(router=_Router()), top_k,
-                                               128) for i in range(layers)], cap.cache.record, gate=True)
+                                               128) for i in range(layers)], cap.cache.record, gate=True,
+                                     c_hooks=True)     # (as the worker's under enforce_eager)
         if dev.type == "cpu":       # as the worker binds an eager CPU engine: captured steps' tensors by reference
             cap.binding.take_step = cap._take_step
         cap.binding.bind()

@@ -260,6 +260,9 @@ class CaptureBinding:
     held: list = field(default_factory=list)    # gate=True: per layer, its top-k tensor since the last drain
     # gate=True: takes the whole step's list (and empties it) instead of `record` per layer (the worker on CPU)
     take_step: Callable[[list], None] | None = None
+    # gate=True: the hooks of all MoE layers but the last are C calls (_make_hook); only where nothing traces the
+    # model's Python (enforce_eager): torch.compile's dynamo cannot trace list.__setitem__
+    c_hooks: bool = False
 
     def bind(self) -> None:
         """(Re)install one hook per MoE layer; an existing foreign hook is kept and called after ours."""
@@ -300,7 +303,7 @@ class CaptureBinding:
 
         if self.gate:
             held, last = self.held, len(self.layers) - 1
-            if idx != last and prev is None and not needs_dp:
+            if self.c_hooks and idx != last and prev is None and not needs_dp:
                 # every MoE layer but the last: its tensor goes into its slot in C, no Python frame per layer and
                 # step (a Python hook cost 5-7 us a call inside vLLM's CPU build). It cannot look at `active`, so
                 # it also keeps the tensor of a step that is not captured: the worker empties the list at the end

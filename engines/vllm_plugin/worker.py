@@ -618,7 +618,7 @@ class WorkerCapture:
         self.max_batch_rows = max(1, max_tokens // 2)        # leaves the copier's ring room for the next steps
         self.binding = CaptureBinding(layers, self.cache.record,
                                       dp_rank=int(pc.data_parallel_rank), dp_size=int(pc.data_parallel_size),
-                                      gate=eager)
+                                      gate=eager, c_hooks=bool(vc.model_config.enforce_eager))
         if self.device.type == "cpu" and vc.model_config.enforce_eager:
             # the routers' top-k tensors are host memory: a captured step's go to the producer's thread as they
             # are (HostRows), no copy into the cache nor out of it on the engine thread. Not under torch.compile
