@@ -275,6 +275,14 @@ class FakeLayer:
         self.module = self
 
 
+def _taking(taken: list):
+    """A binding's take_step as the worker's: takes the list's tensors (into `taken`), empties it."""
+    def take_step(held):
+        taken.append(held[:])
+        held[:] = [None] * len(held)
+    return take_step
+
+
 def test_binding_records_gates_counts_and_chains():
     got = []
     foreign = []
@@ -298,12 +306,7 @@ def test_binding_records_gates_counts_and_chains():
     b.drain()                                              # ...or until the step ends without it
     assert b.calls == 1 and got[3:] == [(1, [[1, 2]])] and b.held == [None] * 3
     taken = []
-
-    def take_step(held):                                   # (as the worker's: takes the list's tensors, empties it)
-        taken.append(held[:])
-        held[:] = [None] * len(held)
-
-    b.take_step = take_step
+    b.take_step = _taking(taken)
     b.drain()                                              # nothing held (the step's last hook drained): no-op
     assert b.calls == 1 and taken == [] and len(got) == 4
     layers[2].router.capture_fn(ids)                       # the last layer's hook hands the step over
@@ -325,12 +328,7 @@ def test_eager_hooks_of_all_layers_but_the_last_keep_their_tensor_without_python
     foreign = []
     layers[1].router.capture_fn = foreign.append
     taken = []
-
-    def take_step(held):
-        taken.append(held[:])
-        held[:] = [None] * len(held)
-
-    b = CaptureBinding(layers, lambda i, ids: None, gate=True, take_step=take_step)
+    b = CaptureBinding(layers, lambda i, ids: None, gate=True, take_step=_taking(taken))
     b.bind()                                                # (not asked for: torch.compile may trace the hooks)
     assert {type(layer.router.capture_fn) for layer in layers if layer.layer_id != 1} == {types.FunctionType}
     b.c_hooks = True

@@ -1132,7 +1132,7 @@ class WorkerCapture:
             if self.store is not None:  # a step run outside the graphs whose last hook was lost ended without its
                 self.cache.flush()      # flush: end it now (its slots get -1 in the store); else a no-op
             b = self.binding
-            if b.gate:
+            if b.gate and b.c_hooks:
                 b.clear()               # eager: what the C hooks kept of a step not captured (binding._make_hook)
             return
         t0 = time.thread_time_ns() if self.timing else 0
