@@ -190,6 +190,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     t_run = time.perf_counter()
     s0 = None
     outer = [0, 0]                                  # the calls as the engine sees them (early exits included)
+    paced = 0                                       # --step-ring: waits for the producer's thread (see below)
     hooked = [0, 0]                                 # --eager: the router hooks, timed the same way
     hooks = cap.binding.hooks if eager else None
     for step in range(steps + warm):
@@ -244,6 +245,10 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         _outside(cap.post_step, so, outer)
         if on_step is not None:
             on_step(step, cap)
+        if ring:        # an engine's forward gives the producer's thread time; this loop's does not: wait (untimed)
+            while cap.producer.queued_msgs > 1:         # rather than run a ring's worth of steps ahead of it
+                time.sleep(0.0002)                      # (a ring read lost, never wrong: an encode error here)
+                paced += 1
         if big is not None:
             big += 1.0
             for d in junk[::3]:
@@ -260,7 +265,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     k = d[0]
     res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
            "device": device, "graph_mode": not eager, "step_stamp": stamp, "step_ring": ring,
-           "ring_steps": cap.stats.ring_steps, "encode_errors": cap.producer.stats.encode_errors,
+           "ring_steps": cap.stats.ring_steps, "encode_errors": cap.producer.stats.encode_errors, "paced_waits": paced,
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            **({"hooks_us": round(hooked[0] / k / 1e3, 2), "hooks_wall_us": round(hooked[1] / k / 1e3, 2),

@@ -329,3 +329,14 @@ def test_a_preempted_requests_queued_prefix_rows_are_gathered_before_its_blocks_
 def test_help():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--evict-mib" in p.stdout and "--worker-timing" in p.stdout
+
+
+def test_a_ring_run_of_steps_faster_than_the_producers_thread_waits_for_it_and_loses_no_rows():
+    """The probe's steps take microseconds (an engine's take milliseconds): without waiting, the engine thread ran a
+    whole step ring ahead of the producer's thread, whose reads of reused slots were then lost (encode errors), and
+    the run exited 1. The probe now waits, untimed, while more than one batch queues."""
+    n, layers, steps = 256, 16, 400
+    r = _probe().run("on", n, layers, 8, steps, 0, "cpu", eager=False, prompt_len=1, stamp=True, ring=True)
+    warm = min(100, steps // 4)
+    assert r["step_ring"] and r["producer_drained"] and r["encode_errors"] == 0
+    assert r["ring_steps"] == r["active_steps"] == steps + warm and r["rows"] == n * (steps + warm)
