@@ -2,7 +2,7 @@
 
 Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workloads (one publish_rows call each):
   decode  : steps of 256 requests x 1 token (one message per step, split across the two consumers)
-  prefill : steps of 4 requests x 2048 tokens
+  prefill : steps of 4 requests x 2048 tokens (prefill:N: the step's 8192 tokens over N requests, N = 1 ... 256)
   batched : the vLLM plugin's message: 16 engine steps of 256 requests x 1 token, published as the plugin does
             (Producer.publish_steps with per-step references; the raw/proxy chains send one header of 256 entries)
   mixed   : 16 engine steps of (240 decode requests x 1 token + a new request's 512-token prefill), the 16 prefill
@@ -81,6 +81,22 @@ class Step(NamedTuple):
     per_step: tuple | None = None   # (id lists, starts, counts) per engine step: ours publishes with publish_steps
 
 
+PREFILL_TOKENS = 8192
+
+
+def prefill_requests(workload: str) -> int:
+    """Requests per step of a prefill workload: "prefill" is 4 (x 2048 tokens); "prefill:N" splits the step's
+    8192 tokens over N requests (N a power of two, 1 to 256): the same bytes in fewer or more requests, each its
+    own open, delta entry and finish, so what the chain spends per request shows apart from what it spends per
+    byte."""
+    if workload == "prefill":
+        return 4
+    n = workload.partition(":")[2]
+    if not n.isdigit() or int(n) not in {1 << i for i in range(9)}:
+        raise ValueError(f"workload {workload!r}: prefill:N takes N = 1, 2, 4, ... 256")
+    return int(n)
+
+
 def _steps(workload: str, n_steps: int):
     """The workload as a list of Steps (one publish_rows call each) and the tokens per step."""
     if workload == "decode":
@@ -89,13 +105,14 @@ def _steps(workload: str, n_steps: int):
         steps[0].opens.extend((r, 1) for r in ids)
         steps[-1].finishes.extend((r, n_steps, 1) for r in ids)
         return steps, 256
-    if workload == "prefill":
-        per = 2048
+    if workload == "prefill" or workload.startswith("prefill:"):
+        nr = prefill_requests(workload)
+        per = PREFILL_TOKENS // nr
         steps = []
         for s in range(n_steps):
-            ids = [f"cmpl-{s:06d}-{j}-prefill-request" for j in range(4)]
-            steps.append(Step(ids, [0] * 4, [per] * 4, [(r, per) for r in ids], [(r, 1, per) for r in ids]))
-        return steps, 4 * per
+            ids = [f"cmpl-{s:06d}-{j}-prefill-request" for j in range(nr)]
+            steps.append(Step(ids, [0] * nr, [per] * nr, [(r, per) for r in ids], [(r, 1, per) for r in ids]))
+        return steps, nr * per
     if workload == "batched":
         ids = [f"cmpl-{i:08x}-decode-request" for i in range(256)]
         # ours: Producer.publish_steps, as the plugin calls it (16 references to one id list; per step its starts
@@ -584,11 +601,20 @@ def main(argv=None) -> int:
     results = []
     replay = a.replay_mib << 20 if a.replay_mib is not None else None
     workloads = [w for w in a.workloads.split(",") if w]       # --workloads "": the latency run alone
+    for w in workloads:
+        if w.partition(":")[0] not in STEPS or (":" in w and not w.startswith("prefill:")):
+            ap.error(f"unknown workload {w!r}: of {', '.join(STEPS)} and prefill:N")
+        if w.startswith("prefill:"):
+            try:
+                prefill_requests(w)
+            except ValueError as e:
+                ap.error(str(e))
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
     chains = [c for c in a.chains.split(",") if c]
     for workload in workloads:
-        steps = STEPS[workload] // 10 if a.quick else STEPS[workload]
+        steps = STEPS[workload.partition(":")[0]]
+        steps = steps // 10 if a.quick else steps
         for rep in range(a.repeat):
             for chain in (chains if rep % 2 == 0 else chains[::-1]):
                 r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay,

@@ -64,3 +64,49 @@ def test_the_copy_chain_is_compared_with_ours_and_with_the_proxy(monkeypatch, ca
     assert bench.main(["--workloads", "prefill", "--chains", "proxy,copy,ours", "--no-latency"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("prefill:")]
     assert lines == ["prefill: ours/proxy=0.60", "prefill: ours/copy=0.80", "prefill: copy/proxy=0.75"]
+
+
+def test_prefill_n_splits_the_steps_tokens_over_n_requests_each_opened_and_finished(monkeypatch, capsys):
+    """prefill:N: the same 8192 tokens per step as `prefill` (4 x 2048), over N requests, each with its own open,
+    delta entry and finish; main() takes the form and refuses what it cannot run."""
+    bench = load_script(SCRIPT, "bench_pipeline")
+    for workload, nr in (("prefill", 4), ("prefill:1", 1), ("prefill:2", 2), ("prefill:256", 256)):
+        steps, tok = bench._steps(workload, 3)
+        per = 8192 // nr
+        assert tok == 8192 and len(steps) == 3
+        for s, st in enumerate(steps):
+            assert st.ids == [f"cmpl-{s:06d}-{j}-prefill-request" for j in range(nr)]
+            assert (st.starts, st.counts) == ([0] * nr, [per] * nr)
+            assert st.opens == [(r, per) for r in st.ids] and st.finishes == [(r, 1, per) for r in st.ids]
+        assert len({r for st in steps for r in st.ids}) == 3 * nr          # every request its own id
+    seen = []
+
+    def measure_chain(chain, workload, n_steps, **kw):
+        seen.append((chain, workload, n_steps))
+        return {"chain": chain, "workload": workload, "tokens_per_s": 1.0, "MB_per_s": 1.0, "seconds": 1.0,
+                "consumer_rss_mb": [], "cpu_s": {}, "records": 4, "messages": 9, "held_peak_mb": [], "record_mb": [],
+                "rss_over_records": []}
+
+    monkeypatch.setattr(bench, "measure_chain", measure_chain)
+    assert bench.main(["--workloads", "prefill:1,prefill", "--chains", "ours", "--no-latency"]) == 0
+    assert seen == [("ours", "prefill:1", 200), ("ours", "prefill", 200)]
+    for bad in ("prefill:3", "prefill:0", "prefill:512", "prefill:x", "decode:2", "nope"):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--workloads", bad, "--no-latency"])
+        assert e.value.code == 2
+    assert "prefill:N takes N = 1, 2, 4, ... 256" in capsys.readouterr().err
+
+
+def test_a_real_prefill_n_run_delivers_a_record_per_request(tmp_path):
+    """bench/pipeline.py --workloads prefill:2 --quick, really run (producer, broker and consumers as processes):
+    20 steps of 2 requests of 4096 tokens, every request's record assembled, exactly."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "prefill:2", "--chains", "ours", "--quick",
+                        "--no-latency", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (r,) = json.loads(out.read_text())
+    assert (r["workload"], r["chain"], r["records"]) == ("prefill:2", "ours", 40)
+    assert len(r["record_mb"]) == 2 and sum(r["record_mb"]) == pytest.approx(40 * 4096 * 768 / 1e6, abs=0.1)
