@@ -53,8 +53,6 @@ def messages(steps: int, nr: int, tag: str) -> list:
 
 def run(steps: int, nr: int) -> dict:
     acc = Accumulator(finish_grace_s=0.0)
-    spent = {}
-    records = complete = 0
     for tag in ("warm", "timed"):           # the second pass is measured: the arena's pages are in use
         ms = messages(steps, nr, tag)
         spent = {"open": 0, "delta": 0, "finish": 0}

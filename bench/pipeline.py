@@ -105,7 +105,7 @@ def _steps(workload: str, n_steps: int):
         steps[0].opens.extend((r, 1) for r in ids)
         steps[-1].finishes.extend((r, n_steps, 1) for r in ids)
         return steps, 256
-    if workload == "prefill" or workload.startswith("prefill:"):
+    if workload.partition(":")[0] == "prefill":
         nr = prefill_requests(workload)
         per = PREFILL_TOKENS // nr
         steps = []
@@ -602,9 +602,10 @@ def main(argv=None) -> int:
     replay = a.replay_mib << 20 if a.replay_mib is not None else None
     workloads = [w for w in a.workloads.split(",") if w]       # --workloads "": the latency run alone
     for w in workloads:
-        if w.partition(":")[0] not in STEPS or (":" in w and not w.startswith("prefill:")):
+        base, colon, _ = w.partition(":")
+        if base not in STEPS or (colon and base != "prefill"):
             ap.error(f"unknown workload {w!r}: of {', '.join(STEPS)} and prefill:N")
-        if w.startswith("prefill:"):
+        if colon:
             try:
                 prefill_requests(w)
             except ValueError as e:

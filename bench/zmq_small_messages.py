@@ -25,7 +25,8 @@ HEAD = b"h" * 80
 
 
 def _cpu_of(pid: int) -> float:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
