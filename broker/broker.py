@@ -38,7 +38,7 @@ from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFligh
 from routing_replay.broker.ownership import OpenMsg, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
 from routing_replay.protocol import memory, security, wire
-from routing_replay.protocol.loop import ServiceThread, guarded, start_zero_copy_collector
+from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
 
 log = logging.getLogger("routing_replay.broker")
 
@@ -216,7 +216,7 @@ class Broker(ServiceThread):
                 if back in events:
                     while True:
                         try:
-                            frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frames = recv_frames(back, zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         guarded(self._on_backend, (frames, time.monotonic()), self.bad, log, "broker")
@@ -224,7 +224,7 @@ class Broker(ServiceThread):
                     self._now = time.monotonic()
                     for _ in range(MAX_FRONTEND_BURST):
                         try:
-                            frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frames = recv_frames(front, zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         guarded(self._on_frontend, (frames,), self.bad, log, "broker")
@@ -605,7 +605,7 @@ class Broker(ServiceThread):
         lseq = link.lseq + 1
         head = wire.with_link(head, (self.epoch, link.gen, lseq))
         try:
-            self._back.send_multipart([link.cid, head, *rest], zmq.NOBLOCK, copy=False)
+            send_frames(self._back, [link.cid, head, *rest], zmq.NOBLOCK)
         except zmq.Again:
             self.stats.dropped_slow_consumer += 1
             n = self.stats.dropped_slow_consumer

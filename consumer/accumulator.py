@@ -59,6 +59,19 @@ class _Ending(NamedTuple):
     aborted: bool             # an abort or a timeout: the record is incomplete whatever it holds
 
 
+_last_layer_ids: tuple = (None, None)    # (list, int32 array of it): the opens of one model share one list
+
+
+def _layer_id_array(ids: list) -> np.ndarray:
+    """A record's own int32 copy of its layer ids (wire.parse_open hands the opens of one model the same list)."""
+    global _last_layer_ids
+    last, arr = _last_layer_ids
+    if ids is not last:
+        arr = np.asarray(ids, dtype=np.int32)
+        _last_layer_ids = (ids, arr)
+    return arr.copy()
+
+
 class _Rows:
     """Own one request's rows for one layer range: positions [0, n) under a handle of the shape's Arena, and the
     holes below n (positions never written, held as -1 rows)."""
@@ -683,6 +696,9 @@ class Accumulator:
         st.shapes = []
 
     def _build(self, st: _Request) -> wire.Record:
+        rec = self._build_whole(st)
+        if rec is not None:
+            return rec
         end = st.finish
         G, finish_reason, lost, aborted = end.num_output, end.reason, end.lost, end.aborted
         P, C = st.prompt_len, min(st.num_cached, st.prompt_len)
@@ -765,6 +781,39 @@ class Accumulator:
         layer_ids = np.asarray(st.layer_ids if st.layer_ids is not None else range(L), dtype=np.int32)
         return wire.Record(st.rid, arr[:P], arr[P:], C, layer_ids, complete, [tuple(m) for m in missing],
                            reason, finish_reason, st.prompt_tokens, end.output_tokens, F)
+
+    def _build_whole(self, st: _Request) -> wire.Record | None:
+        """The record of a request that ended the usual way, or None: finished (not aborted), every row below the
+        last fed token delivered in one range of all layers (holes only below its cached prefix), nothing lost, noted or damaged, no
+        prefix rows sent. Then the record is complete by construction and this is _build's result without its
+        general bookkeeping (covered layers, missing ranges, reasons): a view of the rows, -1 where no routing
+        exists (prefix-cache hits, the last output token). The general path stays the reference (tests compare
+        the two on the same requests)."""
+        end = st.finish
+        L = st.num_layers
+        if (end.aborted or end.lost or st.notes or st.damaged or st.prefix_filled or len(st.ranges) != 1
+                or st.layer_ids is None):
+            return None
+        rows = st.ranges.get((0, L))
+        if rows is None:
+            return None
+        P, G = st.prompt_len, end.num_output
+        total = P + G
+        n = rows.n
+        C = min(st.num_cached, P)
+        if not total or n < (total - 1 if G > 0 else P) or (rows.holes and rows.holes[-1][1] > C):
+            return None                             # (a hole below C: the prefix-cache hits never sent)
+        lease = rows.arena.lease(rows.h, total, (total, L, st.top_k))
+        st.lease = ((0, L), lease)
+        arr = np.asarray(lease)
+        if n < total:
+            arr[n:] = -1
+        if C:
+            arr[:C] = -1
+        if G > 0:
+            arr[total - 1] = -1
+        return wire.Record(st.rid, arr[:P], arr[P:], C, _layer_id_array(st.layer_ids), True, [], "", end.reason,
+                           st.prompt_tokens, end.output_tokens, 0)
 
     @property
     def in_flight(self) -> int:

@@ -27,7 +27,7 @@ from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
 from routing_replay.protocol import memory, security, wire
-from routing_replay.protocol.loop import ServiceThread, guarded, start_zero_copy_collector
+from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
 from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
@@ -277,7 +277,7 @@ class Consumer(ServiceThread):
         now = time.monotonic()
         for _ in range(BURST_MAX_MSGS):
             try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(dealer, zmq.NOBLOCK)
             except zmq.Again:
                 break
             guarded(self._on_broker_message, (frames, now), self.bad, log, self.consumer_id)
@@ -289,7 +289,7 @@ class Consumer(ServiceThread):
         now = time.monotonic()
         while True:
             try:
-                frames = server.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(server, zmq.NOBLOCK)
             except zmq.Again:
                 break
             guarded(self.trainers.on_message, (frames[0].bytes, frames[1:], now), self.bad, log,
@@ -352,7 +352,7 @@ class Consumer(ServiceThread):
 
     def _send_trainer(self, client: bytes, frames: list) -> Sent:
         try:
-            self._server.send_multipart([client, *frames], zmq.NOBLOCK, copy=False)
+            send_frames(self._server, [client, *frames], zmq.NOBLOCK)
             return Sent.SENT
         except zmq.Again:
             return Sent.FULL

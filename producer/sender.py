@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import zmq
 
 from routing_replay.protocol import security, wire
-from routing_replay.protocol.loop import start_zero_copy_collector
+from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, Step, StepParts, merge_coalesced_steps,
@@ -501,7 +501,7 @@ class Sender:
             if e is None:
                 break
             try:
-                sock.send_multipart(r.frames(e), zmq.NOBLOCK, copy=False)
+                send_frames(sock, r.frames(e), zmq.NOBLOCK)
             except zmq.Again:
                 return True
             if r.mark_sent(e, now):

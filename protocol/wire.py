@@ -416,6 +416,29 @@ class Open:
     prefix_filled: bool = False
 
 
+# the last layer_ids list that passed the checks (a new list of ints): every open of one model carries the same
+# list, so the next one is a list compare and a type count in C (0.8 us for 48 layers) instead of a conversion,
+# two scans and a new list (2.5 us)
+_last_layer_ids: list = []
+
+
+def _layer_ids(raw: Any, L: int) -> list:
+    """An open's layer_ids (range(L) when absent), checked: L integers in [0, 2**20]. The list returned may be
+    shared by the opens of other requests: readers never change it."""
+    global _last_layer_ids
+    last = _last_layer_ids
+    if raw is None:
+        raw = list(range(L))
+    if (type(raw) is list and len(raw) == L and raw == last
+            and list(map(type, raw)).count(int) == L):    # equal as values and all ints: the checked list itself
+        return last
+    ids = list(_int_list(raw, "layer_ids", 0, 1 << 20))
+    if len(ids) != L:
+        raise _bad("bad_field", f"layer_ids has {len(ids)} entries for num_layers={L}")
+    _last_layer_ids = ids
+    return ids
+
+
 def parse_open(h: Header) -> Open:
     rid = check_request_id(h.key)
     b = h.body
@@ -423,10 +446,7 @@ def parse_open(h: Header) -> Open:
     C = int_field(b, "num_cached", 0, P)
     L = int_field(b, "num_layers", 1, MAX_LAYERS)
     K = int_field(b, "top_k", 1, MAX_TOP_K)
-    ids = b.get("layer_ids", list(range(L)))
-    ids = list(_int_list(ids, "layer_ids", 0, 1 << 20))
-    if len(ids) != L:
-        raise _bad("bad_field", f"layer_ids has {len(ids)} entries for num_layers={L}")
+    ids = _layer_ids(b.get("layer_ids"), L)
     nt = int_field(b, "n_prompt_tokens", 0, MAX_POSITION, 0)
     filled = b.get("prefix_filled", False)
     if type(filled) is not bool:

@@ -718,3 +718,63 @@ def test_records_dropped_on_another_thread_free_their_regions_safely():
     assert not bad and f.acc.bytes_held == 0
     assert sh.arena.spaces[0].top <= 11 * sh.arena.min_region_rows
     assert sum(len(v) for v in sh.arena.free.values()) * sh.arena.min_region_rows == sh.arena.spaces[0].top
+
+
+def _scenarios(f):
+    """Requests that end in every way _build tells apart; returns the ids whose record is complete."""
+    f.open("plain", 6)                                           # complete, nothing cached
+    f.open("cached", 6, C=3)                                     # prefix-cache hits: rows [0, 3) are -1
+    f.open("tokens", 4, tokens=[5, 6, 7, 8])
+    f.open("no_output", 5)                                       # G = 0: every prompt row is computed
+    f.open("last_fed", 4)                                        # a row for the last output token came too
+    f.open("hole", 6)                                            # a hole below n: incomplete
+    f.open("short", 6)                                           # rows end early: incomplete, waits for grace
+    f.open("layers", 6)                                          # two layer ranges
+    f.open("filled", 6, C=2, filled=True)                        # prefix rows sent by the producer
+    f.open("lost", 6)
+    f.open("aborted", 6)
+    f.delta([("plain", 0, rows(1, 0, 8)), ("cached", 3, rows(2, 3, 8)), ("tokens", 0, rows(3, 0, 5)),
+             ("no_output", 0, rows(4, 0, 5)), ("last_fed", 0, rows(5, 0, 7)), ("hole", 0, rows(6, 0, 2)),
+             ("hole", 4, rows(6, 4, 8)), ("short", 0, rows(7, 0, 5)), ("filled", 0, rows(8, 0, 8)),
+             ("lost", 0, rows(9, 0, 8)), ("aborted", 0, rows(10, 0, 4))])
+    f.delta([("layers", 0, rows(11, 0, 8, layers=(0, 1)))], layers=(0, 1))
+    f.delta([("layers", 0, rows(11, 0, 8, layers=(1, L)))], layers=(1, L))
+    for rid in ("plain", "cached", "hole", "short", "layers", "filled"):
+        f.finish(rid, 3)
+    f._apply("finish", "tokens", {"num_output": 2, "n_output_tokens": 2}, [np.asarray([9, 10], np.int32).tobytes()])
+    f.finish("no_output", 0)
+    f.finish("last_fed", 3)
+    f.finish("lost", 3, lost=[[2, 4]])
+    f.abort("aborted")
+    f.tick(10.0)
+    return {"plain", "cached", "tokens", "no_output", "last_fed", "layers", "filled"}
+
+
+def test_the_whole_request_shortcut_builds_the_same_records_as_the_general_path(monkeypatch):
+    """Accumulator._build_whole (a request that ended the usual way) against _build's general path on the same
+    messages: every record equal, the shortcut taken exactly for the single-range complete ones."""
+    taken = []
+    fast = Feed()
+    whole = Accumulator._build_whole
+
+    def spy(self, st):
+        rec = whole(self, st)
+        if rec is not None:
+            taken.append(st.rid)
+        return rec
+
+    monkeypatch.setattr(Accumulator, "_build_whole", spy)
+    complete = _scenarios(fast)
+    monkeypatch.setattr(Accumulator, "_build_whole", lambda self, st: None)
+    general = Feed()
+    assert _scenarios(general) == complete
+    assert sorted(fast.out) == sorted(general.out) and len(fast.out) == 11
+    for rid, rec in general.out.items():
+        assert fast.out[rid].equals(rec), rid
+        assert rec.complete == (rid in complete), (rid, rec.reason, rec.missing)
+    assert sorted(taken) == ["cached", "last_fed", "no_output", "plain", "tokens"]
+    check(fast.out["plain"], 1, 6, 3, 0)
+    check(fast.out["cached"], 2, 6, 3, 3)
+    # records of one model share no layer-id array (each record owns its copy)
+    a, b = fast.out["plain"].moe_layer_ids, fast.out["cached"].moe_layer_ids
+    assert a.tolist() == b.tolist() == list(range(L)) and not np.shares_memory(a, b)

@@ -136,3 +136,25 @@ def test_open_with_cached_beyond_prompt_refused():
         wire.parse_open(wire.decode_header(wire.pack_header(
             "open", "p", 0, 1, "r", {"prompt_len": 4, "num_cached": 5, "num_layers": 3, "top_k": 2})))
     assert e.value.reason == "bad_field"
+
+
+def test_an_opens_layer_ids_are_checked_the_same_after_an_equal_list_was_accepted():
+    """parse_open keeps the last accepted layer_ids list and hands it to the next open with an equal one: a list
+    equal in value but not of ints, or of another length, is still refused exactly as without that shortcut."""
+    def open_with(ids, L=3):
+        body = {"prompt_len": 4, "num_cached": 0, "num_layers": L, "top_k": 2}
+        if ids is not None:
+            body["layer_ids"] = ids
+        return wire.parse_open(wire.decode_header(wire.pack_header("open", "p", 0, 1, "r", body)))
+
+    first = open_with([0, 2, 5]).layer_ids
+    assert first == [0, 2, 5] and open_with([0, 2, 5]).layer_ids is first
+    for bad in ([0.0, 2.0, 5.0], [0, 2, 5.0], [0, 2], [0, 2, 5, 6], [0, 2, -5], "025", [0, 2, None]):
+        with pytest.raises(wire.ProtocolError) as e:
+            open_with(bad)
+        assert e.value.reason in ("bad_field", "out_of_range"), bad
+    assert open_with([True, 2, 5]).layer_ids == [1, 2, 5]            # bools are ints (as before the shortcut)
+    assert open_with([0, 2, 5]).layer_ids == [0, 2, 5]
+    assert open_with(None).layer_ids == [0, 1, 2] and open_with(None, L=2).layer_ids == [0, 1]
+    with pytest.raises(wire.ProtocolError):
+        open_with([0, 1, 2], L=2)
