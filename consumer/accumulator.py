@@ -59,16 +59,16 @@ class _Ending(NamedTuple):
     aborted: bool             # an abort or a timeout: the record is incomplete whatever it holds
 
 
-_last_layer_ids: tuple = (None, None)    # (list, int32 array of it): the opens of one model share one list
+_last_layer_id_array: tuple = (None, None)    # (list, int32 array of it): the opens of one model share one list
 
 
 def _layer_id_array(ids: list) -> np.ndarray:
     """A record's own int32 copy of its layer ids (wire.parse_open hands the opens of one model the same list)."""
-    global _last_layer_ids
-    last, arr = _last_layer_ids
+    global _last_layer_id_array
+    last, arr = _last_layer_id_array
     if ids is not last:
         arr = np.asarray(ids, dtype=np.int32)
-        _last_layer_ids = (ids, arr)
+        _last_layer_id_array = (ids, arr)
     return arr.copy()
 
 
