@@ -30,6 +30,8 @@ from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
 
+ADOPT_MIN_BYTES = 64 << 10      # smaller first chunks (a new request's decode rows) are copied: see Accumulator
+
 
 
 @dataclass
@@ -47,6 +49,9 @@ class AccumulatorStats:
     refused_msgs: int = 0
     refused_rows: int = 0
     replayed_opens: int = 0
+    adopted: int = 0            # requests whose first rows were kept as received (no copy; _Adopted)
+    adopted_records: int = 0    # records whose prompt rows are a view of a received message
+    materialized: int = 0       # adopted rows copied into the arena after all (another message touched them)
 
 
 class _Ending(NamedTuple):
@@ -129,6 +134,35 @@ class _Rows:
     def release(self) -> int:
         """Give the region back; returns the bytes freed."""
         return self.arena.release(self.h)
+
+
+class _Adopted:
+    """One request's first rows for one layer range, positions [0, n), kept as the bytes of the message they
+    arrived in: no copy. They stay so until another message touches the request (then they move to the arena,
+    `Accumulator._materialize`: the copy that was saved is made then) or its record is built (its prompt rows a
+    view of them, `Accumulator._build_adopted`). Every view holds the received frame."""
+
+    __slots__ = ("buf", "row_bytes", "shape", "holes")
+
+    def __init__(self, buf: np.ndarray, row_bytes: int, shape: tuple):
+        self.buf = buf              # (n * row_bytes,) uint8, a view of the received frame
+        self.row_bytes = row_bytes
+        self.shape = shape          # (L, K, layer_lo, layer_hi)
+        self.holes: list = []       # (none: they start at position 0)
+
+    @property
+    def n(self) -> int:
+        return len(self.buf) // self.row_bytes
+
+    @property
+    def allocated(self) -> int:
+        return len(self.buf)
+
+    def release(self) -> int:
+        """Let go of the rows (views handed out keep the frame); returns the bytes no longer held."""
+        nbytes = len(self.buf)
+        self.buf = self.buf[:0]
+        return nbytes
 
 
 def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
@@ -225,11 +259,15 @@ class Accumulator:
     ("too_large") before anything is allocated; the request then times out as incomplete.
     remember_finished: how many finished request ids (and the message that closed each) are remembered, so
     that a re-sent message for one of them is recognised as late.
+    adopt_min_bytes: a delta whose every entry is the first rows of a request (from position 0, each request
+    once, at least this many bytes each) is not copied: the rows stay in the received frames (`_adopt`), and a
+    request that ends with them has its prompt rows as a view of them. None: every row is copied into the arena.
     """
 
     def __init__(self, *, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
                  max_positions: int = 1 << 21, max_bytes: int = 16 << 30, max_record_bytes: int = 4 << 30,
-                 remember_finished: int = 100_000, keep_bytes: int | None = None):
+                 remember_finished: int = 100_000, keep_bytes: int | None = None,
+                 adopt_min_bytes: int | None = ADOPT_MIN_BYTES):
         # keep_bytes: pages of finished requests' rows kept for the next requests (consumer.arena; None: up to the
         # most held at once, at least arena.KEEP_BYTES)
         if remember_finished < 0:
@@ -237,6 +275,9 @@ class Accumulator:
         if keep_bytes is not None and keep_bytes < 0:
             raise ValueError(f"keep_bytes must be >= 0 or None, got {keep_bytes}")
         self.keep_bytes = keep_bytes
+        # a message whose every entry is a new request's first rows, each at least this many bytes, is kept as
+        # received (None: never; see _adopt)
+        self.adopt_min_bytes = adopt_min_bytes
         self.finish_grace_s = finish_grace_s
         self.request_timeout_s = request_timeout_s
         self.max_positions = max_positions
@@ -369,16 +410,81 @@ class Accumulator:
         # bounds once per message; only a message that could break them takes the checked path
         in_bounds = int(d.starts.max()) + int(d.counts.max()) <= self.max_positions and \
             self.bytes_held + d.total_rows * rb <= self.max_bytes
+        if in_bounds and self.adopt_min_bytes is not None and self._adopt(d, bufs, sh, now):
+            return
         slow = self._append(d, bufs, sh, now) if in_bounds else None
         if slow is not _NONE_SLOW:
             self._delta_entries(d, bufs, sh, shape, now, slow)
+
+    def _adopt(self, d: wire.Delta, bufs: list, sh: "_Shape", now: float) -> bool:
+        """Keep the rows of `d` as received when every entry is the first rows of a request new to this row shape:
+        from position 0, each request once, at least adopt_min_bytes each, in writable frames (what a socket
+        gives). True if it did (the whole message); False leaves everything to the copying paths.
+
+        A prefill step's message is like that; its requests' rows are then copied only if another message comes
+        for them (`_materialize`), and a request that ends with them has its prompt rows as a view of them."""
+        c = d.counts
+        rb = d.row_bytes
+        if int(d.starts.max()) != 0 or int(c.min()) * rb < self.adopt_min_bytes or int(c.min()) <= 0:
+            return False
+        ids = d.request_ids
+        handle, requests, finished = sh.handle, self.requests, self._finished_ids
+        key = (d.layer_lo, d.layer_hi)
+        L, K = d.num_layers, d.top_k
+        for rid in ids:
+            if rid in handle:
+                return False
+            st = requests.get(rid)
+            if st is None:
+                if rid in finished:
+                    return False
+            elif key in st.ranges or (st.num_layers is not None and (st.num_layers != L or st.top_k != K)):
+                return False
+        if len(set(ids)) != len(ids):
+            return False
+        frames = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
+        if not all(f.flags.writeable for f in frames):
+            return False                        # (bytes: a record must be an array its user may write)
+        shape = (L, K, d.layer_lo, d.layer_hi)
+        fi, base, end = 0, 0, len(frames[0]) // rb
+        at = 0
+        for rid, cnt in zip(ids, c.tolist()):
+            while at >= end:                    # (an entry never straddles two frames: check_payload)
+                fi += 1
+                base, end = end, end + len(frames[fi]) // rb
+            o = (at - base) * rb
+            st = requests.get(rid)
+            if st is None:
+                st = requests[rid] = _Request(rid, now)
+            if st.num_layers is None:
+                st.num_layers, st.top_k = L, K
+            st.ranges[key] = _Adopted(frames[fi][o:o + cnt * rb], rb, shape)
+            st.shapes.append(shape)
+            st.last_seen = now
+            st.seen_n = sum(r.n for r in st.ranges.values())
+            at += cnt
+        self.bytes_held += d.total_rows * rb
+        self.stats.adopted += len(ids)
+        return True
+
+    def _materialize(self, st: _Request, key: tuple) -> "_Rows":
+        """Move an adopted range of `st` into its arena (one copy); the arena's growth is the caller's to count."""
+        ad = st.ranges[key]
+        sh = self._shapes[ad.shape]
+        rows = _Rows(sh.arena, sh.arena.new_handle(st.prompt_len or 0))
+        rows.write(0, ad.n, ad.buf)
+        st.ranges[key] = rows
+        sh.handle[st.rid] = rows.h
+        self.bytes_held -= ad.release()
+        self.stats.materialized += 1
+        return rows
 
     def _new_rows(self, rids: set, sh: "_Shape", d: wire.Delta, now: float) -> list:
         """Give the requests of `rids` that may take rows of this shape (held, or new; same L and K) their rows
         here, so that their first entries can be appended with the others. Returns those requests."""
         shape = (d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
         key = (d.layer_lo, d.layer_hi)
-        made = []
+        made, moved = [], []
         for rid in rids:
             st = self.requests.get(rid)
             if st is None:
@@ -389,7 +495,12 @@ class Accumulator:
                 st.num_layers, st.top_k = d.num_layers, d.top_k
             elif st.num_layers != d.num_layers or st.top_k != d.top_k:
                 continue                        # refused there
-            if key in st.ranges:
+            r = st.ranges.get(key)
+            if r is not None:
+                if type(r) is _Adopted:         # its rows go to the arena; this message's append to them
+                    self._materialize(st, key)
+                    st.last_seen = now
+                    moved.append(st)
                 continue
             made.append(st)
         hint = max((st.prompt_len or 0 for st in made), default=0)
@@ -398,7 +509,7 @@ class Accumulator:
             sh.handle[st.rid] = h
             st.shapes.append(shape)
             st.last_seen = now
-        return made
+        return made + moved
 
     def _append(self, d: wire.Delta, bufs: list, sh: "_Shape", now: float) -> np.ndarray | None:
         """Append the rows of every request whose entries in `d` all continue where its rows end (in entry order),
@@ -554,6 +665,8 @@ class Accumulator:
             return 0
         before = sh.arena.live_blocks
         rows = st.ranges.get(key)
+        if type(rows) is _Adopted:
+            rows = self._materialize(st, key)
         if rows is None:
             rows = st.ranges[key] = _Rows(sh.arena)
             sh.handle[rid] = rows.h
@@ -696,6 +809,16 @@ class Accumulator:
         st.shapes = []
 
     def _build(self, st: _Request) -> wire.Record:
+        adopted = [k for k, r in st.ranges.items() if type(r) is _Adopted]
+        if adopted:
+            rec = self._build_adopted(st)
+            if rec is not None:
+                return rec
+            for k in adopted:               # every other way to end: from the arena, as any request
+                a = self._shapes[st.ranges[k].shape].arena
+                before = a.live_blocks
+                self._materialize(st, k)
+                self.bytes_held += (a.live_blocks - before) * a.block_bytes
         rec = self._build_whole(st)
         if rec is not None:
             return rec
@@ -781,6 +904,33 @@ class Accumulator:
         layer_ids = np.asarray(st.layer_ids if st.layer_ids is not None else range(L), dtype=np.int32)
         return wire.Record(st.rid, arr[:P], arr[P:], C, layer_ids, complete, [tuple(m) for m in missing],
                            reason, finish_reason, st.prompt_tokens, end.output_tokens, F)
+
+    def _build_adopted(self, st: _Request) -> wire.Record | None:
+        """_build_whole's record for a request whose rows are all still as received (_Adopted), or None: its prompt
+        rows are a view of the received frame, its generation rows (at most the few that came with the prompt,
+        then -1) a small array of their own. Only where no row needs -1 in the prompt (no prefix-cache hits)."""
+        end = st.finish
+        L = st.num_layers
+        if (end.aborted or end.lost or st.notes or st.damaged or st.prefix_filled or len(st.ranges) != 1
+                or st.layer_ids is None):
+            return None
+        ad = st.ranges.get((0, L))
+        if type(ad) is not _Adopted:
+            return None
+        P, G = st.prompt_len, end.num_output
+        total = P + G
+        n = ad.n
+        if min(st.num_cached, P) or not total or n < (total - 1 if G > 0 else P) or n > total:
+            return None
+        K = st.top_k
+        rows = ad.buf.view(wire.ROW_DTYPE).reshape(n, L, K)
+        gen = np.empty((G, L, K), dtype=wire.ROW_DTYPE)
+        g = min(n, total - 1 if G > 0 else total) - P      # generation rows that came (the last one never does)
+        gen[:g] = rows[P:P + g]
+        gen[g:] = -1
+        self.stats.adopted_records += 1
+        return wire.Record(st.rid, rows[:P], gen, 0, _layer_id_array(st.layer_ids), True, [], "", end.reason,
+                           st.prompt_tokens, end.output_tokens, 0)
 
     def _build_whole(self, st: _Request) -> wire.Record | None:
         """The record of a request that ended the usual way, or None: finished (not aborted), every row below the

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from routing_replay.consumer.accumulator import Accumulator
+from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator
 from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
@@ -131,7 +131,8 @@ class Consumer(ServiceThread):
                  ack_interval_ms: int = 20, curve_secret: str | None = None, broker_key: str | None = None,
                  curve_allow: str | None = None, remember_finished: int = 100_000,
                  fetched_retention_s: float = 600.0, fetched_retention_bytes: int = 256 << 20,
-                 write_retry_max_s: float = 2.0, keep_bytes: int | None = None):
+                 write_retry_max_s: float = 2.0, keep_bytes: int | None = None,
+                 adopt_min_bytes: int | None = ADOPT_MIN_BYTES):
         self.connect = connect
         self.consumer_id = consumer_id or default_peer_id("consumer")
         if not 0 < len(self.consumer_id.encode()) <= 255:
@@ -146,8 +147,14 @@ class Consumer(ServiceThread):
         self._own_ctx = context is None and curve_allow is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.epoch = time.time_ns() // 1000       # this incarnation: the broker forgets what the last one held
+        # adopt_min_bytes (Accumulator): a prefill message's rows stay in the received frames, records are views
+        # of them. Never over inproc: a frame there can be the sender's own memory (a zero-copy send), which a
+        # record must not alias.
+        if connect.startswith("inproc://"):
+            adopt_min_bytes = None
         self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
-                               max_bytes=max_bytes, remember_finished=remember_finished, keep_bytes=keep_bytes)
+                               max_bytes=max_bytes, remember_finished=remember_finished, keep_bytes=keep_bytes,
+                               adopt_min_bytes=adopt_min_bytes)
         self.writer = NpzWriter(npz_dir, shard_size, hold_max_bytes=store_max_bytes, spill_dir=spill_dir,
                                 retry_max_s=write_retry_max_s) if npz_dir else None
         self.store = RecordStore(store_max_bytes, spill_dir) if serve else None
@@ -364,12 +371,13 @@ class Consumer(ServiceThread):
         s = self.acc.stats
         st, tr, w = self.store, self.trainers, self.writer
         log.info("consumer %s records=%d complete=%d incomplete=%d aborted=%d timed_out=%d in_flight=%d "
-                 "delta_msgs=%d rows=%d MB=%.1f held_MB=%.1f kept_MB=%.1f peak_MB=%.1f late=%d replayed_opens=%d "
+                 "delta_msgs=%d rows=%d adopted=%d adopted_records=%d materialized=%d MB=%.1f held_MB=%.1f kept_MB=%.1f peak_MB=%.1f late=%d replayed_opens=%d "
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
                  "disk_reads=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
-                 s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.bytes / 1e6,
+                 s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.adopted, s.adopted_records,
+                 s.materialized, s.bytes / 1e6,
                  self.acc.bytes_held / 1e6, self.acc.kept_bytes / 1e6, self.acc.peak_bytes / 1e6, s.late_msgs,
                  s.replayed_opens, s.refused_msgs, self.link.bepoch % 1000,
                  self.link.gen, self.link.upto, self.acks_sent, self.link.dropped, sum(self.bad.values()),

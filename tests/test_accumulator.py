@@ -12,20 +12,45 @@ from routing_replay.apps.synthetic import true_rows
 L, K, E = 3, 2, 16
 
 
+def pytest_generate_tests(metafunc):
+    """Every test twice: rows copied into the arena, and rows kept as received wherever a message allows it
+    (Accumulator._adopt); the records must not differ. Tests of the arena's own regions and pages (marked
+    `copied_only`) run with copied rows only: adopted rows never reach the arena; so do the tests that choose the
+    mode themselves."""
+    modes = ["copied"] if metafunc.definition.get_closest_marker("copied_only") else ["copied", "adopted"]
+    metafunc.parametrize("adoption", modes, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def adoption(request, monkeypatch):
+    monkeypatch.setattr(Feed, "adopt", request.param == "adopted")
+    return request.param
+
+
 def rows(seed, lo, hi, variant=0, layers=(0, L)):
     return true_rows(seed, np.arange(lo, hi), L, K, E, variant)[:, layers[0]:layers[1]]
 
 
 class Feed:
-    """Build wire messages and apply them to an accumulator, collecting emitted records."""
+    """Build wire messages and apply them to an accumulator, collecting emitted records.
+
+    adopt (the class default is set per test by the `adoption` fixture): payload frames are writable, as a
+    socket's are, and every message that can be is kept as received (adopt_min_bytes=0); else frames are bytes,
+    which the accumulator always copies."""
+
+    adopt = False
 
     def __init__(self, **kw):
+        if self.adopt:
+            kw.setdefault("adopt_min_bytes", 0)
         self.acc = Accumulator(**kw)
         self.now = 0.0
         self.out = {}
         self.seq = 0
 
     def _apply(self, kind, key, body, frames=()):
+        if self.adopt and kind == "delta":
+            frames = [bytearray(f) for f in frames]
         self.seq += 1
         h = wire.decode_header(wire.pack_header(kind, "p", 0, self.seq, key, body))
         for r in self.acc.apply(h, list(frames), self.now):
@@ -491,6 +516,7 @@ def test_rows_spread_over_many_spaces_and_grown_regions(monkeypatch):
     assert f.acc.bytes_held == 0 and a.live_blocks == 0
 
 
+@pytest.mark.copied_only
 def test_records_are_views_and_their_regions_are_reused_only_once_dropped():
     """A record's arrays are views of the request's rows; while any view of it lives its region is not handed
     to another request (the record stays bit-exact through later traffic); once all are gone it is reused."""
@@ -536,6 +562,7 @@ def test_arena_falls_back_to_a_smaller_reservation_and_smaller_regions():
     np.testing.assert_array_equal(a.gather(h2, 300).view(np.int16).reshape(300, L, K), rows(3, 0, 300))
 
 
+@pytest.mark.copied_only
 def test_regions_of_finished_requests_are_reused():
     f = Feed()
     for round_ in range(3):
@@ -550,6 +577,7 @@ def test_regions_of_finished_requests_are_reused():
     assert sh.arena.live_blocks == 0 and f.acc.bytes_held == 0
 
 
+@pytest.mark.copied_only
 def test_freed_pages_beyond_keep_bytes_go_back_to_the_os(monkeypatch):
     """Freed regions keep their pages up to keep_bytes; beyond it, the pages of a freed region are returned
     (MADV_DONTNEED) and the region reads as zeros; records written there afterwards are still exact."""
@@ -579,6 +607,7 @@ def test_freed_pages_beyond_keep_bytes_go_back_to_the_os(monkeypatch):
     assert a.regions_returned == 4 and a.kept_bytes == 101 * rb and a.spaces[0].top == 4 * a.min_region_rows
 
 
+@pytest.mark.copied_only
 def test_freed_pages_are_kept_up_to_the_peak_held_so_the_next_batch_reuses_them(monkeypatch):
     """keep_bytes=None (the default): freed regions keep their pages up to the most the arena held at once, so a
     second batch of requests as large as the first writes into pages it already has (no region returned to the
@@ -778,3 +807,99 @@ def test_the_whole_request_shortcut_builds_the_same_records_as_the_general_path(
     # records of one model share no layer-id array (each record owns its copy)
     a, b = fast.out["plain"].moe_layer_ids, fast.out["cached"].moe_layer_ids
     assert a.tolist() == b.tolist() == list(range(L)) and not np.shares_memory(a, b)
+
+
+def _adoption_scenarios(f):
+    """Requests whose first rows come in a message the accumulator can keep as received (each from position 0,
+    once, alone with other such requests), ending in every way that matters to that path."""
+    for rid, P in (("prefill", 6), ("last_fed", 4), ("no_output", 5), ("decoded", 4), ("resent", 4),
+                   ("aborted", 4), ("lost", 6), ("filled", 6), ("beyond", 4), ("stage", 4), ("silent", 4)):
+        f.open(rid, P, C=2 if rid == "filled" else 0, filled=rid == "filled")
+    f.delta([("prefill", 0, rows(1, 0, 8)), ("last_fed", 0, rows(2, 0, 7)), ("no_output", 0, rows(3, 0, 5))],
+            cuts=[1])                                    # two frames: an entry never straddles them
+    f.delta([("decoded", 0, rows(4, 0, 4)), ("resent", 0, rows(5, 0, 4)), ("aborted", 0, rows(6, 0, 2)),
+             ("lost", 0, rows(7, 0, 8)), ("filled", 0, rows(8, 0, 8)), ("beyond", 0, rows(9, 0, 9)),
+             ("silent", 0, rows(11, 0, 2))])
+    f.delta([("stage", 0, rows(10, 0, 6, layers=(0, 1)))], layers=(0, 1))     # a pipeline stage's layers
+    f.delta([("stage", 0, rows(10, 0, 6, layers=(1, L)))], layers=(1, L))
+    for p in range(4, 6):                                # decode rows after the prompt: the fast append path
+        f.delta([("decoded", p, rows(4, p, p + 1))])
+    f.delta([("resent", 0, rows(5, 0, 4))])              # a resend after a rewind: the checked overwrite path
+    f.delta([("resent", 4, rows(5, 4, 5))])
+    for rid in ("prefill", "decoded", "resent", "filled", "stage"):
+        f.finish(rid, 3)
+    f.finish("last_fed", 4)
+    f.finish("no_output", 0)
+    f.finish("lost", 3, lost=[[2, 4]])
+    f.finish("beyond", 2)                                # rows past the record's end (drafts): left out
+    f.abort("aborted")
+    f.tick(1.0)
+    f.tick(700.0)                                        # "silent" never ends: timed out
+    return f
+
+
+@pytest.mark.copied_only
+def test_a_prefill_message_kept_as_received_gives_the_records_the_copied_rows_give():
+    """Rows kept as received (Accumulator._adopt) against rows copied into the arena, on the same messages: every
+    record bit for bit the same, the prompt rows a view of the received frame where nothing else came, and the
+    kept rows moved to the arena (one copy) for every other way a request goes on or ends."""
+    Feed.adopt = True
+    kept = _adoption_scenarios(Feed())
+    Feed.adopt = False
+    copied = _adoption_scenarios(Feed())
+    assert sorted(kept.out) == sorted(copied.out) and len(kept.out) == 11
+    for rid, rec in copied.out.items():
+        assert kept.out[rid].equals(rec), rid
+    s = kept.acc.stats
+    # every request but "stage" was kept from its first message; "stage" twice (one per layer range)
+    assert (s.adopted, s.adopted_records, s.materialized) == (12, 3, 9)
+    assert (copied.acc.stats.adopted, copied.acc.stats.adopted_records) == (0, 0)
+    check(kept.out["prefill"], 1, 6, 3, 0)
+    check(kept.out["decoded"], 4, 4, 3, 0)
+    assert not kept.out["silent"].complete and kept.out["silent"].reason == "timeout"
+    for acc in (kept.acc, copied.acc):
+        assert acc.in_flight == 0 and acc.bytes_held == 0
+
+
+@pytest.mark.copied_only
+def test_kept_rows_are_a_writable_view_of_the_frame_and_small_or_mixed_messages_are_copied():
+    f = Feed(adopt_min_bytes=4 * L * K * 2)
+    frames = []
+    real = f.acc.apply
+
+    def spy(h, fr, now):
+        frames.extend(fr)
+        return real(h, fr, now)
+
+    f.acc.apply = spy
+    Feed.adopt = True
+    f.open("a", 6)
+    f.open("b", 4)
+    f.open("small", 3)
+    f.open("old", 4)
+    f.delta([("a", 0, rows(1, 0, 6)), ("b", 0, rows(2, 0, 4))])
+    assert f.acc.stats.adopted == 2 and f.acc.bytes_held == 10 * L * K * 2
+    f.delta([("small", 0, rows(3, 0, 3))])                       # under adopt_min_bytes: copied
+    f.delta([("old", 0, rows(4, 0, 2))])
+    f.delta([("old", 2, rows(4, 2, 4)), ("c", 0, rows(5, 0, 8))])  # one entry continues a request: all copied
+    assert f.acc.stats.adopted == 2
+    f.finish("a", 1)
+    f.finish("b", 1)
+    a = f.out["a"].prompt_routed_experts
+    frame = np.frombuffer(next(x for x in frames if len(x) == 10 * L * K * 2), dtype=np.int16)
+    assert np.shares_memory(a, frame) and a.flags.writeable
+    check(f.out["a"], 1, 6, 1, 0)
+    check(f.out["b"], 2, 4, 1, 0)
+    a[0, 0, 0] = 99                                              # the record's own: nothing else refers to it
+    assert f.acc.stats.adopted_records == 2 and f.acc.in_flight == 3
+
+
+@pytest.mark.copied_only
+def test_frames_that_are_not_writable_are_always_copied():
+    Feed.adopt = False                                           # bytes frames, as the other tests' copied mode
+    f = Feed(adopt_min_bytes=0)
+    f.open("a", 4)
+    f.delta([("a", 0, rows(1, 0, 4))])
+    f.finish("a", 1)
+    check(f.out["a"], 1, 4, 1, 0)
+    assert (f.acc.stats.adopted, f.acc.stats.adopted_records) == (0, 0)

@@ -267,3 +267,61 @@ def test_producer_close_delivers_everything_before_the_process_exits(tmp_path):
         assert proc.wait(30) == 0
         rx.close(0)
     assert rows == 300 * 256
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp", "inproc"])
+def test_prefill_rows_stay_in_the_frames_the_socket_received(tmp_path, transport):
+    """A real broker and consumer: a prefill message's rows stay in the frames the consumer's socket received
+    (Accumulator._adopt) and the records of requests that ended with them have their prompt rows as a view of
+    them; a request that goes on is moved to the arena; every record bit for bit. Over inproc a frame may be the
+    sender's own memory, so nothing is kept there."""
+    import zmq
+
+    from routing_replay.broker import Broker
+    from routing_replay.consumer import Consumer
+    ctx = zmq.Context()
+    if transport == "ipc":
+        fe, be = f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b"
+    elif transport == "tcp":
+        fe, be = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
+    else:
+        fe, be = f"inproc://f-{tmp_path.name}", f"inproc://b-{tmp_path.name}"
+    got = {}
+    b = Broker(fe, be, context=ctx, stats_interval_s=60).start()
+    c = Consumer(b.backend, context=ctx, finish_grace_s=0.1, stats_interval_s=60,
+                 on_record=lambda r: got.__setitem__(r.request_id, r)).start()
+    P = {"a": 5000, "b": 4200, "c": 4100, "small": 8}          # rows of 16 bytes: a, b, c >= 64 KiB each
+    G = {"a": 1, "b": 1, "c": 3, "small": 1}
+    truth = {r: true_rows(i, np.arange(P[r] + G[r]), L, K, E) for i, r in enumerate(P)}
+    try:
+        wait_until(lambda: len(b._live) == 1, 10, "consumer joined")
+        with Producer(b.frontend, num_layers=L, top_k=K, context=ctx) as p:
+            for r in P:
+                p.open(r, prompt_len=P[r])
+            big = ["a", "b", "c"]
+            assert p.publish_rows(big, [0, 0, 0], [P[r] for r in big], np.concatenate([truth[r][:P[r]] for r in big]))
+            assert p.flush(10)
+            assert p.publish_rows(["small"], [0], [P["small"]], truth["small"][:P["small"]])
+            for s in range(P["c"], P["c"] + G["c"] - 1):          # c decodes on (its last token is never fed)
+                assert p.publish_rows(["c"], [s], [1], truth["c"][s:s + 1])
+                assert p.flush(10)
+            for r in P:
+                p.finish(r, num_output_tokens=G[r])
+            assert p.flush(10)
+        wait_until(lambda: len(got) == 4, 20, "4 records")
+        for r in P:
+            rec = got[r]
+            want = truth[r].copy()
+            want[-1] = -1                                          # the last output token's row
+            assert rec.complete, (r, rec.reason, rec.missing)
+            np.testing.assert_array_equal(rec.prompt_routed_experts, want[:P[r]])
+            np.testing.assert_array_equal(rec.routed_experts, want[P[r]:])
+            assert rec.prompt_routed_experts.flags.writeable
+        s = c.acc.stats
+        kept = (3, 2, 1) if transport != "inproc" else (0, 0, 0)
+        assert (s.adopted, s.adopted_records, s.materialized) == kept
+        assert c.acc.bytes_held == 0
+    finally:
+        c.close()
+        b.close()
+        ctx.term()
