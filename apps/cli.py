@@ -210,7 +210,8 @@ def cmd_consume(a) -> int:
                      curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow,
                      remember_finished=a.remember_finished, fetched_retention_s=a.fetched_retention_s,
                      fetched_retention_bytes=a.fetched_retention_mb << 20, write_retry_max_s=a.write_retry_max_s,
-                     keep_bytes=None if a.keep_mb is None else a.keep_mb << 20)
+                     keep_bytes=None if a.keep_mb is None else a.keep_mb << 20,
+                     adopt_min_bytes=None if a.copy_rows else a.keep_received_kb << 10)
     except ValueError as e:
         return _die("consume", str(e))
     _on_signals(c.stop)
@@ -342,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-mb", type=NON_NEGATIVE, default=None, metavar="MIB",
                    help="memory of finished requests' rows kept for the next requests, so they write without page "
                         "faults (MiB; default: the most held at once, at least 256)")
+    p.add_argument("--keep-received-kb", type=NON_NEGATIVE, default=64, metavar="KIB",    # consumer.ADOPT_MIN_BYTES
+                   help="a message whose every entry is a new request's first rows, each at least this big (a "
+                        "prefill step's), is not copied: the rows stay in the received message and the records "
+                        "of requests that end with them are views of it (KiB; default: %(default)s)")
+    p.add_argument("--copy-rows", action="store_true",
+                   help="copy every row into the consumer's own memory (no record holds a received message)")
     p.add_argument("--broker-key", metavar="FILE", help="the broker's public cert (NAME.key), with --curve-secret")
     curve_server(p, "trainers on --serve")
     common(p)

@@ -11,8 +11,9 @@ Chains (each role a separate process, loopback tcp):
   raw     : PUSH -> PULL, the same frames, the consumer only counts bytes (the wire's limit)
   proxy   : PUSH -> zmq.proxy(PULL, PUSH) -> 2 x PULL counting bytes (libzmq's C forwarder: one hop's limit)
   copy    : the proxy chain whose 2 consumers also copy every payload byte once into memory they keep (a 256 MiB
-            buffer, faulted in before the clock starts, written round-robin): the least a consumer that holds
-            records must do, with no Python per request; ours/copy is how close ours comes to that floor
+            buffer, faulted in before the clock starts, written round-robin): what a consumer that copies the
+            rows it holds does, with no Python per request (ours keeps a prefill message's rows as received since
+            session 36, so ours/copy can pass 1 there)
   ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
 Then latency: ours at an offered load of 100k tokens/s (decode steps), p50/p99 from publish() to applied.
 Peak RSS of broker and consumers is reported, and the CPU seconds (user + system, all threads) each process

@@ -8,6 +8,10 @@ message, the others (a new request, an overwrite, a hole) one by one. Positions 
 position overwrites and a jump leaves a hole that is filled with -1 and reported as missing unless a later delta
 fills it.
 
+A message whose every entry is a new request's first rows (a prefill step's; `adopt_min_bytes`) is not copied at
+all: the rows stay in the received frames (`_Adopted`), a request that ends with them gets a record whose prompt
+rows are a view of them, and anything else that comes for the request moves them into the arena first.
+
 Replays are harmless: the link below delivers each producer's messages in seq order, and a resend is always a
 suffix of that order, so re-applying deltas leaves the newest write of every position in place. Request-level
 messages are made idempotent here: a finished request remembers the (producer, epoch, seq) that closed it, so

@@ -325,3 +325,33 @@ def test_prefill_rows_stay_in_the_frames_the_socket_received(tmp_path, transport
         c.close()
         b.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("flags,kept", [((), (2, 2)), (("--copy-rows",), (0, 0)),
+                                        (("--keep-received-kb", "100"), (1, 1))])
+def test_consume_cli_keeps_received_prefill_rows_as_configured(tmp_path, flags, kept):
+    """`routing-replay consume` as a process: by default a prefill message's rows (here 80 and 64 KiB) stay in the
+    received frames; --copy-rows copies them all; --keep-received-kb sets the smallest entry kept. Its stats
+    line counts them, and the npz records are exact either way."""
+    broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b")
+    c = start_consumer(be, "--npz-dir", str(tmp_path / "npz"), "--finish-grace-ms", "100", *flags)
+    P = {"big": 6400, "edge": 4096}                               # 16-byte rows: 100 and 64 KiB
+    truth = {r: true_rows(i, np.arange(P[r] + 1), L, K, E) for i, r in enumerate(P)}
+    try:
+        broker.wait_for(r"consumers=1")
+        for r in P:                                               # one message each, kept or copied on its own
+            with Producer(fe, num_layers=L, top_k=K) as p:
+                p.open(r, prompt_len=P[r])
+                assert p.publish_rows([r], [0], [P[r]], truth[r][:P[r]])
+                p.finish(r, num_output_tokens=1)
+                assert p.flush(10)
+        recs = {}
+        wait_until(lambda: len(recs.update(load_records(tmp_path / "npz")) or recs) == 2, 20, "2 npz records")
+        for r in P:
+            np.testing.assert_array_equal(recs[r].prompt_routed_experts, truth[r][:P[r]])
+            assert recs[r].complete and (recs[r].routed_experts == -1).all()
+        m = c.wait_for(r"records=2 .* adopted=(\d+) adopted_records=(\d+) materialized=0 ")
+        assert (int(m.group(1)), int(m.group(2))) == kept
+    finally:
+        for p in (c, broker):
+            assert p.stop() == 0
