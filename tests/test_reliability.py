@@ -252,11 +252,16 @@ sys.stdin.read()
 """
 
 
-def test_producer_killed_its_requests_aborted_and_consumer_memory_freed(tmp_path):
+@pytest.mark.parametrize("rows_kept", [True, False], ids=["kept_as_received", "copied"])
+def test_producer_killed_its_requests_aborted_and_consumer_memory_freed(tmp_path, rows_kept):
+    """The 8 requests' rows came in one prefill message: by default the consumer keeps them as received and moves
+    them into its arena when the aborts come (their records are not complete); with --copy-rows they were copied
+    on arrival, and the arena's kept pages are checked exactly."""
     Lp, Kp = 48, 8
     broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", "--heartbeat-ms", "200",
                                   "--producer-timeout-ms", "1000")
-    c = start_consumer(be, "--npz-dir", str(tmp_path / "out"), "--heartbeat-ms", "200", "--stats-interval", "0.2")
+    c = start_consumer(be, "--npz-dir", str(tmp_path / "out"), "--heartbeat-ms", "200", "--stats-interval", "0.2",
+                       *(() if rows_kept else ("--copy-rows",)))
     broker.wait_for("consumers=1")
     base = c.wait_for(r"held_MB=([\d.]+)").group(1)
     proc = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, fe], stdin=subprocess.PIPE,
@@ -280,6 +285,10 @@ def test_producer_killed_its_requests_aborted_and_consumer_memory_freed(tmp_path
             rows[2000:] = -1
             assert np.array_equal(r.prompt_routed_experts, rows) and r.routed_experts.shape == (0, Lp, Kp)
         wait_until(lambda: re.search(r"in_flight=0 .*held_MB=0\.0 ", c.lines[-1]) is not None, 10, "memory freed")
+        kept = re.search(r"adopted=(\d+) adopted_records=(\d+) materialized=(\d+) ", c.lines[-1]).groups()
+        assert kept == (("8", "0", "8") if rows_kept else ("0", "0", "0"))
+        if rows_kept:           # moved to the arena one record at a time, as the npz writer let go of the last
+            return
         # the records' pages (8 x 3000 rows of 768 B = 2.304 MB each, their -1 tails included) are kept for the
         # next requests once their views are gone: all 8, or 7 while the npz writer still holds its last record
         wait_until(lambda: re.search(r" kept_MB=(16\.1|18\.4) peak_MB=18\.4 ", c.lines[-1]) is not None, 10,
