@@ -909,24 +909,33 @@ class Accumulator:
         return wire.Record(st.rid, arr[:P], arr[P:], C, layer_ids, complete, [tuple(m) for m in missing],
                            reason, finish_reason, st.prompt_tokens, end.output_tokens, F)
 
+    @staticmethod
+    def _usual_end(st: _Request):
+        """The one range of all layers of a request that ended the usual way (finished, not aborted, nothing lost,
+        noted or damaged, no prefix rows sent, rows up to its last fed token), or None: what _build_adopted and
+        _build_whole start from."""
+        end = st.finish
+        if (end.aborted or end.lost or st.notes or st.damaged or st.prefix_filled or len(st.ranges) != 1
+                or st.layer_ids is None):
+            return None
+        rows = st.ranges.get((0, st.num_layers))
+        P, G = st.prompt_len, end.num_output
+        if rows is None or not P + G or rows.n < (P + G - 1 if G > 0 else P):
+            return None
+        return rows
+
     def _build_adopted(self, st: _Request) -> wire.Record | None:
         """_build_whole's record for a request whose rows are all still as received (_Adopted), or None: its prompt
         rows are a view of the received frame, its generation rows (at most the few that came with the prompt,
         then -1) a small array of their own. Only where no row needs -1 in the prompt (no prefix-cache hits)."""
+        ad = self._usual_end(st)
         end = st.finish
-        L = st.num_layers
-        if (end.aborted or end.lost or st.notes or st.damaged or st.prefix_filled or len(st.ranges) != 1
-                or st.layer_ids is None):
-            return None
-        ad = st.ranges.get((0, L))
-        if type(ad) is not _Adopted:
-            return None
         P, G = st.prompt_len, end.num_output
         total = P + G
-        n = ad.n
-        if min(st.num_cached, P) or not total or n < (total - 1 if G > 0 else P) or n > total:
+        n = ad.n if type(ad) is _Adopted else 0
+        if not n or n > total or min(st.num_cached, P):
             return None
-        K = st.top_k
+        L, K = st.num_layers, st.top_k
         rows = ad.buf.view(wire.ROW_DTYPE).reshape(n, L, K)
         gen = np.empty((G, L, K), dtype=wire.ROW_DTYPE)
         g = min(n, total - 1 if G > 0 else total) - P      # generation rows that came (the last one never does)
@@ -943,19 +952,15 @@ class Accumulator:
         general bookkeeping (covered layers, missing ranges, reasons): a view of the rows, -1 where no routing
         exists (prefix-cache hits, the last output token). The general path stays the reference (tests compare
         the two on the same requests)."""
-        end = st.finish
-        L = st.num_layers
-        if (end.aborted or end.lost or st.notes or st.damaged or st.prefix_filled or len(st.ranges) != 1
-                or st.layer_ids is None):
+        rows = self._usual_end(st)
+        if type(rows) is not _Rows:
             return None
-        rows = st.ranges.get((0, L))
-        if rows is None:
-            return None
+        end, L = st.finish, st.num_layers
         P, G = st.prompt_len, end.num_output
         total = P + G
         n = rows.n
         C = min(st.num_cached, P)
-        if not total or n < (total - 1 if G > 0 else P) or (rows.holes and rows.holes[-1][1] > C):
+        if rows.holes and rows.holes[-1][1] > C:
             return None                             # (a hole below C: the prefix-cache hits never sent)
         lease = rows.arena.lease(rows.h, total, (total, L, st.top_k))
         st.lease = ((0, L), lease)
