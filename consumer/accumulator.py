@@ -429,7 +429,8 @@ class Accumulator:
         for them (`_materialize`), and a request that ends with them has its prompt rows as a view of them."""
         c = d.counts
         rb = d.row_bytes
-        if int(d.starts.max()) != 0 or int(c.min()) * rb < self.adopt_min_bytes or int(c.min()) <= 0:
+        least = int(c.min())
+        if int(d.starts.max()) != 0 or least <= 0 or least * rb < self.adopt_min_bytes:
             return False
         ids = d.request_ids
         handle, requests, finished = sh.handle, self.requests, self._finished_ids

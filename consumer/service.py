@@ -371,7 +371,8 @@ class Consumer(ServiceThread):
         s = self.acc.stats
         st, tr, w = self.store, self.trainers, self.writer
         log.info("consumer %s records=%d complete=%d incomplete=%d aborted=%d timed_out=%d in_flight=%d "
-                 "delta_msgs=%d rows=%d adopted=%d adopted_records=%d materialized=%d MB=%.1f held_MB=%.1f kept_MB=%.1f peak_MB=%.1f late=%d replayed_opens=%d "
+                 "delta_msgs=%d rows=%d adopted=%d adopted_records=%d materialized=%d MB=%.1f held_MB=%.1f "
+                 "kept_MB=%.1f peak_MB=%.1f late=%d replayed_opens=%d "
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "

@@ -422,13 +422,12 @@ class Open:
 _last_layer_ids: list = []
 
 
-def _layer_ids(raw: Any, L: int) -> list:
+def _layer_ids(body: dict, L: int) -> list:
     """An open's layer_ids (range(L) when absent), checked: L integers in [0, 2**20]. The list returned may be
     shared by the opens of other requests: readers never change it."""
     global _last_layer_ids
     last = _last_layer_ids
-    if raw is None:
-        raw = list(range(L))
+    raw = body["layer_ids"] if "layer_ids" in body else list(range(L))
     if (type(raw) is list and len(raw) == L and raw == last
             and list(map(type, raw)).count(int) == L):    # equal as values and all ints: the checked list itself
         return last
@@ -446,7 +445,7 @@ def parse_open(h: Header) -> Open:
     C = int_field(b, "num_cached", 0, P)
     L = int_field(b, "num_layers", 1, MAX_LAYERS)
     K = int_field(b, "top_k", 1, MAX_TOP_K)
-    ids = _layer_ids(b.get("layer_ids"), L)
+    ids = _layer_ids(b, L)
     nt = int_field(b, "n_prompt_tokens", 0, MAX_POSITION, 0)
     filled = b.get("prefix_filled", False)
     if type(filled) is not bool:

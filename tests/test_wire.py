@@ -158,3 +158,7 @@ def test_an_opens_layer_ids_are_checked_the_same_after_an_equal_list_was_accepte
     assert open_with(None).layer_ids == [0, 1, 2] and open_with(None, L=2).layer_ids == [0, 1]
     with pytest.raises(wire.ProtocolError):
         open_with([0, 1, 2], L=2)
+    body = {"prompt_len": 4, "num_cached": 0, "num_layers": 3, "top_k": 2, "layer_ids": None}   # null: not absent
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.parse_open(wire.decode_header(wire.pack_header("open", "p", 0, 1, "r", body)))
+    assert e.value.reason == "bad_field"
