@@ -20,7 +20,8 @@ Peak RSS of broker and consumers is reported, and the CPU seconds (user + system
 spent from the start signal to the end of the run (`cpu_s`: the sender's own count, the others' from
 /proc/PID/stat). The producer coalesces steps that queue up behind its thread (Producer coalesce_max_bytes;
 --coalesce-bytes 0: one message per publish call, as before issue #16). --profile DIR: each process's CPU per
-thread, and cProfile stats of its main thread, in DIR (BENCH_PROFILE=threads: the thread CPU only).
+thread, and cProfile stats of its main thread, in DIR (BENCH_PROFILE=threads: the thread CPU only; =all: every
+thread's Python).
 --batches N: each workload N times back to back as rollout batches (new request ids; each batch after the last
 one's records are out), the last one measured: N=2 is a long-running consumer's steady state, its record memory
 already faulted in (`--keep-mib`: the consumers' keep_bytes). Throughput, CPU and memory are the last batch's.
@@ -406,7 +407,8 @@ def _thread_cpu() -> dict:
 
 def _profiled(target, name, profile_dir, *args):
     """Run one role with its CPU seconds per thread (sampled every 0.1 s, so threads that end are counted) in
-    profile_dir/<name>-<pid>.cpu, and under cProfile (main thread) unless BENCH_PROFILE=threads."""
+    profile_dir/<name>-<pid>.cpu, and under cProfile with each thread's own CPU clock: the main thread unless
+    BENCH_PROFILE=threads, every thread the role starts too with BENCH_PROFILE=all (<name>-<pid>-<thread>.prof)."""
     import threading
     seen = {}
     done = threading.Event()
@@ -419,9 +421,20 @@ def _profiled(target, name, profile_dir, *args):
 
     threading.Thread(target=sample, daemon=True, name="bench-sampler").start()
     prof = None
-    if os.environ.get("BENCH_PROFILE") != "threads":
+    mode = os.environ.get("BENCH_PROFILE", "")
+    if mode != "threads":
         import cProfile
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time)
+    if mode == "all":               # every thread the role starts under cProfile too, each in its own stats file
+        run = threading.Thread.run
+
+        def profiled_run(self):
+            p = cProfile.Profile(time.thread_time)
+            try:
+                p.runcall(run, self)
+            finally:
+                p.dump_stats(os.path.join(profile_dir, f"{name}-{os.getpid()}-{self.name}.prof"))
+        threading.Thread.run = profiled_run
     try:
         prof.runcall(target, *args) if prof else target(*args)
     finally:

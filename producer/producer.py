@@ -26,6 +26,11 @@ log = logging.getLogger("routing_replay.producer")
 # 16-core host (docs/PERFORMANCE.md, session 23): 128 MiB kept throughput (decode 1.32M tokens/s, batched 1.77M)
 # with consumer RSS 1.02-1.05x its records, against 1.03-1.17x at 256 MiB; 64 MiB halved throughput there.
 REPLAY_MAX_BYTES = 128 << 20
+# Rows of steps queued together that leave as one delta (with at most sender.COALESCE_MAX_STEPS steps). Larger
+# messages mean fewer per-message costs in all three processes once the thread falls behind: bench/pipeline.py on
+# an H200 host pinned to 2 cores (docs/PERFORMANCE.md, session 37), 16 MiB against 4 MiB: decode +10 to +37 %
+# tokens/s in 4 pairs, the plugin's 16-step message +9 %, prefill +7 %; 1 MiB lost 25-40 % there.
+COALESCE_MAX_BYTES = 16 << 20
 
 
 @dataclass
@@ -127,9 +132,9 @@ class Producer:
     `dropped=True` (capture's host ring was full) is counted and reported lost the same way, never waited on.
 
     Coalescing: steps that wait in the queue together when the thread takes them (it fell behind the caller)
-    leave as one delta message of up to `coalesce_max_bytes` of rows and 64 steps; the thread never waits for
-    more, so a step that finds the queue empty goes alone (no added latency). The broker and consumers then pay
-    their per-message costs once per batch. `coalesce_max_bytes=0`: one message per publish call.
+    leave as one delta message of up to `coalesce_max_bytes` (16 MiB) of rows and 64 steps; the thread never
+    waits for more, so a step that finds the queue empty goes alone (no added latency). The broker and consumers
+    then pay their per-message costs once per batch. `coalesce_max_bytes=0`: one message per publish call.
 
     Security: with `curve_secret` (this producer's NAME.key_secret) and `server_key` (the broker's NAME.key) the
     connection is CURVE-encrypted and the broker is authenticated (protocol/security.py).
@@ -154,7 +159,7 @@ class Producer:
                  spill_max_bytes: int = 4 << 30, resend_timeout_ms: int = 5000,
                  curve_secret: str | os.PathLike | None = None, server_key: str | os.PathLike | None = None,
                  silence_warn_after_ms: int = 3000, silence_warn_every_ms: int = 10_000,
-                 coalesce_max_bytes: int = 4 << 20):
+                 coalesce_max_bytes: int = COALESCE_MAX_BYTES):
         if not 1 <= num_layers <= wire.MAX_LAYERS or not 1 <= top_k <= wire.MAX_TOP_K:
             raise ValueError(f"num_layers={num_layers} top_k={top_k} outside protocol limits")
         if (curve_secret is None) != (server_key is None):

@@ -51,7 +51,7 @@ class SenderSettings(NamedTuple):
     replay_max_bytes: int
     spill_max_bytes: int
     max_queue_bytes: int
-    coalesce_max_bytes: int = 4 << 20
+    coalesce_max_bytes: int = 16 << 20
 
 
 class Sender:

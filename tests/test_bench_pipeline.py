@@ -110,3 +110,34 @@ def test_a_real_prefill_n_run_delivers_a_record_per_request(tmp_path):
     (r,) = json.loads(out.read_text())
     assert (r["workload"], r["chain"], r["records"]) == ("prefill:2", "ours", 40)
     assert len(r["record_mb"]) == 2 and sum(r["record_mb"]) == pytest.approx(40 * 4096 * 768 / 1e6, abs=0.1)
+
+
+def test_bench_profile_all_writes_each_threads_python_profile(tmp_path):
+    """BENCH_PROFILE=all --profile DIR, really run: besides each role's main-thread stats and per-thread CPU, every
+    Python thread a role starts has its own cProfile stats, named after the thread (the producer's sender thread is
+    where the request-major copy runs; the consumer's thread is where rows are applied)."""
+    import os
+    import pstats
+    import subprocess
+    import sys
+    prof = tmp_path / "prof"
+    env = dict(os.environ, BENCH_PROFILE="all")
+    p = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "decode", "--chains", "ours", "--quick",
+                        "--no-latency", "--profile", str(prof)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    names = sorted(f.name for f in prof.iterdir())
+    sender = [n for n in names if n.startswith("producer-") and "-rr-producer-" in n and n.endswith(".prof")]
+    consumers = [n for n in names if n.startswith("consumer-") and "-rr-consumer-" in n and n.endswith(".prof")]
+    assert len(sender) == 1 and len(consumers) == 2, names
+    assert len([n for n in names if n.endswith(".cpu")]) == 4, names
+
+    def calls(name: str, func: str) -> int:
+        st = pstats.Stats(str(prof / name)).stats
+        return sum(v[1] for (path, _, fn), v in st.items() if fn == func and path.endswith(".py"))
+
+    assert calls(sender[0], "_run") == 1                     # the sender thread's own body, once
+    assert calls(sender[0], "publish_rows") == 0             # the caller's calls are the main thread's
+    (main,) = [n for n in names if n.startswith("producer-") and n.count("-") == 1 and n.endswith(".prof")]
+    assert calls(main, "publish_rows") == 400                # --quick: 400 decode steps, one publish call each
+    for c in consumers:
+        assert calls(c, "_on_broker_message") > 0
