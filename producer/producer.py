@@ -28,8 +28,8 @@ log = logging.getLogger("routing_replay.producer")
 REPLAY_MAX_BYTES = 128 << 20
 # Rows of steps queued together that leave as one delta (with at most sender.COALESCE_MAX_STEPS steps). Larger
 # messages mean fewer per-message costs in all three processes once the thread falls behind: bench/pipeline.py on
-# an H200 host pinned to 2 cores (docs/PERFORMANCE.md, session 37), 16 MiB against 4 MiB: decode +10 to +37 %
-# tokens/s in 4 pairs, the plugin's 16-step message +9 %, prefill +7 %; 1 MiB lost 25-40 % there.
+# an H200 host pinned to 2 cores (docs/PERFORMANCE.md, session 37), 16 MiB against 4 MiB: decode +11 to +37 %
+# tokens/s in 4 pairs, the plugin's 16-step message +9 %, prefill +7 % (one pair each); 1 MiB lost 15-38 %.
 COALESCE_MAX_BYTES = 16 << 20
 
 
