@@ -723,25 +723,30 @@ def test_records_dropped_on_another_thread_free_their_regions_safely():
             seed, r = item
             try:
                 check(r, seed, 30, 5, 0)
-            except AssertionError as e:
+            except Exception as e:  # noqa: BLE001 (reported by the main thread, which must not wait forever)
                 bad.append(e)
-            del r, item
-            q.task_done()
+            finally:
+                del r, item
+                q.task_done()
 
-    t = threading.Thread(target=trainer)
+    # a daemon that the main thread always stops: a failure on either side fails the test instead of hanging it
+    t = threading.Thread(target=trainer, daemon=True)
     t.start()
-    for i in range(300):
-        rid = f"t{i}"
-        f.open(rid, 30)
-        f.delta([(rid, 0, rows(i, 0, 30))])
-        for p in range(30, 34):
-            f.delta([(rid, p, rows(i, p, p + 1))])
-        f.finish(rid, 5)
-        q.put((i, f.out.pop(rid)))
-        if i % 10 == 9:
-            q.join()                # the trainer dropped them (while this thread went on writing the next ten)
-    q.put(None)
-    t.join()
+    try:
+        for i in range(300):
+            rid = f"t{i}"
+            f.open(rid, 30)
+            f.delta([(rid, 0, rows(i, 0, 30))])
+            for p in range(30, 34):
+                f.delta([(rid, p, rows(i, p, p + 1))])
+            f.finish(rid, 5)
+            q.put((i, f.out.pop(rid)))
+            if i % 10 == 9:
+                q.join()            # the trainer dropped them (while this thread went on writing the next ten)
+    finally:
+        q.put(None)
+        t.join(60)
+    assert not t.is_alive()
     f.tick(0.0)
     (sh,) = f.acc._shapes.values()
     assert not bad and f.acc.bytes_held == 0

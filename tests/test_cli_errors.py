@@ -91,3 +91,11 @@ def test_good_values_still_parse():
     assert a.connect == ["tcp://[::1]:5559", "inproc://x"] and a.count == 0
     a = build_parser().parse_args(["consume", "--serve", "tcp://127.0.0.1:*", "--npz-dir", "/nonexistent/dir/x"])
     assert a.serve == "tcp://127.0.0.1:*" and a.npz_dir == "/nonexistent/dir/x"
+
+
+def test_consumes_defaults_are_the_consumers_own():
+    """`consume`'s defaults written in the CLI (it imports the consumer only once it runs) are the Consumer's."""
+    from routing_replay.apps.cli import build_parser
+    from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES
+    a = build_parser().parse_args(["consume"])
+    assert a.keep_received_kb * 1024 == ADOPT_MIN_BYTES and not a.copy_rows
