@@ -16,7 +16,7 @@ from routing_replay.protocol.ids import default_peer_id
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, QueueLedger, RequestBook, Step,
                                               StepParts, escaped_id, flat_ids, flat_ints)
 from routing_replay.producer.replay import ReplayBuffer, Spill
-from routing_replay.producer.sender import STOP, Sender, SenderSettings
+from routing_replay.producer.sender import COALESCE_MAX_BYTES, STOP, Sender, SenderSettings
 
 log = logging.getLogger("routing_replay.producer")
 
@@ -26,11 +26,6 @@ log = logging.getLogger("routing_replay.producer")
 # 16-core host (docs/PERFORMANCE.md, session 23): 128 MiB kept throughput (decode 1.32M tokens/s, batched 1.77M)
 # with consumer RSS 1.02-1.05x its records, against 1.03-1.17x at 256 MiB; 64 MiB halved throughput there.
 REPLAY_MAX_BYTES = 128 << 20
-# Rows of steps queued together that leave as one delta (with at most sender.COALESCE_MAX_STEPS steps). Larger
-# messages mean fewer per-message costs in all three processes once the thread falls behind: bench/pipeline.py on
-# an H200 host pinned to 2 cores (docs/PERFORMANCE.md, session 37), 16 MiB against 4 MiB: decode +11 to +37 %
-# tokens/s in 4 pairs, the plugin's 16-step message +9 %, prefill +7 % (one pair each); 1 MiB lost 15-38 %.
-COALESCE_MAX_BYTES = 16 << 20
 
 
 @dataclass

@@ -32,6 +32,10 @@ _MAX_LATE_LOST = 1 << 12        # requests whose losses found in the thread wait
 # producer, broker and consumers are paid once per batch when the thread falls behind, as in the vLLM plugin's
 # 16-step batches.
 COALESCE_MAX_STEPS = 64
+# ... and up to this many bytes of rows (Producer's coalesce_max_bytes default): bench/pipeline.py on an H200 host
+# pinned to 2 cores (docs/PERFORMANCE.md, session 37), 16 MiB against 4 MiB: decode +11 to +37 % tokens/s in 4
+# pairs, the plugin's 16-step message +9 %, prefill +7 % (one pair each); 1 MiB lost 15-38 %.
+COALESCE_MAX_BYTES = 16 << 20
 
 
 class SenderSettings(NamedTuple):
@@ -51,7 +55,7 @@ class SenderSettings(NamedTuple):
     replay_max_bytes: int
     spill_max_bytes: int
     max_queue_bytes: int
-    coalesce_max_bytes: int = 16 << 20
+    coalesce_max_bytes: int = COALESCE_MAX_BYTES
 
 
 class Sender:
