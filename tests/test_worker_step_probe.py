@@ -92,7 +92,8 @@ def _watch(events: list, entries: list | None = None):
         def publish_steps(ids, starts, counts, rows, **kw):
             keys, st, cn = ids, starts, counts
             if getattr(rows, "deferred", False):
-                keys, st, cn, _, _ = resolve_raw_steps(rows._raw, rows._table, rows._forwards, ids, starts, counts)
+                keys, st, cn, _, _ = resolve_raw_steps(rows._raw, rows._table, rows._forwards, ids, starts, counts,
+                                                      rows._gone)
             events.append(("rows", {k for step in keys for k in step}))
             if entries is not None:
                 for k, a, c in zip(keys, st, cn):
@@ -340,3 +341,120 @@ def test_a_ring_run_of_steps_faster_than_the_producers_thread_waits_for_it_and_l
     warm = min(100, steps // 4)
     assert r["step_ring"] and r["producer_drained"] and r["encode_errors"] == 0
     assert r["ring_steps"] == r["active_steps"] == steps + warm and r["rows"] == n * (steps + warm)
+
+
+def test_opens_go_to_the_producer_with_each_hand_over_not_every_step():
+    """Under churn a request opens every step. Its open waits for the next hand-over to the producer (the batch
+    that holds its first rows, or a finish): one open_many per hand-over instead of one per step (each call cost
+    15-30 us of engine-thread CPU in the probe), every open still ahead of the batch that holds its rows."""
+    n, steps = 8, 40
+    events: list = []
+    calls: list = []
+
+    def attach(p):
+        _watch(events)(p)
+        inner = p.open_many
+
+        def open_many(items, **kw):
+            calls.append(len(events))           # where in the event stream the call came
+            return inner(items, **kw)
+        p.open_many = open_many
+
+    r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
+                     churn_prompt=12, churn_output=5, on_producer=attach)
+    warm = steps // 4
+    churned = steps + warm - 1
+    assert r["producer_drained"] and r["encode_errors"] == 0 and r["opened"] == n + churned
+    kinds = [k for k, _ in events]
+    hand_overs = kinds.count("rows")
+    assert hand_overs == -(-(steps + warm) // 16)           # full 16-step batches, the last one at the end
+    assert kinds.count("open") == n + churned and len(calls) == hand_overs
+    for at in calls:                                         # each call's opens, then the batch with their rows
+        opened = {what for kind, what in events[at:] if kind == "open"}
+        nxt = next(i for i in range(at, len(events)) if events[i][0] != "open")
+        assert events[nxt][0] == "rows" and {w for k, w in events[at:nxt]} <= events[nxt][1]
+        assert opened
+
+
+@pytest.mark.parametrize("mode,ring", [("on", True), ("on", False), ("fill", True)])
+def test_an_open_refused_at_the_hand_over_loses_that_request_alone(mode, ring):
+    """An open now reaches the producer after steps of its request went into the batch. When the producer refuses
+    it, the request is not captured from then on (skipped=1): its rows already batched are left out (raw ring
+    steps) or dropped by the producer as a refused id's parts, its queued prefix rows are never gathered, and every
+    other request's delta entries are exactly those of the same run without the refusal."""
+    n, steps, hits = 8, 40, 32 if mode == "fill" else 0
+    runs = {}
+    for refuse in (False, True):
+        events, entries, failed, caps = [], [], [], []
+
+        def attach(p, refuse=refuse, events=events, entries=entries, failed=failed):
+            _watch(events, entries)(p)
+            inner = p.open_many
+            calls = [0]
+
+            def open_many(items, **kw):
+                calls[0] += 1
+                if refuse and calls[0] == 3:         # the third hand-over's first open (a request 8 steps old)
+                    failed.append(items[0][0])
+                    p._book.refuse(items[0][0])
+                    return [(0, ValueError("refused"))] + [(i + 1, e) for i, e in inner(items[1:], **kw)]
+                return inner(items, **kw)
+            p.open_many = open_many
+
+        r = _probe().run(mode, n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=ring, churn=1,
+                         churn_prompt=12, churn_output=5, churn_hits=hits, on_producer=attach,
+                         on_step=lambda step, cap, caps=caps: caps.append(cap) if not caps else None)
+        assert r["producer_drained"] and r["encode_errors"] == 0
+        runs[refuse] = (r, entries, failed, caps[0])
+    (r0, entries0, _, cap0), (r, entries, failed, cap) = runs[False], runs[True]
+    (key,) = failed
+    assert (cap0.stats.skipped, cap.stats.skipped) == (0, 1) and r["opened"] == r0["opened"] - 1
+    mine = [e for e in entries if e[0] == key]
+    assert [e for e in entries if e[0] != key] == [e for e in entries0 if e[0] != key]
+    assert any(e[0] == key for e in entries0)                # it had rows in the run without the refusal
+    # what the batches still held of it is dropped by the producer (and its finish: the scheduler's note came
+    # before the refusal); nothing of it is left in the worker's tables
+    assert cap.producer.stats.dropped_parts == len(mine) + 1 and cap0.producer.stats.dropped_parts == 0
+    assert key not in cap.tracked.values() and all(v[0] != key for v in cap._seen.values())
+    if mode == "fill":
+        assert all(f.key != key for f in cap._fill_queue) and cap._fill_rows == sum(f.hits - f.done
+                                                                                     for f in cap._fill_queue)
+        assert r["prefix_rows"] == r0["prefix_rows"]       # (queued at its first step, before the refusal)
+
+
+def test_a_request_that_ends_before_any_hand_over_is_opened_first():
+    """An open waits for the next hand-over; a finish or abort of its request that goes out before one (an ended
+    request with no rows batched; a finish whose note could not be read, sent as an abort) sends the waiting
+    opens first, so the consumer never sees an end before its open."""
+    from types import SimpleNamespace
+    events: list = []
+    sp = SimpleNamespace(extra_args={"return_routed_experts": True})
+
+    def new(rid):
+        return SimpleNamespace(req_id=rid, sampling_params=sp, prompt_token_ids=[1, 2, 3], prompt_embeds=None,
+                               num_computed_tokens=0, block_ids=([0],))
+
+    def on_step(step, cap):
+        if step != 5:
+            return
+        for rid, info in (("late-a", SimpleNamespace(num_output_tokens=2, reason="stop", output_token_ids=[7, 8])),
+                          ("late-b", object())):    # a note without its fields: _end_of raises, the end is an abort
+            cap._open_request(new(rid))
+            key = cap.tracked.pop(rid)
+            cap._close_request(rid, key, info)
+            cap._send_ends()
+
+    def attach(p):
+        _watch(events)(p)
+        abort = p.abort
+
+        def watched_abort(rid, *a, **kw):
+            events.append(("abort", rid))
+            return abort(rid, *a, **kw)
+        p.abort = watched_abort
+
+    r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True,
+                     on_producer=attach, on_step=on_step)
+    assert r["producer_drained"] and r["encode_errors"] == 0
+    mine = [e for e in events if e[1] in ("late-a", "late-b")]
+    assert mine == [("open", "late-a"), ("finish", "late-a"), ("open", "late-b"), ("abort", "late-b")]

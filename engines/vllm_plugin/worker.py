@@ -206,12 +206,14 @@ class _BatchedRows:
     releases every part."""
 
     __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "_copier", "_slots", "shape",
-                 "dtype", "dropped", "_raw", "_table", "_select", "extra_nbytes")
+                 "dtype", "dropped", "_raw", "_table", "_select", "extra_nbytes", "_gone")
 
     def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
                  ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0,
-                 raw: list | None = None, table: dict | None = None, extra_nbytes: int = 0):
+                 raw: list | None = None, table: dict | None = None, extra_nbytes: int = 0,
+                 gone: set | None = None):
         self._parts = parts
+        self._gone = gone               # keys whose open the producer refused at this hand-over: left out too
         self.extra_nbytes = extra_nbytes    # bytes the parts hold beyond their int16 rows (HostRows' tensors)
         self._raw = raw                 # indices of the parts added raw (_StepBatch.add_raw) until resolve(); or None
         self._table = table             # engine id -> (record key, first forward it holds for) for resolve()
@@ -252,7 +254,7 @@ class _BatchedRows:
             return request_ids, starts, counts
         self._raw = None
         keys_out, starts_out, counts_out, select, cut = resolve_raw_steps(raw, table, self._forwards, request_ids,
-                                                                          starts, counts)
+                                                                          starts, counts, self._gone)
         if cut:
             self._select = select
             self.shape = (self.shape[0] - cut, *self.shape[1:])
@@ -322,10 +324,12 @@ class _BatchedRows:
                 p.release()
 
 
-def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list, starts: list, counts: list):
+def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list, starts: list, counts: list,
+                      gone: set | None = None):
     """_BatchedRows.resolve's work, without changing the batch: for the steps at indices `raw`, per step (keys,
     starts, counts), each step's kept rows (an index array into the step's rows, or None for all of them) and the
-    rows left out in all."""
+    rows left out in all. `gone`: record keys whose open the producer refused after their steps were batched; the
+    steps not added raw leave them out too (those added raw do through `table`, which no longer holds them)."""
     keys_out, starts_out, counts_out = list(request_ids), list(starts), list(counts)
     select = [None] * len(request_ids)
     cut = 0
@@ -346,6 +350,20 @@ def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list,
         ends = np.cumsum(cn)
         select[i] = np.repeat(local - (ends - cn), cn) + np.arange(int(ends[-1]) if len(ends) else 0)
         cut += int(qsl[-1] - qsl[0]) - len(select[i])
+    if gone:
+        done = set(raw)
+        for i, keys in enumerate(request_ids):
+            if i in done or gone.isdisjoint(keys):
+                continue
+            on = np.array([k not in gone for k in keys], dtype=bool)
+            cn = np.asarray(counts[i], dtype=np.int64)
+            firsts = np.cumsum(cn) - cn                  # each entry's first row in the step
+            keys_out[i] = [k for k, o in zip(keys, on.tolist()) if o]
+            starts_out[i], counts_out[i] = np.asarray(starts[i])[on], cn[on]
+            kept = cn[on]
+            ends = np.cumsum(kept)
+            select[i] = np.repeat(firsts[on] - (ends - kept), kept) + np.arange(int(ends[-1]) if len(ends) else 0)
+            cut += int(cn.sum()) - len(select[i])
     return keys_out, starts_out, counts_out, select, cut
 
 
@@ -427,26 +445,28 @@ class _StepBatch:
         self.raw.append(len(self.parts))
         self.add_slot(first, n, slot, ids, computed, qsl, forward)
 
-    def hand_over(self, copier: AsyncCopier, forward: int, table: dict | None = None):
+    def hand_over(self, copier: AsyncCopier, forward: int, table: dict | None = None, gone: set | None = None):
         """On the engine thread: the batch's one event (and, with step-ring parts, the checkpoint), then the
         batch as Producer.publish_steps arguments; `forward`: the engine's forward count now; `table`: engine id
-        -> (record key, first forward) for the steps added raw."""
+        -> (record key, first forward) for the steps added raw; `gone`: see take_parts."""
         ringed = self.ringed
         sb = copier.mark_batch(self.parts, checkpoint=ringed, slots=self.by_ref)
-        return self.take_parts(forward if ringed else None, copier if sb is not None else None, sb, table)
+        return self.take_parts(forward if ringed else None, copier if sb is not None else None, sb, table, gone)
 
     def take_parts(self, ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None,
-                   table: dict | None = None):
+                   table: dict | None = None, gone: set | None = None):
         """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
         thread); the batch is empty afterwards. `ckpt_forward`: the engine's forward count when the batch's
         checkpoint was taken (batches with step-ring parts); `copier` and `slots`: for parts added by reference;
-        `table`: for the steps added raw (add_raw)."""
+        `table`: for the steps added raw (add_raw); `gone`: record keys whose open the producer refused at this
+        hand-over, left out of a batch with raw steps on the producer's thread (resolve_raw_steps), before their
+        finish takes the refusal back (a batch without raw steps is screened at publish_steps, on this thread)."""
         raw = self.raw or None
         if raw is not None and table is None:
             raise ValueError("a batch with steps added raw needs the table of their engine ids")
         out = (self.keys, self.starts, self.counts,
                _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward, copier, slots,
-                            self.rows, raw, table, self.extra))
+                            self.rows, raw, table, self.extra, gone if raw is not None else None))
         self.raw = []
         self.extra = 0
         self.ringed = False
@@ -667,7 +687,7 @@ class WorkerCapture:
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
         self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
-        self._opens: list = []                  # (engine id, Producer.open_many item): this step's, one call
+        self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
@@ -980,8 +1000,6 @@ class WorkerCapture:
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
                 self._open_request(new)
-        if self._opens:
-            self._send_opens()
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
         if self._closing and not active:
@@ -1010,7 +1028,7 @@ class WorkerCapture:
     def _open_request(self, new) -> None:
         """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
         captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
-        Its open waits in self._opens for the step's others (_send_opens: one producer call per step)."""
+        Its open waits in self._opens for the next hand-over to the producer (_send_opens)."""
         if new.req_id in self._seen:
             self._flush()           # the batch may hold raw steps where this id is a request that ended
         try:
@@ -1040,9 +1058,13 @@ class WorkerCapture:
                         "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
                         key, self.stats.derived_keys)
 
-    def _send_opens(self) -> None:
-        """The step's opens in one producer call; a request whose open fails is not captured (as _open_request)."""
+    def _send_opens(self) -> set | None:
+        """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
+        finishes (_flush, _send_ends, _failed_end): not one call per step. A request whose open fails is not
+        captured from then on (as _open_request); the rows of it that the batch already holds do not go out
+        (the producer screens the id, or the batch leaves it out: take_parts). Returns the keys that failed."""
         opens, self._opens = self._opens, []
+        gone = None
         try:
             # (prompt lists by reference: vLLM never modifies a request's prompt_token_ids)
             failed = self.producer.open_many([item for _, item in opens], ids_checked=True, tokens_frozen=True)
@@ -1051,12 +1073,26 @@ class WorkerCapture:
         self.stats.opened += len(opens) - len(failed)
         for i, e in failed:
             rid = opens[i][0]
+            if gone is None:
+                gone = set()
+            gone.add(opens[i][1][0])
             if self.tracked.pop(rid, None) is not None:
                 self._tracked_gen += 1
-            self._seen.pop(rid, None)   # (opened this step: no step of the batch holds it yet)
+            if rid in self._seen:       # raw steps of the batch then leave its rows out (no key for the id)
+                if self._seen_shared:   # (a handed-over batch's table: copied first, as _cut_seen does)
+                    self._seen = self._seen.copy()
+                    self._seen_shared = False
+                del self._seen[rid]
             if self._fills:
                 self._fills = [f for f in self._fills if f[0] != rid]
+            if rid in self._fill_rids:  # (queued after its first step's forward)
+                self._fill_rids.discard(rid)
+                q = self._fill_queue
+                left = [f for f in q if f.rid == rid]
+                self._fill_queue = deque(f for f in q if f.rid != rid)
+                self._fill_rows -= sum(f.hits - f.done for f in left)
             self._skip(rid, "open", e)
+        return gone
 
     def _skip(self, rid: str, what: str, error: Exception) -> None:
         """Log and count a per-request failure; re-raise it if the producer itself failed (engine-wide)."""
@@ -1083,6 +1119,8 @@ class WorkerCapture:
     def _failed_end(self, rid: str, key: str, e: Exception) -> None:
         self._skip(rid, "finish", e)
         if self.announces:
+            if self._opens:     # (the request may have opened since the last hand-over: its open goes first)
+                self._send_opens()
             try:                    # the consumer would otherwise wait request_timeout_s for the finish
                 self.producer.abort(key, "capture_error")
             except Exception as e2:  # noqa: BLE001
@@ -1112,6 +1150,8 @@ class WorkerCapture:
 
     def _send_ends(self) -> None:
         """The finishes and aborts collected since the last call, in one producer call."""
+        if self._opens:                     # (a request that opened since the last hand-over ends: open first)
+            self._send_opens()
         ends, self._ends = self._ends, []
         try:
             # (output ids by reference: the scheduler hook's own list, or _end_of's)
@@ -1327,10 +1367,12 @@ class WorkerCapture:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         batch = self.batch
+        # the opens that waited for a hand-over go before their rows
+        gone = self._send_opens() if self._opens else None
         if batch.parts:                     # (step ring: the device counter now proves which slots it reads)
             if batch.raw:
                 self._seen_shared = True    # the producer's thread reads it: nothing is taken out of it now
-            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, self._seen), checked=True)
+            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, self._seen, gone), checked=True)
         if self._ended:                     # requests ended since: out of the table (no step holds them now)
             self._cut_seen()
         if self._closing:                   # finishes that waited for this batch (pre_step)
