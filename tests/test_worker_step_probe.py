@@ -343,10 +343,12 @@ def test_a_ring_run_of_steps_faster_than_the_producers_thread_waits_for_it_and_l
     assert r["ring_steps"] == r["active_steps"] == steps + warm and r["rows"] == n * (steps + warm)
 
 
-def test_opens_go_to_the_producer_with_each_hand_over_not_every_step():
+@pytest.mark.parametrize("mode", ["on", "fill"])
+def test_opens_go_to_the_producer_with_each_hand_over_not_every_step(mode):
     """Under churn a request opens every step. Its open waits for the next hand-over to the producer (the batch
     that holds its first rows, or a finish): one open_many per hand-over instead of one per step (each call cost
-    15-30 us of engine-thread CPU in the probe), every open still ahead of the batch that holds its rows."""
+    15-30 us of engine-thread CPU in the probe), every open still ahead of the batch that holds its rows. With a
+    prefix store (fill) a step's opens still go in its pre_step, one call per step (measured slower otherwise)."""
     n, steps = 8, 40
     events: list = []
     calls: list = []
@@ -360,15 +362,19 @@ def test_opens_go_to_the_producer_with_each_hand_over_not_every_step():
             return inner(items, **kw)
         p.open_many = open_many
 
-    r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
-                     churn_prompt=12, churn_output=5, on_producer=attach)
+    r = _probe().run(mode, n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
+                     churn_prompt=12, churn_output=5, churn_hits=16 if mode == "fill" else 0, on_producer=attach)
     warm = steps // 4
     churned = steps + warm - 1
     assert r["producer_drained"] and r["encode_errors"] == 0 and r["opened"] == n + churned
     kinds = [k for k, _ in events]
     hand_overs = kinds.count("rows")
+    assert kinds.count("open") == n + churned
+    if mode == "fill":                                       # every step opens: one call each
+        assert len(calls) == steps + warm
+        return
     assert hand_overs == -(-(steps + warm) // 16)           # full 16-step batches, the last one at the end
-    assert kinds.count("open") == n + churned and len(calls) == hand_overs
+    assert len(calls) == hand_overs
     for at in calls:                                         # each call's opens, then the batch with their rows
         opened = {what for kind, what in events[at:] if kind == "open"}
         nxt = next(i for i in range(at, len(events)) if events[i][0] != "open")
@@ -376,13 +382,13 @@ def test_opens_go_to_the_producer_with_each_hand_over_not_every_step():
         assert opened
 
 
-@pytest.mark.parametrize("mode,ring", [("on", True), ("on", False), ("fill", True)])
-def test_an_open_refused_at_the_hand_over_loses_that_request_alone(mode, ring):
+@pytest.mark.parametrize("ring", [True, False])
+def test_an_open_refused_at_the_hand_over_loses_that_request_alone(ring):
     """An open now reaches the producer after steps of its request went into the batch. When the producer refuses
     it, the request is not captured from then on (skipped=1): its rows already batched are left out (raw ring
-    steps) or dropped by the producer as a refused id's parts, its queued prefix rows are never gathered, and every
-    other request's delta entries are exactly those of the same run without the refusal."""
-    n, steps, hits = 8, 40, 32 if mode == "fill" else 0
+    steps) or dropped by the producer as a refused id's parts, and every other request's delta entries are exactly
+    those of the same run without the refusal."""
+    n, steps = 8, 40
     runs = {}
     for refuse in (False, True):
         events, entries, failed, caps = [], [], [], []
@@ -401,8 +407,8 @@ def test_an_open_refused_at_the_hand_over_loses_that_request_alone(mode, ring):
                 return inner(items, **kw)
             p.open_many = open_many
 
-        r = _probe().run(mode, n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=ring, churn=1,
-                         churn_prompt=12, churn_output=5, churn_hits=hits, on_producer=attach,
+        r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=ring, churn=1,
+                         churn_prompt=12, churn_output=5, on_producer=attach,
                          on_step=lambda step, cap, caps=caps: caps.append(cap) if not caps else None)
         assert r["producer_drained"] and r["encode_errors"] == 0
         runs[refuse] = (r, entries, failed, caps[0])
@@ -416,10 +422,27 @@ def test_an_open_refused_at_the_hand_over_loses_that_request_alone(mode, ring):
     # before the refusal); nothing of it is left in the worker's tables
     assert cap.producer.stats.dropped_parts == len(mine) + 1 and cap0.producer.stats.dropped_parts == 0
     assert key not in cap.tracked.values() and all(v[0] != key for v in cap._seen.values())
-    if mode == "fill":
-        assert all(f.key != key for f in cap._fill_queue) and cap._fill_rows == sum(f.hits - f.done
-                                                                                     for f in cap._fill_queue)
-        assert r["prefix_rows"] == r0["prefix_rows"]       # (queued at its first step, before the refusal)
+
+
+def test_keys_refused_at_a_hand_over_leave_the_steps_not_added_raw_too():
+    """resolve_raw_steps(gone=...): a batch with raw steps is resolved on the producer's thread, after the finish
+    of a request whose open was refused may have taken the refusal back; so the steps added with their keys (an
+    unchanged batch, prefix rows) leave that key's entries and rows out there, exactly, like a raw step whose
+    table no longer holds the id."""
+    from routing_replay.engines.vllm_plugin.worker import resolve_raw_steps
+    table = {"e1": ("a", 0), "e2": ("b", 0), "e3": ("c", 0)}          # "b" is gone: no longer in the table
+    del table["e2"]
+    ids = [["e1", "e2", "e3"], ["a", "b", "c"], ["b"], ["a", "c"]]
+    starts = [np.array([5, 9, 2]), np.array([6, 10, 3]), [0], np.array([7, 4])]
+    counts = [np.array([0, 1, 3, 4]), np.array([1, 2, 1]), [4], np.array([1, 1])]      # step 0: query start locs
+    keys, st, cn, select, cut = resolve_raw_steps([0], table, [0, 0, 0, 0], ids, starts, counts, {"b"})
+    assert keys == [["a", "c"], ["a", "c"], [], ["a", "c"]]
+    assert [np.asarray(x).tolist() for x in st] == [[5, 2], [6, 3], [], [7, 4]]
+    assert [np.asarray(x).tolist() for x in cn] == [[1, 1], [1, 1], [], [1, 1]]
+    assert [None if k is None else k.tolist() for k in select] == [[0, 3], [0, 3], [], None]
+    assert cut == 2 + 2 + 4
+    same = resolve_raw_steps([0], table, [0, 0, 0, 0], ids, starts, counts)   # without gone: only the raw step
+    assert same[0][1:] == [["a", "b", "c"], ["b"], ["a", "c"]] and same[3][1:] == [None, None, None]
 
 
 def test_a_request_that_ends_before_any_hand_over_is_opened_first():

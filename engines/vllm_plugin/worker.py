@@ -1000,6 +1000,10 @@ class WorkerCapture:
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
                 self._open_request(new)
+        if self._opens and self.fill:
+            # with a prefix store, each step's opens go at once: waiting for the hand-over cost fill engines
+            # 13-30 us of engine-thread wall time per step on the H200 host (docs/PERFORMANCE.md, session 38)
+            self._send_opens()
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
         if self._closing and not active:
@@ -1028,7 +1032,8 @@ class WorkerCapture:
     def _open_request(self, new) -> None:
         """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
         captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
-        Its open waits in self._opens for the next hand-over to the producer (_send_opens)."""
+        Its open waits in self._opens for the next hand-over to the producer (_send_opens; with a prefix store,
+        for the end of pre_step)."""
         if new.req_id in self._seen:
             self._flush()           # the batch may hold raw steps where this id is a request that ended
         try:
@@ -1083,14 +1088,8 @@ class WorkerCapture:
                     self._seen = self._seen.copy()
                     self._seen_shared = False
                 del self._seen[rid]
-            if self._fills:
+            if self._fills:             # (fill: sent in the step it opened, before its prefix rows are queued)
                 self._fills = [f for f in self._fills if f[0] != rid]
-            if rid in self._fill_rids:  # (queued after its first step's forward)
-                self._fill_rids.discard(rid)
-                q = self._fill_queue
-                left = [f for f in q if f.rid == rid]
-                self._fill_queue = deque(f for f in q if f.rid != rid)
-                self._fill_rows -= sum(f.hits - f.done for f in left)
             self._skip(rid, "open", e)
         return gone
 
