@@ -324,6 +324,12 @@ class _BatchedRows:
                 p.release()
 
 
+def _kept_rows(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The rows of the kept entries of a step, in order: entry j's `counts[j]` rows from row `firsts[j]` on."""
+    ends = np.cumsum(counts)
+    return np.repeat(firsts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends) else 0)
+
+
 def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list, starts: list, counts: list,
                       gone: set | None = None):
     """_BatchedRows.resolve's work, without changing the batch: for the steps at indices `raw`, per step (keys,
@@ -346,9 +352,7 @@ def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list,
         keys_out[i] = [keys[j] for j in idx.tolist()]
         cn = count[idx]
         starts_out[i], counts_out[i] = computed[idx], cn
-        local = (qsl[:-1] - qsl[0])[idx]                 # each kept request's first row in the step
-        ends = np.cumsum(cn)
-        select[i] = np.repeat(local - (ends - cn), cn) + np.arange(int(ends[-1]) if len(ends) else 0)
+        select[i] = _kept_rows((qsl[:-1] - qsl[0])[idx], cn)    # from each kept request's first row in the step
         cut += int(qsl[-1] - qsl[0]) - len(select[i])
     if gone:
         done = set(raw)
@@ -360,9 +364,7 @@ def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list,
             firsts = np.cumsum(cn) - cn                  # each entry's first row in the step
             keys_out[i] = [k for k, o in zip(keys, on.tolist()) if o]
             starts_out[i], counts_out[i] = np.asarray(starts[i])[on], cn[on]
-            kept = cn[on]
-            ends = np.cumsum(kept)
-            select[i] = np.repeat(firsts[on] - (ends - kept), kept) + np.arange(int(ends[-1]) if len(ends) else 0)
+            select[i] = _kept_rows(firsts[on], cn[on])
             cut += int(cn.sum()) - len(select[i])
     return keys_out, starts_out, counts_out, select, cut
 
@@ -1069,7 +1071,6 @@ class WorkerCapture:
         captured from then on (as _open_request); the rows of it that the batch already holds do not go out
         (the producer screens the id, or the batch leaves it out: take_parts). Returns the keys that failed."""
         opens, self._opens = self._opens, []
-        gone = None
         try:
             # (prompt lists by reference: vLLM never modifies a request's prompt_token_ids)
             failed = self.producer.open_many([item for _, item in opens], ids_checked=True, tokens_frozen=True)
@@ -1078,9 +1079,6 @@ class WorkerCapture:
         self.stats.opened += len(opens) - len(failed)
         for i, e in failed:
             rid = opens[i][0]
-            if gone is None:
-                gone = set()
-            gone.add(opens[i][1][0])
             if self.tracked.pop(rid, None) is not None:
                 self._tracked_gen += 1
             if rid in self._seen:       # raw steps of the batch then leave its rows out (no key for the id)
@@ -1091,7 +1089,7 @@ class WorkerCapture:
             if self._fills:             # (fill: sent in the step it opened, before its prefix rows are queued)
                 self._fills = [f for f in self._fills if f[0] != rid]
             self._skip(rid, "open", e)
-        return gone
+        return {opens[i][1][0] for i, _ in failed} or None
 
     def _skip(self, rid: str, what: str, error: Exception) -> None:
         """Log and count a per-request failure; re-raise it if the producer itself failed (engine-wide)."""
