@@ -275,10 +275,13 @@ class FakeLayer:
         self.module = self
 
 
-def _taking(taken: list):
-    """A binding's take_step as the worker's: takes the list's tensors (into `taken`), empties it."""
-    def take_step(held):
+def _taking(taken: list, sigs: list | None = None):
+    """A binding's take_step as the worker's: takes the list's tensors (into `taken`; the (shape, dtype) the binding
+    passed into `sigs`), empties it."""
+    def take_step(held, sig):
         taken.append(held[:])
+        if sigs is not None:
+            sigs.append(sig)
         held[:] = [None] * len(held)
     return take_step
 
@@ -357,6 +360,42 @@ def test_eager_hooks_of_all_layers_but_the_last_keep_their_tensor_without_python
     assert {type(layer.router.capture_fn) for layer in layers[:2]} == {types.FunctionType}
 
 
+def test_the_last_hook_passes_the_shape_and_dtype_its_layers_share_or_none():
+    """gate=True, the last layer's hook drains: where every layer holds a 2-D tensor of one shape and dtype that
+    covers the step, take_step gets that (shape, dtype) (checked at C speed, no loop over the layers) and every
+    layer counts; otherwise (a layer missing, shapes or dtypes that differ, too few rows, not 2-D) None, and
+    `calls` counts the layers whose tensor covers the step, as before."""
+    layers = [FakeLayer(i) for i in range(4)]
+    taken, sigs = [], []
+    b = CaptureBinding(layers, lambda i, ids: None, gate=True, take_step=_taking(taken, sigs), c_hooks=True)
+    b.bind()
+    b.active = True
+    full, short = torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)
+    cases = [
+        ("uniform", [full] * 4, (torch.Size([3, 2]), torch.int64), 4),
+        ("dtypes differ", [full, full.to(torch.int32), full, full], None, 4),
+        ("one layer short", [full, short, full, full], None, 3),
+        ("all short", [short] * 4, None, 0),
+        ("not 2-D", [torch.zeros(3, dtype=torch.int64)] * 4, None, 4),
+        ("a layer missing", [full, None, full, full], None, 3),
+    ]
+    for name, tensors, sig, calls in cases:
+        b.calls, b.min_rows = 0, 3
+        for layer, t in zip(layers, tensors):
+            if t is not None:
+                layer.router.capture_fn(t)
+        assert sigs[-1] == sig and b.calls == calls, name
+        assert all(x is y for x, y in zip(taken[-1], tensors)) and b.held == [None] * 4, name
+    assert len(taken) == len(cases)
+    b.drain()                                               # nothing held: take_step is not called
+    assert len(taken) == len(cases)
+    b.active = False
+    layers[0].router.capture_fn(full)                       # a C hook keeps it; the step's end drains it
+    b.active, b.calls = True, 0
+    b.drain()
+    assert sigs[-1] is None and b.calls == 1 and taken[-1] == [full, None, None, None]
+
+
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     """WorkerCapture._take_step (binding.drain's target on an eager CPU engine): a captured step whose layers all
     hold tensors of one shape and integer dtype is kept as it is (HostRows later), nothing written to the cache;
@@ -385,6 +424,12 @@ def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
         assert cap._host_step is None and held == [None] * 3, case
         assert cap.cache.step_rows(4).tolist() == [[[layer] * 2] * 4 for layer in range(3)], case
     cap.fill, cap.active, cap.cache = False, True, RoutingCache(16, 3, 2)
+    cap._host_step = None
+    held = list(uniform)
+    cap._take_step(held, (torch.Size([4, 2]), torch.int64))        # the binding checked the shapes already
+    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step[0], uniform))
+    assert cap._host_step[1] == 4 * 2 * 8 and (cap.cache.step_rows(4) == -1).all()
+    cap._host_step = None
     with pytest.raises(ValueError, match=r"layer 0: top-k ids of shape \(4, 3\)"):
         cap._take_step([torch.zeros(4, 3, dtype=torch.int64)] * 3)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import operator
 from dataclasses import dataclass, field
 from time import thread_time_ns
 from typing import Callable
@@ -226,6 +227,12 @@ def local_rows(topk_ids: torch.Tensor, dp_rank: int) -> torch.Tensor:
                               "Sequence-parallel or other MoE dispatch layouts are not supported.")
 
 
+# each held tensor's (shape, dtype), at C speed (map); AttributeError where a layer holds None
+_SIG = operator.attrgetter("shape", "dtype")
+# True for each layer that holds a tensor, at C speed (map): no tensor's __eq__ is called, as list.count(None) would
+_HOLDS = functools.partial(operator.is_not, None)
+
+
 def record_held(held: list, record: Callable[[int, torch.Tensor], None]) -> None:
     """Empty `held` (per MoE layer, its top-k tensor or None), then record(layer, tensor) for each, in layer order:
     a tensor that record refuses is not held again."""
@@ -258,8 +265,10 @@ class CaptureBinding:
     hook_ns: int = 0
     hooks: list = field(default_factory=list)
     held: list = field(default_factory=list)    # gate=True: per layer, its top-k tensor since the last drain
-    # gate=True: takes the whole step's list (and empties it) instead of `record` per layer (the worker on CPU)
-    take_step: Callable[[list], None] | None = None
+    # gate=True: takes the whole step's list (and empties it) instead of `record` per layer (the worker on CPU),
+    # with the (shape, dtype) all its tensors share where the binding checked that (every layer holds a 2-D tensor
+    # covering the step), else None
+    take_step: Callable[[list, tuple | None], None] | None = None
     # gate=True: the hooks of all MoE layers but the last are C calls (_make_hook); only where nothing traces the
     # model's Python (enforce_eager): torch.compile's dynamo cannot trace list.__setitem__
     c_hooks: bool = False
@@ -279,19 +288,33 @@ class CaptureBinding:
     def drain(self) -> None:
         """gate=True: hand the held top-k tensors over in layer order, counting in `calls` those that cover
         min_rows rows; the list is emptied first, so a tensor that is refused is not held again. A no-op when
-        nothing is held."""
-        held, m = self.held, self.min_rows
+        nothing is held (post_step's drain after a step whose last hook drained: every step)."""
+        if any(map(_HOLDS, self.held)):
+            self._drain()
+
+    def _drain(self) -> None:
+        held = self.held
+        take = self.take_step
+        if take is not None:
+            # the common step: every layer holds one 2-D tensor of one shape and dtype covering the step, checked
+            # without a Python loop over the layers (48 of them in Qwen3-30B-A3B)
+            try:
+                sigs = set(map(_SIG, held))
+            except AttributeError:          # a layer holds none
+                sigs = ()
+            if len(sigs) == 1:
+                sig = sigs.pop()
+                if len(sig[0]) == 2 and sig[0][0] >= self.min_rows:
+                    take(held, sig)         # (empties it)
+                    self.calls += len(held)
+                    return
+        m = self.min_rows
         n = 0
-        some = False
         for rows in held:                   # (`is not None`: list.count(None) would call each tensor's __eq__)
-            if rows is not None:
-                some = True
-                if rows.shape[0] >= m:
-                    n += 1
-        if not some:
-            return                          # (post_step's drain after a step whose last hook drained: every step)
-        if self.take_step is not None:
-            self.take_step(held)            # (empties it)
+            if rows is not None and rows.shape[0] >= m:
+                n += 1
+        if take is not None:
+            take(held, None)                # (empties it)
         else:
             record_held(held, self.record)
         self.calls += n                     # counts only hooks that covered the whole step
@@ -319,7 +342,7 @@ class CaptureBinding:
                     t0 = thread_time_ns() if binding.timing else 0
                     held[idx] = local_rows(topk_ids, dp_rank) if needs_dp else topk_ids
                     if idx == last:
-                        binding.drain()
+                        binding._drain()
                     if t0:
                         binding.hook_ns += thread_time_ns() - t0
                 if prev is not None:

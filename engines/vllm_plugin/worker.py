@@ -959,11 +959,32 @@ class WorkerCapture:
             if t0:
                 self._count_host(t0, w0)
             return
-        if so.preempted_req_ids:
-            st.preempted += len(so.preempted_req_ids)
         if so.scheduled_spec_decode_tokens:
             st.spec_steps += 1
         tracked = self.tracked
+        if not (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids or self.fill or self._closing
+                or self.store is not None):
+            # a step of the running batch (none starts, ends or is preempted; no prefix store): whether a captured
+            # request runs, the forward's count, the hooks (most steps of a decode batch take this path)
+            active = not tracked.keys().isdisjoint(so.num_scheduled_tokens)
+            n = so.total_num_scheduled_tokens
+            if n:
+                self.forwards += 1
+            self.active, self.storing = active, False
+            b = self.binding
+            b.active = active or not b.gate
+            if active:
+                if b.gate:
+                    b.calls, b.min_rows = 0, n
+                    b.clear()
+                    self._host_step = None
+                elif not self.cache.stamped:
+                    self.cache.fill_step(n)
+            if t0:
+                self._count_host(t0, w0)
+            return
+        if so.preempted_req_ids:
+            st.preempted += len(so.preempted_req_ids)
         if self._fill_rids and (so.finished_req_ids or so.preempted_req_ids):
             freed = self._fill_rids.intersection(so.finished_req_ids)
             if so.preempted_req_ids:
@@ -1295,20 +1316,21 @@ class WorkerCapture:
                 batch.add(pending, keys, computed, count, forward=self.forwards)
         self._stepped(batch, n, t0, w0)
 
-    def _take_step(self, held: list) -> None:
+    def _take_step(self, held: list, sig: tuple | None = None) -> None:
         """binding.drain's target on an eager CPU engine, with the step's top-k tensor of each MoE layer (the list
-        is emptied). A captured step's tensors are kept as they are for post_step (HostRows: nothing copied here)
-        when every layer holds one of the same shape and integer dtype; otherwise, and for steps that only write
-        the prefix store, each layer goes into the cache as before (RoutingCache.record, which also refuses a
-        tensor of the wrong shape, naming it)."""
+        is emptied) and, where the binding checked it, the (shape, dtype) they all share (every layer holds a 2-D
+        tensor covering the step). A captured step's tensors are kept as they are for post_step (HostRows: nothing
+        copied here) when every layer holds one of the same shape and integer dtype; otherwise, and for steps that
+        only write the prefix store, each layer goes into the cache as before (RoutingCache.record, which also
+        refuses a tensor of the wrong shape, naming it)."""
         if self.active and not self.fill:
-            sigs = {(t.shape, t.dtype) if t is not None else None for t in held}
-            if len(sigs) == 1:
-                sig = sigs.pop()
-                if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
-                    self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize)    # (tensors, bytes of one)
-                    held[:] = [None] * len(held)
-                    return
+            if sig is None:
+                sigs = {(t.shape, t.dtype) if t is not None else None for t in held}
+                sig = sigs.pop() if len(sigs) == 1 else None
+            if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
+                self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize)    # (tensors, bytes of one)
+                held[:] = [None] * len(held)
+                return
         record_held(held, self.cache.record)
 
     def _cut_seen(self) -> None:
