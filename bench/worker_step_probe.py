@@ -108,13 +108,14 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
         ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
         churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0, churn_hits: int = 0,
-        on_step=None) -> dict:
+        on_step=None, forward=None) -> dict:
     """One probe run; the result as a dict. churn_hits H: each new request of --churn starts with H prefix-cache
     hit tokens (its blocks shared with the others; mode `fill` gathers their rows from the store). churn_optout K:
     every K-th new request of --churn is not captured (its sampling params opt out), so captured and uncaptured
     requests share steps. churn_same_ids: a new request takes the id of the one it replaces (ids that callers
     reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls);
-    on_step(step, worker) after each step's post_step."""
+    on_step(step, worker) after each step's post_step. forward(step, hooks, topk_ids): --eager, instead of every
+    hook in layer order (tests: a forward that misses a layer)."""
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
@@ -237,7 +238,9 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
             qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
             rows = n * q
-        if hooks is not None:
+        if forward is not None and hooks is not None:
+            forward(step, hooks, topk[:rows])
+        elif hooks is not None:
             _outside(_forward, (hooks, topk[:rows]), hooked)
         else:
             for layer in range(layers):

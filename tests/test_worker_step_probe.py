@@ -481,3 +481,35 @@ def test_a_request_that_ends_before_any_hand_over_is_opened_first():
     assert r["producer_drained"] and r["encode_errors"] == 0
     mine = [e for e in events if e[1] in ("late-a", "late-b")]
     assert mine == [("open", "late-a"), ("finish", "late-a"), ("open", "late-b"), ("abort", "late-b")]
+
+
+@pytest.mark.parametrize("churn", [0, 1])
+def test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left(churn):
+    """Eager: a forward that raised before post_step leaves tensors in the hooks' list; the next captured step's
+    pre_step lets go of them, so a layer whose hook then does not run is refused (LostHookError) instead of
+    publishing the earlier forward's routing. Without churn that next step is one of the running batch (pre_step's
+    short path); with it, one that opens and finishes requests (the full path)."""
+    import torch
+
+    from routing_replay.engines.vllm_plugin.worker import LostHookError
+
+    stale = torch.zeros(8, 2, dtype=torch.int32)
+    bad = 12
+
+    def leave_stale(step, cap):
+        if step == bad - 1:             # the forward after this post_step raised midway: its tensor stays
+            cap.binding.held[0] = stale
+
+    def forward(step, hooks, topk_ids):
+        for i, hook in enumerate(hooks):
+            if not (step == bad and i == 0):       # step `bad`: layer 0's hook is lost
+                hook(topk_ids)
+
+    with pytest.raises(LostHookError, match="3 of 4 MoE layers"):
+        _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16, churn=churn, churn_prompt=12,
+                     churn_output=5, on_step=leave_stale, forward=forward)
+    seen = []                           # the same run without the lost hook publishes every step
+    r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16, churn=churn, churn_prompt=12,
+                     churn_output=5, on_step=lambda step, cap: seen.append(cap.binding.held.count(None)),
+                     forward=lambda step, hooks, t: [h(t) for h in hooks])
+    assert r["active_steps"] == 50 and seen == [4] * 50
