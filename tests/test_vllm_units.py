@@ -396,6 +396,25 @@ def test_the_last_hook_passes_the_shape_and_dtype_its_layers_share_or_none():
     assert sigs[-1] is None and b.calls == 1 and taken[-1] == [full, None, None, None]
 
 
+def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_path):
+    """bench/eager_drain.py (docs/PERFORMANCE.md, session 39): the real binding and worker, every step checked (all
+    layers counted, the step taken by reference); its JSON is what it printed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "drain.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "eager_drain.py"
+    p = subprocess.run([sys.executable, str(script), "--layers", "48", "--steps", "50", "--reps", "2", "--json",
+                        str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert json.loads(p.stdout) == r
+    assert (r["layers"], r["tokens"], r["top_k"], r["steps"], len(r["reps_us"])) == (48, 64, 8, 50, 2)
+    assert r["us_per_step"] > 0
+
+
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     """WorkerCapture._take_step (binding.drain's target on an eager CPU engine): a captured step whose layers all
     hold tensors of one shape and integer dtype is kept as it is (HostRows later), nothing written to the cache;
