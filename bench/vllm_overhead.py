@@ -38,7 +38,11 @@ def _free_port() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "routing-replay-models", "qwen3_moe"))
+    ap.add_argument("--model-dir", default=None,
+                    help="the generated model's directory (default: routing-replay-models/qwen3_moe[_<N>l] in the "
+                         "temp dir)")
+    ap.add_argument("--num-layers", type=int, default=4,
+                    help="MoE layers of the generated Qwen3-MoE (the issue's bench: 4; Qwen3-30B-A3B has 48)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
@@ -50,6 +54,11 @@ def main(argv=None) -> int:
                     help="engine on CPU 0 only (VLLM_CPU_OMP_THREADS_BIND=0); external broker and consumer on CPU 1")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
+    if a.num_layers < 1:
+        ap.error("--num-layers must be at least 1")
+    if a.model_dir is None:
+        a.model_dir = os.path.join(tempfile.gettempdir(), "routing-replay-models",
+                                   "qwen3_moe" if a.num_layers == 4 else f"qwen3_moe_{a.num_layers}l")
 
     work = Path(tempfile.mkdtemp(prefix="rr-bench-"))
     procs = []
@@ -181,7 +190,7 @@ def micro(num_layers: int = 4, top_k: int = 2, reqs: int = 64, n: int = 5000) ->
 def _run(a, npz_dir: Path, procs: list) -> int:
     from routing_replay.apps.models import make_tiny_model
 
-    model = make_tiny_model(a.model_dir, "qwen3_moe")
+    model = make_tiny_model(a.model_dir, "qwen3_moe", num_layers=a.num_layers)
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -229,7 +238,8 @@ def _run(a, npz_dir: Path, procs: list) -> int:
     on = [r for r in rounds if r["capture"]]
     med = lambda rs, k: statistics.median(r[k] for r in rs)          # noqa: E731
     res = {
-        "vllm": vllm.__version__, "broker": a.broker, "pin": a.pin, "loadavg_start": loadavg_start,
+        "vllm": vllm.__version__, "broker": a.broker, "pin": a.pin, "num_layers": a.num_layers,
+        "loadavg_start": loadavg_start,
         "requests": a.requests,
         "prompt_len": a.prompt_len,
         "output_len": a.output_len, "rounds": a.rounds,
@@ -256,8 +266,8 @@ def _run(a, npz_dir: Path, procs: list) -> int:
     records = len(record_files(npz_dir)) if npz_dir.exists() else 0
     res["records_written"] = records
     where = " (engine on CPU 0, broker + consumer on CPU 1)" if a.pin else ""
-    print(f"\nvLLM {res['vllm']}, broker {a.broker}{where}, {a.requests} requests x ({a.prompt_len} prompt + "
-          f"{a.output_len} output) tokens, {a.rounds} on/off pairs (medians)")
+    print(f"\nvLLM {res['vllm']}, broker {a.broker}{where}, {a.num_layers} MoE layers, {a.requests} requests x "
+          f"({a.prompt_len} prompt + {a.output_len} output) tokens, {a.rounds} on/off pairs (medians)")
     lo, hi = res["off_output_tok_s_range"]
     print(f"  capture off : {res['off_output_tok_s']:8.0f} output tok/s  ({res['off_total_tok_s']:.0f} total tok/s; "
           f"rounds {lo:.0f}..{hi:.0f})")
@@ -276,9 +286,10 @@ def _run(a, npz_dir: Path, procs: list) -> int:
           f"capture off: {res['plugin_host_us_per_step_off']:.1f} us; of which the timing clocks' own reads "
           f"(measured in place): on {res['clock_us_per_step_on']:.1f} us, off {res['clock_us_per_step_off']:.1f} us")
     print(f"  records written: {records}")
-    m = micro()
+    m = micro(a.num_layers)
     res["micro_us"] = m
-    print("  warm-cache microbenchmark of the same engine-thread work, 64 captured requests, 4 MoE layers: "
+    print(f"  warm-cache microbenchmark of the same engine-thread work, 64 captured requests, {a.num_layers} MoE "
+          "layers: "
           + ", ".join(f"{k} {v:.1f} us" for k, v in m.items()) + f"; total {sum(m.values()):.1f} us")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
