@@ -171,6 +171,32 @@ def test_external_key_strips_vllm_suffix_only():
             keys.external_key(bad)
 
 
+def test_capture_key_is_the_external_key_or_its_derived_key_on_every_path():
+    """capture_key's one-frame path (vLLM's suffix, an ASCII key within the limit) and the full one give what the
+    definition says: external_key, then record_key_for where request_id_problem refuses the key; and raise as
+    external_key does."""
+    from routing_replay.protocol.ids import record_key_for
+    from routing_replay.protocol.wire import MAX_REQUEST_ID_BYTES, request_id_problem
+
+    ids = ["7-0123abcd", "2_chatcmpl-xyz-89abcdef", "-0123abcd", "a" * MAX_REQUEST_ID_BYTES + "-0123abcd",
+           "a" * (MAX_REQUEST_ID_BYTES + 1) + "-0123abcd", "é" * 10 + "-0123abcd", "é" * 600 + "-0123abcd",
+           "x\ud800y-0123abcd", "plain-0123abcd"]
+    for randomized in (True, False):
+        for rid in ids + ["plain", "a" * MAX_REQUEST_ID_BYTES, "a" * (MAX_REQUEST_ID_BYTES + 1), ""]:
+            try:
+                ext = keys.external_key(rid, randomized)
+            except ValueError:
+                with pytest.raises(ValueError, match="lacks vLLM's random"):
+                    keys.capture_key(rid, randomized)
+                continue
+            problem = request_id_problem(ext)
+            want = (ext, None) if problem is None else (record_key_for(ext), problem)
+            assert keys.capture_key(rid, randomized) == want, (rid[:20], randomized)
+    assert keys.capture_key("7-0123abcd") == ("7", None)
+    assert keys.capture_key("-0123abcd")[0].startswith("rr-sha256-")      # the empty key is derived
+    assert keys.capture_key("é" * 600 + "-0123abcd")[1] is not None           # 1,200 UTF-8 bytes: derived
+
+
 def test_record_key_matches_vllm_child_naming():
     assert keys.record_key("7") == "7"
     assert keys.record_key("7", 0, 1) == "7"

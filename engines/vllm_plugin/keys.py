@@ -24,7 +24,7 @@ import os
 import re
 
 from routing_replay.protocol.ids import record_key_for
-from routing_replay.protocol.wire import request_id_problem
+from routing_replay.protocol.wire import MAX_REQUEST_ID_BYTES, request_id_problem
 
 _SUFFIX = re.compile(r"-[0-9a-f]{8}")        # matched at the id's last 9 characters only (fullmatch from there)
 
@@ -49,6 +49,13 @@ def external_key(internal_id: str, randomized: bool = True) -> str:
 def capture_key(internal_id: str, randomized: bool = True) -> tuple[str, str | None]:
     """(record key, None) for an engine-internal request id whose external id can travel; (derived key, why it
     could not) otherwise. Raises ValueError like external_key."""
+    # the common id (vLLM's suffix, an ASCII key within the limit) in this one frame: the worker calls this for
+    # every request it opens, on the engine thread
+    start = len(internal_id) - 9 if randomized else len(internal_id)
+    if start > 0 and (not randomized or _SUFFIX.fullmatch(internal_id, start) is not None):
+        ext = internal_id[:start]
+        if start <= MAX_REQUEST_ID_BYTES and ext.isascii():
+            return ext, None
     ext = external_key(internal_id, randomized)
     problem = request_id_problem(ext)
     return (ext, None) if problem is None else (record_key_for(ext), problem)
