@@ -513,3 +513,64 @@ def test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left(ch
                      churn_output=5, on_step=lambda step, cap: seen.append(cap.binding.held.count(None)),
                      forward=lambda step, hooks, t: [h(t) for h in hooks])
     assert r["active_steps"] == 50 and seen == [4] * 50
+
+
+def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_aborts_only_its_request():
+    """Finishes that pre_step keeps for the next hand-over (a batch holds rows) become end items in one pass at
+    _flush: each as its note says (a finish; an abort before any output stays an abort). A note without its
+    fields aborts its own request (capture_error), and every other finish of that hand-over still goes out."""
+    from types import SimpleNamespace
+
+    from routing_replay.engines.vllm_plugin import scheduler_hooks
+
+    events: list = []
+    items: list = []
+
+    def attach(p):
+        _watch(events)(p)
+        ends, abort = p.end_many, p.abort
+
+        def end_many(its, **kw):
+            items.extend(its)
+            return ends(its, **kw)
+
+        def watched_abort(rid, *a, **kw):
+            events.append(("capture-abort", rid))
+            return abort(rid, *a, **kw)
+        p.end_many, p.abort = end_many, watched_abort
+
+    picked: dict = {}
+
+    def on_step(step, cap):
+        if step not in (5, 9):
+            return
+        ids = sorted(cap.tracked)[:3]
+        notes = {ids[0]: scheduler_hooks.Finished(2, "stop", [7, 8]), ids[1]: scheduler_hooks.Finished(0, "abort", []),
+                 ids[2]: scheduler_hooks.Finished(1, "length", [9])}
+        if step == 9:
+            notes[ids[1]] = object()                # a note without its fields
+        picked[step] = [cap.tracked[r] for r in ids]
+        assert cap.batch.parts                      # the finishes wait for the batch's hand-over
+        # a step that runs no forward (nothing scheduled): its finishes wait for the batch, which pre_step hands
+        # over since no captured request runs, then they go
+        so = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                             finished_req_ids=set(ids), preempted_req_ids=set(), scheduled_spec_decode_tokens={})
+        setattr(so, scheduler_hooks.ATTR, notes)
+        sent = len(items)
+        cap.pre_step(so)
+        cap.post_step(so)
+        assert not cap._closing and not cap._ends and not cap.batch.parts and not set(ids) & set(cap.tracked)
+        assert len(items) - sent == (3 if step == 5 else 2)
+
+    r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True,
+                     on_producer=attach, on_step=on_step)
+    assert r["producer_drained"] and r["encode_errors"] == 0
+    a, b, c = picked[5]
+    first = [it for it in items if it[1] in (a, b, c)]
+    assert sorted(first, key=lambda it: it[1]) == sorted([("finish", a, 2, "stop", [7, 8]), ("abort", b, 0, "abort", None),
+                                                          ("finish", c, 1, "length", [9])], key=lambda it: it[1])
+    a, b, c = picked[9]
+    second = [it for it in items if it[1] in (a, b, c)]
+    assert sorted(second, key=lambda it: it[1]) == sorted([("finish", a, 2, "stop", [7, 8]),
+                                                           ("finish", c, 1, "length", [9])], key=lambda it: it[1])
+    assert ("capture-abort", b) in events and ("finish", b) not in events

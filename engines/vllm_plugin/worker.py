@@ -483,6 +483,14 @@ class _StepBatch:
         return flat_ids(keys), flat_ints(starts), flat_ints(counts), rows
 
 
+def _end_item(key: str, info) -> tuple:
+    """A finished request's Producer.end_many item from the scheduler's note of it (scheduler_hooks.Finished): an
+    abort before any output stays an abort."""
+    if info.num_output_tokens == 0 and info.reason == "abort":
+        return ("abort", key, 0, "abort", None)
+    return ("finish", key, info.num_output_tokens, info.reason, info.output_token_ids)
+
+
 def show_id(request_id: str, limit: int = 64) -> str:
     """A request id for a log line: ASCII-escaped (lone surrogates and non-ASCII too), cut to `limit` characters
     of escaped text, with the id's length when cut."""
@@ -993,24 +1001,26 @@ class WorkerCapture:
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             notes = getattr(so, scheduler_hooks.ATTR, None)
-            for rid in so.finished_req_ids:
-                key = tracked.pop(rid, None)
-                self._tracked_gen += 1
-                if key is None:
-                    continue
-                self._ended.append(rid)
-                info = notes.get(rid) if notes is not None else None
-                if info is not None and self.batch.parts:
-                    # a request's rows go out before its finish: this one goes right after the batch that holds
-                    # its last rows (_flush), not with a batch cut short here (a publish, and the batch's event,
-                    # per finish: 246-334 against 47-50 us per step in bench/worker_step_probe.py --churn 1)
-                    self._closing[key] = (rid, info)
-                else:
-                    if self.batch.parts:        # (no note: the finish is the runner's view now, after the rows)
-                        self._flush()
-                    # an empty batch holds none of its rows: the finish goes with the step's others (one
-                    # end_many below, not one per finish; the ids leave _seen at the next hand-over)
-                    self._close_request(rid, key, info)
+            fin = [rid for rid in so.finished_req_ids if rid in tracked]
+            keys = list(map(tracked.pop, fin))
+            self._tracked_gen += 1
+            self._ended += fin
+            infos = list(map(notes.get, fin)) if notes is not None else [None] * len(fin)
+            if self.batch.parts and None not in infos:
+                # a request's rows go out before its finish: each goes right after the batch that holds its
+                # last rows (_flush), not with a batch cut short here (a publish, and the batch's event, per
+                # finish: 246-334 against 47-50 us per step in bench/worker_step_probe.py --churn 1)
+                self._closing.update(zip(keys, zip(fin, infos)))
+            else:
+                for rid, key, info in zip(fin, keys, infos):
+                    if info is not None and self.batch.parts:
+                        self._closing[key] = (rid, info)
+                    else:
+                        if self.batch.parts:    # (no note: the finish is the runner's view now, after the rows)
+                            self._flush()
+                        # an empty batch holds none of its rows: the finish goes with the step's others (one
+                        # end_many below, not one per finish; the ids leave _seen at the next hand-over)
+                        self._close_request(rid, key, info)
             if self._ends:
                 self._send_ends()
         n = so.total_num_scheduled_tokens
@@ -1162,9 +1172,7 @@ class WorkerCapture:
                 return ("abort", key, None, "capture_error", None)
             out = list(st.output_token_ids)
             info = scheduler_hooks.Finished(len(out), "unknown", out)
-        if info.num_output_tokens == 0 and info.reason == "abort":
-            return ("abort", key, 0, "abort", None)
-        return ("finish", key, info.num_output_tokens, info.reason, info.output_token_ids)
+        return _end_item(key, info)
 
     def _send_ends(self) -> None:
         """The finishes and aborts collected since the last call, in one producer call."""
@@ -1178,11 +1186,9 @@ class WorkerCapture:
             for rid, end in ends:
                 self._failed_end(rid, end[1], e)
             return
-        for _, end in ends:
-            if end[0] == "finish":
-                self.stats.finished += 1
-            else:
-                self.stats.aborted += 1
+        done = [end[0] for _, end in ends].count("finish")
+        self.stats.finished += done
+        self.stats.aborted += len(ends) - done
 
     def post_step(self, so) -> None:
         active, storing = self.active, self.storing
@@ -1394,10 +1400,19 @@ class WorkerCapture:
             self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, self._seen, gone), checked=True)
         if self._ended:                     # requests ended since: out of the table (no step holds them now)
             self._cut_seen()
-        if self._closing:                   # finishes that waited for this batch (pre_step)
+        if self._closing:                   # finishes that waited for this batch (pre_step), each with its note
             closing, self._closing = self._closing, {}
-            for key, (rid, info) in closing.items():
-                self._close_request(rid, key, info)
+            ends = None
+            if self.announces:              # the notes make the items, in one pass
+                try:
+                    ends = [(rid, _end_item(key, info)) for key, (rid, info) in closing.items()]
+                except Exception:       # noqa: BLE001 -- a note without its fields: one by one, that one aborted
+                    ends = None
+            if ends is not None:
+                self._ends += ends
+            else:
+                for key, (rid, info) in closing.items():
+                    self._close_request(rid, key, info)
         if self._ends:
             self._send_ends()
 
