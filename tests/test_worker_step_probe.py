@@ -126,24 +126,26 @@ def test_quiet_steps_are_the_timed_steps_that_open_finish_and_preempt_nothing(ch
     assert "quiet_steps" not in untimed
 
 
+@pytest.mark.parametrize("churn", [1, 3])
 @pytest.mark.parametrize("same_ids", [False, True])
-def test_churn_finishes_wait_for_the_batch_that_holds_their_last_rows(same_ids):
-    """--churn: a request finishing every step no longer cuts the 16-step batch short. Its finish goes right after
-    the batch that holds its last rows, so a finish still follows every row of its request; with ids reused at
-    once (same_ids) the new request's open follows the old one's finish."""
+def test_churn_finishes_wait_for_the_batch_that_holds_their_last_rows(same_ids, churn):
+    """--churn: requests finishing every step no longer cut the 16-step batch short. A finish goes right after
+    the batch that holds its request's last rows, so a finish still follows every row of its request; with ids
+    reused at once (same_ids) the new request's open follows the old one's finish (with 3 per step, the first
+    reused id of a step hands the batch over, the step's other opens and finishes come after it)."""
     n, steps, prompt_len, churn_prompt = 8, 40, 16, 12
     events: list = []
     r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=True,
-                     churn=1, churn_prompt=churn_prompt, churn_output=5, churn_same_ids=same_ids,
+                     churn=churn, churn_prompt=churn_prompt, churn_output=5, churn_same_ids=same_ids,
                      on_producer=_watch(events))
     warm = steps // 4
-    churned = steps + warm - 1                                      # every step after the first
+    churned = (steps + warm - 1) * churn                            # every step after the first
     assert r["producer_drained"] and r["encode_errors"] == 0
     assert (r["opened"], r["finished"]) == (n + churned, churned)
-    assert r["rows"] == n * prompt_len + churned * (n - 1 + churn_prompt)
+    assert r["rows"] == n * prompt_len + (steps + warm - 1) * (n - churn + churn * churn_prompt)
     batches = [e for e in events if e[0] == "rows"]
     # full 16-step batches (the last one at the end); an id opened again while its finish waits for the batch
-    # sends batch and finish first (same_ids: every step)
+    # sends batch and finish first (same_ids: every step, once)
     assert len(batches) == (steps + warm if same_ids else -(-(steps + warm) // 16))
     assert [e[0] for e in events].count("finish") == churned
     open_keys = {}

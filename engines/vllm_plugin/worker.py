@@ -1030,9 +1030,8 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not self._store_trusted():
             store = None                            # before a request opens with rows from it
-        for new in so.scheduled_new_reqs:
-            if new.req_id not in tracked:
-                self._open_request(new)
+        if so.scheduled_new_reqs:
+            self._open_requests(so.scheduled_new_reqs)
         if self._opens and self.fill:
             # with a prefix store, each step's opens go at once: waiting for the hand-over cost fill engines
             # 13-30 us of engine-thread wall time per step on the H200 host (docs/PERFORMANCE.md, session 38)
@@ -1063,38 +1062,54 @@ class WorkerCapture:
     # ---- per request: nothing here raises into vLLM's step for one request's sake ------------------------------
 
     def _open_request(self, new) -> None:
-        """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
-        captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
-        Its open waits in self._opens for the next hand-over to the producer (_send_opens; with a prefix store,
-        for the end of pre_step)."""
-        if new.req_id in self._seen:
-            self._flush()           # the batch may hold raw steps where this id is a request that ended
-        try:
-            if not self.settings.captures(new.sampling_params):
-                return
-            key, problem = _keys.capture_key(new.req_id, self.randomized)
-            if key in self._closing:
-                self._flush()       # the key's last request finishes first: its finish waits for no batch now
-            if self.announces:
-                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
-                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
-                self._opens.append((new.req_id, (key, prompt_len, int(new.num_computed_tokens), prompt,
-                                                 self.fill and self.store is not None)))
-            if self.fill and self.store is not None and new.num_computed_tokens:
-                # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
-                # runners append to their block tables); slot = block x block size + offset
-                self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
-        except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
-            self._skip(new.req_id, "open", e)
-            return
-        self.tracked[new.req_id] = key
-        self._seen[new.req_id] = (key, self.forwards + 1)     # (this step's forward, once pre_step counts it)
-        self._tracked_gen += 1
-        if problem is not None:
-            self.stats.derived_keys += 1
-            log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
-                        "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
-                        key, self.stats.derived_keys)
+        """_open_requests of one request."""
+        self._open_requests((new,))
+
+    def _open_requests(self, news) -> None:
+        """Start capturing each newly scheduled request of `news` not tracked yet, under its record key; a request
+        whose id cannot travel is captured under the derived key, one whose capture fails otherwise is skipped
+        (WARNING, stats.skipped). Their opens wait in self._opens for the next hand-over to the producer
+        (_send_opens; with a prefix store, for the end of pre_step). One loop for the step's requests, what it
+        reads of this worker read once (a prefill step opens dozens)."""
+        tracked = self.tracked
+        captures, capture_key, randomized = self.settings.captures, _keys.capture_key, self.randomized
+        announces, fill = self.announces, self.fill
+        first = self.forwards + 1               # (this step's forward, once pre_step counts it)
+        opened = False
+        for new in news:
+            rid = new.req_id
+            if rid in tracked:
+                continue
+            if rid in self._seen:
+                self._flush()       # the batch may hold raw steps where this id is a request that ended
+            try:
+                if not captures(new.sampling_params):
+                    continue
+                key, problem = capture_key(rid, randomized)
+                if key in self._closing:
+                    self._flush()   # the key's last request finishes first: its finish waits for no batch now
+                store = fill and self.store is not None
+                if announces:
+                    prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
+                    prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
+                    self._opens.append((rid, (key, prompt_len, int(new.num_computed_tokens), prompt, store)))
+                if store and new.num_computed_tokens:
+                    # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
+                    # runners append to their block tables); slot = block x block size + offset
+                    self._fills.append((rid, key, int(new.num_computed_tokens), new.block_ids[0]))
+            except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
+                self._skip(rid, "open", e)
+                continue
+            tracked[rid] = key
+            self._seen[rid] = (key, first)  # (_seen, _opens, _closing: a _flush above may have replaced them)
+            opened = True
+            if problem is not None:
+                self.stats.derived_keys += 1
+                log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
+                            "(derived_keys=%d)", show_id(_keys.external_key(rid, randomized)), problem, key,
+                            self.stats.derived_keys)
+        if opened:
+            self._tracked_gen += 1
 
     def _send_opens(self) -> set | None:
         """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
