@@ -483,14 +483,6 @@ class _StepBatch:
         return flat_ids(keys), flat_ints(starts), flat_ints(counts), rows
 
 
-def _end_item(key: str, info) -> tuple:
-    """A finished request's Producer.end_many item from the scheduler's note of it (scheduler_hooks.Finished): an
-    abort before any output stays an abort."""
-    if info.num_output_tokens == 0 and info.reason == "abort":
-        return ("abort", key, 0, "abort", None)
-    return ("finish", key, info.num_output_tokens, info.reason, info.output_token_ids)
-
-
 def show_id(request_id: str, limit: int = 64) -> str:
     """A request id for a log line: ASCII-escaped (lone surrogates and non-ASCII too), cut to `limit` characters
     of escaped text, with the id's length when cut."""
@@ -1001,26 +993,24 @@ class WorkerCapture:
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             notes = getattr(so, scheduler_hooks.ATTR, None)
-            fin = [rid for rid in so.finished_req_ids if rid in tracked]
-            keys = list(map(tracked.pop, fin))
-            self._tracked_gen += 1
-            self._ended += fin
-            infos = list(map(notes.get, fin)) if notes is not None else [None] * len(fin)
-            if self.batch.parts and None not in infos:
-                # a request's rows go out before its finish: each goes right after the batch that holds its
-                # last rows (_flush), not with a batch cut short here (a publish, and the batch's event, per
-                # finish: 246-334 against 47-50 us per step in bench/worker_step_probe.py --churn 1)
-                self._closing.update(zip(keys, zip(fin, infos)))
-            else:
-                for rid, key, info in zip(fin, keys, infos):
-                    if info is not None and self.batch.parts:
-                        self._closing[key] = (rid, info)
-                    else:
-                        if self.batch.parts:    # (no note: the finish is the runner's view now, after the rows)
-                            self._flush()
-                        # an empty batch holds none of its rows: the finish goes with the step's others (one
-                        # end_many below, not one per finish; the ids leave _seen at the next hand-over)
-                        self._close_request(rid, key, info)
+            for rid in so.finished_req_ids:
+                key = tracked.pop(rid, None)
+                self._tracked_gen += 1
+                if key is None:
+                    continue
+                self._ended.append(rid)
+                info = notes.get(rid) if notes is not None else None
+                if info is not None and self.batch.parts:
+                    # a request's rows go out before its finish: this one goes right after the batch that holds
+                    # its last rows (_flush), not with a batch cut short here (a publish, and the batch's event,
+                    # per finish: 246-334 against 47-50 us per step in bench/worker_step_probe.py --churn 1)
+                    self._closing[key] = (rid, info)
+                else:
+                    if self.batch.parts:        # (no note: the finish is the runner's view now, after the rows)
+                        self._flush()
+                    # an empty batch holds none of its rows: the finish goes with the step's others (one
+                    # end_many below, not one per finish; the ids leave _seen at the next hand-over)
+                    self._close_request(rid, key, info)
             if self._ends:
                 self._send_ends()
         n = so.total_num_scheduled_tokens
@@ -1030,8 +1020,9 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not self._store_trusted():
             store = None                            # before a request opens with rows from it
-        if so.scheduled_new_reqs:
-            self._open_requests(so.scheduled_new_reqs)
+        for new in so.scheduled_new_reqs:
+            if new.req_id not in tracked:
+                self._open_request(new)
         if self._opens and self.fill:
             # with a prefix store, each step's opens go at once: waiting for the hand-over cost fill engines
             # 13-30 us of engine-thread wall time per step on the H200 host (docs/PERFORMANCE.md, session 38)
@@ -1062,54 +1053,38 @@ class WorkerCapture:
     # ---- per request: nothing here raises into vLLM's step for one request's sake ------------------------------
 
     def _open_request(self, new) -> None:
-        """_open_requests of one request."""
-        self._open_requests((new,))
-
-    def _open_requests(self, news) -> None:
-        """Start capturing each newly scheduled request of `news` not tracked yet, under its record key; a request
-        whose id cannot travel is captured under the derived key, one whose capture fails otherwise is skipped
-        (WARNING, stats.skipped). Their opens wait in self._opens for the next hand-over to the producer
-        (_send_opens; with a prefix store, for the end of pre_step). One loop for the step's requests, what it
-        reads of this worker read once (a prefill step opens dozens)."""
-        tracked = self.tracked
-        captures, capture_key, randomized = self.settings.captures, _keys.capture_key, self.randomized
-        announces, fill = self.announces, self.fill
-        first = self.forwards + 1               # (this step's forward, once pre_step counts it)
-        opened = False
-        for new in news:
-            rid = new.req_id
-            if rid in tracked:
-                continue
-            if rid in self._seen:
-                self._flush()       # the batch may hold raw steps where this id is a request that ended
-            try:
-                if not captures(new.sampling_params):
-                    continue
-                key, problem = capture_key(rid, randomized)
-                if key in self._closing:
-                    self._flush()   # the key's last request finishes first: its finish waits for no batch now
-                store = fill and self.store is not None
-                if announces:
-                    prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
-                    prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
-                    self._opens.append((rid, (key, prompt_len, int(new.num_computed_tokens), prompt, store)))
-                if store and new.num_computed_tokens:
-                    # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
-                    # runners append to their block tables); slot = block x block size + offset
-                    self._fills.append((rid, key, int(new.num_computed_tokens), new.block_ids[0]))
-            except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
-                self._skip(rid, "open", e)
-                continue
-            tracked[rid] = key
-            self._seen[rid] = (key, first)  # (_seen, _opens, _closing: a _flush above may have replaced them)
-            opened = True
-            if problem is not None:
-                self.stats.derived_keys += 1
-                log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
-                            "(derived_keys=%d)", show_id(_keys.external_key(rid, randomized)), problem, key,
-                            self.stats.derived_keys)
-        if opened:
-            self._tracked_gen += 1
+        """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
+        captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
+        Its open waits in self._opens for the next hand-over to the producer (_send_opens; with a prefix store,
+        for the end of pre_step)."""
+        if new.req_id in self._seen:
+            self._flush()           # the batch may hold raw steps where this id is a request that ended
+        try:
+            if not self.settings.captures(new.sampling_params):
+                return
+            key, problem = _keys.capture_key(new.req_id, self.randomized)
+            if key in self._closing:
+                self._flush()       # the key's last request finishes first: its finish waits for no batch now
+            if self.announces:
+                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
+                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
+                self._opens.append((new.req_id, (key, prompt_len, int(new.num_computed_tokens), prompt,
+                                                 self.fill and self.store is not None)))
+            if self.fill and self.store is not None and new.num_computed_tokens:
+                # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
+                # runners append to their block tables); slot = block x block size + offset
+                self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
+        except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
+            self._skip(new.req_id, "open", e)
+            return
+        self.tracked[new.req_id] = key
+        self._seen[new.req_id] = (key, self.forwards + 1)     # (this step's forward, once pre_step counts it)
+        self._tracked_gen += 1
+        if problem is not None:
+            self.stats.derived_keys += 1
+            log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
+                        "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
+                        key, self.stats.derived_keys)
 
     def _send_opens(self) -> set | None:
         """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
@@ -1187,7 +1162,9 @@ class WorkerCapture:
                 return ("abort", key, None, "capture_error", None)
             out = list(st.output_token_ids)
             info = scheduler_hooks.Finished(len(out), "unknown", out)
-        return _end_item(key, info)
+        if info.num_output_tokens == 0 and info.reason == "abort":
+            return ("abort", key, 0, "abort", None)
+        return ("finish", key, info.num_output_tokens, info.reason, info.output_token_ids)
 
     def _send_ends(self) -> None:
         """The finishes and aborts collected since the last call, in one producer call."""
@@ -1201,9 +1178,11 @@ class WorkerCapture:
             for rid, end in ends:
                 self._failed_end(rid, end[1], e)
             return
-        done = [end[0] for _, end in ends].count("finish")
-        self.stats.finished += done
-        self.stats.aborted += len(ends) - done
+        for _, end in ends:
+            if end[0] == "finish":
+                self.stats.finished += 1
+            else:
+                self.stats.aborted += 1
 
     def post_step(self, so) -> None:
         active, storing = self.active, self.storing
@@ -1415,19 +1394,10 @@ class WorkerCapture:
             self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, self._seen, gone), checked=True)
         if self._ended:                     # requests ended since: out of the table (no step holds them now)
             self._cut_seen()
-        if self._closing:                   # finishes that waited for this batch (pre_step), each with its note
+        if self._closing:                   # finishes that waited for this batch (pre_step)
             closing, self._closing = self._closing, {}
-            ends = None
-            if self.announces:              # the notes make the items, in one pass
-                try:
-                    ends = [(rid, _end_item(key, info)) for key, (rid, info) in closing.items()]
-                except Exception:       # noqa: BLE001 -- a note without its fields: one by one, that one aborted
-                    ends = None
-            if ends is not None:
-                self._ends += ends
-            else:
-                for key, (rid, info) in closing.items():
-                    self._close_request(rid, key, info)
+            for key, (rid, info) in closing.items():
+                self._close_request(rid, key, info)
         if self._ends:
             self._send_ends()
 
