@@ -959,32 +959,11 @@ class WorkerCapture:
             if t0:
                 self._count_host(t0, w0)
             return
+        if so.preempted_req_ids:
+            st.preempted += len(so.preempted_req_ids)
         if so.scheduled_spec_decode_tokens:
             st.spec_steps += 1
         tracked = self.tracked
-        if not (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids or self.fill or self._closing
-                or self.store is not None):
-            # a step of the running batch (none starts, ends or is preempted; no prefix store): whether a captured
-            # request runs, the forward's count, the hooks (most steps of a decode batch take this path)
-            active = not tracked.keys().isdisjoint(so.num_scheduled_tokens)
-            n = so.total_num_scheduled_tokens
-            if n:
-                self.forwards += 1
-            self.active, self.storing = active, False
-            b = self.binding
-            b.active = active or not b.gate
-            if active:
-                if b.gate:
-                    b.calls, b.min_rows = 0, n
-                    b.clear()
-                    self._host_step = None
-                elif not self.cache.stamped:
-                    self.cache.fill_step(n)
-            if t0:
-                self._count_host(t0, w0)
-            return
-        if so.preempted_req_ids:
-            st.preempted += len(so.preempted_req_ids)
         if self._fill_rids and (so.finished_req_ids or so.preempted_req_ids):
             freed = self._fill_rids.intersection(so.finished_req_ids)
             if so.preempted_req_ids:
