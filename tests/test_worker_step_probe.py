@@ -489,7 +489,6 @@ def test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left():
     """Eager: a forward that raised before post_step leaves tensors in the hooks' list; the next captured step's
     pre_step lets go of them, so a layer whose hook then does not run is refused (LostHookError) instead of
     publishing the earlier forward's routing (a step of the running batch: the left tensor has its shape)."""
-    churn = 0
     import torch
 
     from routing_replay.engines.vllm_plugin.worker import LostHookError
@@ -507,11 +506,10 @@ def test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left():
                 hook(topk_ids)
 
     with pytest.raises(LostHookError, match="3 of 4 MoE layers"):
-        _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16, churn=churn, churn_prompt=12,
-                     churn_output=5, on_step=leave_stale, forward=forward)
+        _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16, on_step=leave_stale, forward=forward)
     seen = []                           # the same run without the lost hook publishes every step
-    r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16, churn=churn, churn_prompt=12,
-                     churn_output=5, on_step=lambda step, cap: seen.append(cap.binding.held.count(None)),
+    r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16,
+                     on_step=lambda step, cap: seen.append(cap.binding.held.count(None)),
                      forward=lambda step, hooks, t: [h(t) for h in hooks])
     assert r["active_steps"] == 50 and seen == [4] * 50
 
