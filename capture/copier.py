@@ -168,11 +168,16 @@ class HostRows:
     caller's thread (the producer's), one cast-copy per layer, and drops the tensors. Duck-types PendingRows for
     the batch that carries it (shape, dtype, dropped, stamped, slot, nbytes, result, release)."""
 
-    __slots__ = ("shape", "dropped", "stamped", "slot", "_tensors", "_runs", "_out", "extra_nbytes")
+    __slots__ = ("shape", "dropped", "stamped", "slot", "_tensors", "_runs", "_out", "extra_nbytes", "_unchecked")
     dtype = ROW_DTYPE
 
-    def __init__(self, tensors: list, runs: Sequence[tuple[int, int]], top_k: int, tensor_nbytes: int | None = None):
+    def __init__(self, tensors: list, runs: Sequence[tuple[int, int]], top_k: int, tensor_nbytes: int | None = None,
+                 checked: bool = True):
+        """`checked`: the caller made sure each tensor is a 2-D CPU tensor of integer ids with `top_k` columns and
+        the rows the runs read. checked=False: result() checks that, on its own thread, and refuses the step
+        (ValueError naming the layer) where a tensor is not so; nothing of the step is read then."""
         self._tensors = tensors         # never modified by the caller afterwards (its own list of the step)
+        self._unchecked = not checked
         self._runs = runs
         n = runs[0][1] if len(runs) == 1 else sum(c for _, c in runs)
         self.shape = (n, len(tensors), top_k)
@@ -196,8 +201,10 @@ class HostRows:
         if self._out is None:
             if self._tensors is None:
                 raise RuntimeError("rows were released; result() must come before release()")
-            out = np.empty(self.shape, dtype=ROW_DTYPE)
             runs = self._runs
+            if self._unchecked:
+                self._check()
+            out = np.empty(self.shape, dtype=ROW_DTYPE)
             for layer, t in enumerate(self._tensors):
                 a = t.numpy()
                 if len(runs) == 1:
@@ -208,6 +215,21 @@ class HostRows:
             out.flags.writeable = False
             self._out, self._tensors = out, None
         return self._out
+
+    def _check(self) -> None:
+        need = max(first + n for first, n in self._runs)
+        k = self.shape[2]
+        for layer, t in enumerate(self._tensors):
+            try:
+                a = t.numpy()
+            except Exception as e:  # noqa: BLE001 -- named below (a device tensor, not a tensor, ...)
+                raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over {type(t).__name__} "
+                                 f"that is no CPU tensor ({e}); this step's rows are refused") from None
+            if a.ndim != 2 or a.shape[1] != k or a.shape[0] < need or a.dtype.kind not in "iu":
+                raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over top-k ids of shape "
+                                 f"{a.shape} and dtype {a.dtype}; this step reads rows [0, {need}) of {k} integer "
+                                 "ids: its rows are refused (a router saw another batch, or a hook was lost)")
+        self._unchecked = False
 
     def release(self) -> None:
         self._tensors = self._out = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -232,6 +234,35 @@ def test_host_rows_are_the_runs_of_each_layers_tensor_as_int16_and_let_the_tenso
     gone.release()
     with pytest.raises(RuntimeError, match="released"):
         gone.result()
+
+
+def test_host_rows_taken_unchecked_check_every_tensor_on_the_reading_thread():
+    """HostRows(checked=False) (the CPU engine's C hooks hand a step's tensors over without reading their shapes):
+    sound tensors give exactly the rows a checked step gives, int16 to uint8 ids alike; a tensor of the wrong shape
+    or dtype, or one that is no CPU tensor, makes result() raise ValueError naming its layer and what the step
+    needed, and nothing is read or returned; a second call raises again."""
+    L, N, K = 3, 12, 4
+    runs = [(9, 2), (0, 1), (4, 3)]                         # the step reads rows [0, 11)
+    for dtype in (torch.int16, torch.int32, torch.int64, torch.uint8):
+        tensors = [(torch.arange(N * K).reshape(N, K) % 100 + 10 * layer).to(dtype) for layer in range(L)]
+        np.testing.assert_array_equal(HostRows(tensors, runs, K, checked=False).result(),
+                                      HostRows(tensors, runs, K).result())
+    good = [torch.arange(N * K, dtype=torch.int32).reshape(N, K) for _ in range(L)]
+    bad = {
+        "rows": (good[0][:10], r"shape \(10, 4\) and dtype int32; this step reads rows \[0, 11\) of 4"),
+        "columns": (good[0][:, :3], r"shape \(12, 3\)"),
+        "1-D": (good[0].reshape(-1), r"shape \(48,\)"),
+        "float": (good[0].float(), "dtype float32"),
+        "bool": (good[0] > 3, "dtype bool"),
+        "not a tensor": (None, "NoneType that is no CPU tensor"),
+    }
+    for name, (t, msg) in bad.items():
+        rows = HostRows([good[0], t, good[2]], runs, K, N * K * 4, checked=False)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"MoE layer 1 \(local index\) handed over ") as e:
+                rows.result()
+            assert re.search(msg, str(e.value)), (name, str(e.value))
+        assert rows._out is None, name
 
 
 def test_copier_one_run_gives_rows_in_request_layout():

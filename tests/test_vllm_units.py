@@ -347,10 +347,11 @@ def test_binding_records_gates_counts_and_chains():
     assert layers[0].router.capture_fn is None and layers[1].router.capture_fn == foreign.append
 
 
-def test_eager_hooks_of_all_layers_but_the_last_keep_their_tensor_without_python():
-    """gate=True: a layer's hook is C (list.__setitem__ on the held list) unless it is the last layer's, chains a
-    foreign hook, or slices a data-parallel batch. A C hook keeps its tensor as the router made it (strided too),
-    also on a step that is not captured; clear() lets go of it; the last layer's hook stays gated and drains."""
+def test_eager_hooks_of_every_layer_keep_their_tensor_without_python_until_the_step_is_drained():
+    """gate=True: a layer's hook is C (list.__setitem__ on the held list) unless it chains a foreign hook or slices
+    a data-parallel batch; the last layer's too. A C hook keeps its tensor as the router made it (strided too),
+    also on a step that is not captured; clear() lets go of it; a captured step's list waits for drain() (the
+    worker's post_step), where a Python last hook (no c_hooks) drains it at once."""
     import types
 
     layers = [FakeLayer(0), FakeLayer(1), FakeLayer(2), FakeLayer(3)]
@@ -360,25 +361,30 @@ def test_eager_hooks_of_all_layers_but_the_last_keep_their_tensor_without_python
     b = CaptureBinding(layers, lambda i, ids: None, gate=True, take_step=_taking(taken))
     b.bind()                                                # (not asked for: torch.compile may trace the hooks)
     assert {type(layer.router.capture_fn) for layer in layers if layer.layer_id != 1} == {types.FunctionType}
+    base = torch.arange(24).reshape(3, 8)
+    strided = base[:, ::2]                                  # (3, 4), not contiguous: kept as it is
+    b.active, b.min_rows = True, 3                          # Python hooks: the last one drains in the forward
+    for layer in layers:
+        layer.router.capture_fn(strided)
+    assert len(taken) == 1 and b.calls == 4 and b.held == [None] * 4
     b.c_hooks = True
     b.bind()
     kinds = [type(layer.router.capture_fn) for layer in layers]
-    assert kinds[0] is functools.partial and kinds[2] is functools.partial
-    assert kinds[1] is types.FunctionType and kinds[3] is types.FunctionType       # foreign hook; last layer
+    assert kinds == [functools.partial, types.FunctionType, functools.partial, functools.partial]   # foreign: 1
     assert b.bound()
-    base = torch.arange(24).reshape(3, 8)
-    strided = base[:, ::2]                                  # (3, 4), not contiguous: kept as it is
-    b.active = False                                        # a step not captured
+    b.active, b.calls = False, 0                            # a step not captured
     for layer in layers:
         layer.router.capture_fn(strided)
-    assert b.held[0] is strided and b.held[2] is strided and b.held[1] is None and b.held[3] is None
-    assert taken == [] and len(foreign) == 1
+    assert b.held[0] is strided and b.held[2] is strided and b.held[3] is strided and b.held[1] is None
+    assert len(taken) == 1 and len(foreign) == 2
     b.clear()
     assert b.held == [None] * 4
-    b.active, b.min_rows = True, 3                          # a captured step: every layer held, then drained
+    b.active = True                                         # a captured step: every layer held until drain()
     for layer in layers:
         layer.router.capture_fn(strided)
-    assert len(taken) == 1 and all(t is strided for t in taken[0]) and b.calls == 4 and b.held == [None] * 4
+    assert len(taken) == 1 and all(t is strided for t in b.held)
+    b.drain()
+    assert len(taken) == 2 and all(t is strided for t in taken[1]) and b.calls == 4 and b.held == [None] * 4
     b.unbind()
     assert layers[0].router.capture_fn is None and layers[1].router.capture_fn == foreign.append
     dp = CaptureBinding(layers[:2], lambda i, ids: None, gate=True, dp_size=2, c_hooks=True)
@@ -387,7 +393,8 @@ def test_eager_hooks_of_all_layers_but_the_last_keep_their_tensor_without_python
 
 
 def test_the_last_hook_passes_the_shape_and_dtype_its_layers_share_or_none():
-    """gate=True, the last layer's hook drains: where every layer holds a 2-D tensor of one shape and dtype that
+    """gate=True, the drain (the last layer's Python hook's, or post_step's after C hooks): where every layer holds
+    a 2-D tensor of one shape and dtype that
     covers the step, take_step gets that (shape, dtype) (checked at C speed, no loop over the layers) and every
     layer counts; otherwise (a layer missing, shapes or dtypes that differ, too few rows, not 2-D) None, and
     `calls` counts the layers whose tensor covers the step, as before."""
@@ -410,6 +417,8 @@ def test_the_last_hook_passes_the_shape_and_dtype_its_layers_share_or_none():
         for layer, t in zip(layers, tensors):
             if t is not None:
                 layer.router.capture_fn(t)
+        assert len(taken) == len(sigs) == cases.index((name, tensors, sig, calls)), name    # C hooks: held
+        b.drain()
         assert sigs[-1] == sig and b.calls == calls, name
         assert all(x is y for x, y in zip(taken[-1], tensors)) and b.held == [None] * 4, name
     assert len(taken) == len(cases)

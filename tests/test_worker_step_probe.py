@@ -514,6 +514,39 @@ def test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left():
     assert r["active_steps"] == 50 and seen == [4] * 50
 
 
+@pytest.mark.parametrize("bad_kind", ["short", "float"])
+def test_an_eager_step_whose_layer_handed_over_another_shape_or_dtype_is_refused_by_the_producer(bad_kind):
+    """Eager CPU (C hooks for every layer): post_step hands a step's tensors over without reading their shapes; a
+    layer whose tensor has one row too few, or float ids, is refused on the producer's thread (HostRows' check): the
+    delta that holds the step is not sent (encode_errors 1, the records list its positions as lost) and every other
+    delta goes out; the engine thread raises nothing. A layer whose hook did not run is still refused on the engine
+    thread (test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left)."""
+    bad = 12
+    deltas: list = []
+
+    def forward(step, hooks, t):
+        for i, hook in enumerate(hooks):
+            if step == bad and i == 2:
+                hook(t[:-1] if bad_kind == "short" else t.float())
+            else:
+                hook(t)
+
+    def watch(p):
+        publish = p.publish_steps
+
+        def publish_steps(ids, *a, **kw):
+            deltas.append(len(ids))
+            return publish(ids, *a, **kw)
+        p.publish_steps = publish_steps
+
+    r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16, forward=forward, on_producer=watch)
+    assert r["encode_errors"] == 1 and r["active_steps"] == 50 and r["rows"] == 8 * 16 + 49 * 8
+    ok = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=True, prompt_len=16, forward=lambda s, hooks, t: [
+        h(t) for h in hooks])
+    assert ok["encode_errors"] == 0 and ok["rows"] == r["rows"]
+    assert sum(deltas) == 50 and len(deltas) == 4          # 16 steps per delta: the bad step's delta is one of them
+
+
 def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_aborts_only_its_request():
     """Finishes that pre_step keeps for the next hand-over (a batch holds rows) become end items in one pass at
     _flush: each as its note says (a finish; an abort before any output stays an abort). A note without its

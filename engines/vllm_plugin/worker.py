@@ -63,7 +63,7 @@ from routing_replay.capture.cache import _ID_DTYPES, read_stamp, stamp_bits, sta
 from routing_replay.capture.copier import ROW_DTYPE, launch_rows
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
-from routing_replay.engines.vllm_plugin.binding import CaptureBinding, find_moe_layers, record_held
+from routing_replay.engines.vllm_plugin.binding import _HOLDS, CaptureBinding, find_moe_layers, record_held
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
@@ -687,7 +687,9 @@ class WorkerCapture:
         self._keepalive: list = []              # dropped stores that captured graphs may still write
         self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
-        self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one)
+        self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one,
+        #                                         whether they were checked)
+        self._views = (-1, None, None, None, None)  # V1: (num_reqs, the runner's two arrays, their views) (_layout)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -1174,15 +1176,30 @@ class WorkerCapture:
             return
         t0 = time.thread_time_ns() if self.timing else 0
         w0 = time.perf_counter_ns() if t0 else 0
-        self.active = self.storing = False
         b = self.binding
-        # ends the step: a no-op unless an eager step's last hook did not run (then the layers held are recorded,
-        # and the cache's flush resets its per-step count, so the next step is judged on its own, and forgets
-        # this step's slots)
+        # ends the step: an eager step's layers held are handed over (_take_step, while `active` still says the
+        # step is captured; the C hooks of enforce_eager engines keep every layer's tensor until here, other
+        # engines' last hook drained already), and the cache's flush resets its per-step count, so the next step
+        # is judged on its own, and forgets this step's slots
         host = None
         if b.gate:
-            b.drain()
-            host, self._host_step = self._host_step, None
+            held = b.held
+            if active and b.take_step is not None and not self.fill and all(map(_HOLDS, held)):
+                # CPU, enforce_eager: every layer's C hook kept its tensor (binding._make_hook); they go to the
+                # producer's thread as they are, where HostRows checks them (2-D, top_k columns, the step's rows,
+                # integer ids): no torch attribute is read here (cold, a step's shape checks cost 8-10 us)
+                host = (held[:], b.min_rows * self.cache.top_k * held[0].dtype.itemsize, False)
+                held[:] = [None] * len(held)
+                b.calls = len(held)
+                self.active = self.storing = False
+            else:
+                try:
+                    b.drain()
+                finally:
+                    self.active = self.storing = False
+                host, self._host_step = self._host_step, None
+        else:
+            self.active = self.storing = False
         self.cache.flush()
         complete = True
         if b.gate:
@@ -1210,7 +1227,7 @@ class WorkerCapture:
             if t0:
                 self._count_host(t0, w0)
             return
-        layout = step_layout(self.runner, self.kind)
+        layout = self._v1_layout() if self.kind == "v1" else step_layout(self.runner, self.kind)
         if layout is None:
             if t0:
                 self._count_host(t0, w0)
@@ -1281,7 +1298,7 @@ class WorkerCapture:
             batch.add_slot(first, n, slot, keys, computed, count, self.forwards)
             self.stats.ring_steps += 1
         elif host is not None:                  # CPU, eager: the routers' tensors themselves, by reference
-            pending = HostRows(host[0], segments, self.cache.top_k, host[1])
+            pending = HostRows(host[0], segments, self.cache.top_k, host[1], checked=host[2])
             n = pending.shape[0]
             batch.add(pending, keys, computed, count, forward=self.forwards)
             self.stats.host_steps += 1
@@ -1295,6 +1312,20 @@ class WorkerCapture:
                 batch.add(pending, keys, computed, count, forward=self.forwards)
         self._stepped(batch, n, t0, w0)
 
+    def _v1_layout(self):
+        """step_layout of a Model Runner V1, whose persistent batch keeps its arrays from step to step: the views of
+        the last step whose batch had as many requests are reused (two numpy slices per step fewer: cold, 4-13 us
+        inside vLLM's CPU build)."""
+        runner = self.runner
+        ib = runner.input_batch
+        n = ib.num_reqs
+        ids = ib.req_ids                            # the runner's own list: read, never kept or modified
+        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
+        v = self._views
+        if v[0] != n or v[1] is not q or v[2] is not c:
+            v = self._views = (n, q, c, q[:n + 1], c[:n])
+        return (ids if len(ids) == n else ids[:n]), v[3], v[4]
+
     def _take_step(self, held: list, sig: tuple | None = None) -> None:
         """binding.drain's target on an eager CPU engine, with the step's top-k tensor of each MoE layer (the list
         is emptied) and, where the binding checked it, the (shape, dtype) they all share (every layer holds a 2-D
@@ -1307,7 +1338,8 @@ class WorkerCapture:
                 sigs = {(t.shape, t.dtype) if t is not None else None for t in held}
                 sig = sigs.pop() if len(sigs) == 1 else None
             if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
-                self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize)    # (tensors, bytes of one)
+                # (tensors, bytes of one, checked)
+                self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize, True)
                 held[:] = [None] * len(held)
                 return
         record_held(held, self.cache.record)
