@@ -1,6 +1,9 @@
-"""Time the eager engine's last router hook, which checks every MoE layer's top-k tensor and hands the step to the
-worker (CaptureBinding's drain -> WorkerCapture._take_step, as on vLLM's CPU build), plus post_step's drain of the
-then empty list: µs per step with warm caches, median of --reps. The other layers' hooks (C calls) run untimed.
+"""Time CaptureBinding's drain, which checks every MoE layer's top-k tensor and hands the step to the worker
+(CaptureBinding's drain -> WorkerCapture._take_step), after the last layer's hook, plus a second drain of the then
+empty list: µs per step with warm caches, median of --reps. The hooks (C calls) run untimed. Since session 40 the
+CPU build's post_step hands a step of C hooks over without this check (HostRows checks the tensors on the
+producer's thread); the drain measured here is the path of a Python last hook (a foreign hook chained on the last
+MoE layer, or data parallelism) and of steps that do not go by reference.
 
 Usage: python bench/eager_drain.py [--layers 48] [--tokens 64] [--top-k 8] [--steps 20000] [--reps 7] [--json FILE]
 
@@ -54,8 +57,9 @@ def run(layers: int, tokens: int, top_k: int, steps: int, reps: int) -> dict:
                 hook(ids)
             b.active, b.calls, b.min_rows = True, 0, tokens
             t0 = pc()
-            last(ids)               # the last layer's hook: the check, the hand-over
-            b.drain()               # post_step's: nothing held
+            last(ids)               # the last layer's hook (a C call, as the others)
+            b.drain()               # the check, the hand-over
+            b.drain()               # nothing held
             total += pc() - t0
             if b.calls != layers or cap._host_step is None:
                 raise RuntimeError(f"{b.calls} of {layers} layers counted; step taken: {cap._host_step is not None}")

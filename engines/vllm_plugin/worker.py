@@ -1182,6 +1182,7 @@ class WorkerCapture:
         # engines' last hook drained already), and the cache's flush resets its per-step count, so the next step
         # is judged on its own, and forgets this step's slots
         host = None
+        fast = False
         if b.gate:
             held = b.held
             if active and b.take_step is not None and not self.fill and all(map(_HOLDS, held)):
@@ -1192,6 +1193,7 @@ class WorkerCapture:
                 held[:] = [None] * len(held)
                 b.calls = len(held)
                 self.active = self.storing = False
+                fast = True
             else:
                 try:
                     b.drain()
@@ -1200,33 +1202,37 @@ class WorkerCapture:
                 host, self._host_step = self._host_step, None
         else:
             self.active = self.storing = False
-        self.cache.flush()
-        complete = True
-        if b.gate:
-            complete = b.calls == len(b.layers)
-            if not complete and active:
-                raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded the routing of "
-                                    f"all {b.min_rows} tokens of this step; hooks bound: {b.bound()}. Refusing to "
-                                    "publish stale routing.")
-        if storing:
-            if not complete:
-                self._forget_step(so.total_num_scheduled_tokens)
-                log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV slots "
-                            "hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
-                            so.total_num_scheduled_tokens, self.stats.store_forgotten)
-            if self._fills and self._store_trusted():     # (else the store went, and both queues with it)
-                self._queue_fills()
-            if self._fill_queue:
-                # one gather per batch's worth of steps, not one per request opened (each gather is torch calls
-                # on this thread); a request whose blocks are freed before its turn is gathered then (pre_step)
-                self._fill_wait += 1
-                if (self._fill_wait >= self.max_batch_steps or self._fill_rows >= self.copier.max_rows // 2) \
-                        and self._store_trusted():
-                    self._pump_fills()
-        if not active:
-            if t0:
-                self._count_host(t0, w0)
-            return
+        # (a step taken by reference above: nothing recorded in the cache, every layer counted, no prefix store,
+        # captured)
+        if not fast:
+            self.cache.flush()
+            complete = True
+            if b.gate:
+                complete = b.calls == len(b.layers)
+                if not complete and active:
+                    raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded the "
+                                        f"routing of all {b.min_rows} tokens of this step; hooks bound: "
+                                        f"{b.bound()}. Refusing to publish stale routing.")
+            if storing:
+                if not complete:
+                    self._forget_step(so.total_num_scheduled_tokens)
+                    log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV "
+                                "slots hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
+                                so.total_num_scheduled_tokens, self.stats.store_forgotten)
+                if self._fills and self._store_trusted():     # (else the store went, and both queues with it)
+                    self._queue_fills()
+                if self._fill_queue:
+                    # one gather per batch's worth of steps, not one per request opened (each gather is torch
+                    # calls on this thread); a request whose blocks are freed before its turn is gathered then
+                    # (pre_step)
+                    self._fill_wait += 1
+                    if (self._fill_wait >= self.max_batch_steps or self._fill_rows >= self.copier.max_rows // 2) \
+                            and self._store_trusted():
+                        self._pump_fills()
+            if not active:
+                if t0:
+                    self._count_host(t0, w0)
+                return
         layout = self._v1_layout() if self.kind == "v1" else step_layout(self.runner, self.kind)
         if layout is None:
             if t0:
