@@ -202,11 +202,10 @@ class HostRows:
             if self._tensors is None:
                 raise RuntimeError("rows were released; result() must come before release()")
             runs = self._runs
-            if self._unchecked:
-                self._check()
+            check = self._check if self._unchecked else None
             out = np.empty(self.shape, dtype=ROW_DTYPE)
             for layer, t in enumerate(self._tensors):
-                a = t.numpy()
+                a = t.numpy() if check is None else check(layer, t)
                 if len(runs) == 1:
                     first, n = runs[0]
                     out[:, layer] = a[first:first + n]
@@ -216,20 +215,20 @@ class HostRows:
             self._out, self._tensors = out, None
         return self._out
 
-    def _check(self) -> None:
-        need = max(first + n for first, n in self._runs)
-        k = self.shape[2]
-        for layer, t in enumerate(self._tensors):
-            try:
-                a = t.numpy()
-            except Exception as e:  # noqa: BLE001 -- named below (a device tensor, not a tensor, ...)
-                raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over {type(t).__name__} "
-                                 f"that is no CPU tensor ({e}); this step's rows are refused") from None
-            if a.ndim != 2 or a.shape[1] != k or a.shape[0] < need or a.dtype.kind not in "iu":
-                raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over top-k ids of shape "
-                                 f"{a.shape} and dtype {a.dtype}; this step reads rows [0, {need}) of {k} integer "
-                                 "ids: its rows are refused (a router saw another batch, or a hook was lost)")
-        self._unchecked = False
+    def _check(self, layer: int, t) -> np.ndarray:
+        """Layer `layer`'s tensor as an array, where it is what result() reads (checked=False), else ValueError."""
+        try:
+            a = t.numpy()
+        except Exception as e:  # noqa: BLE001 -- named below (a device tensor, not a tensor, ...)
+            raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over {type(t).__name__} "
+                             f"that is no CPU tensor ({e}); this step's rows are refused") from None
+        runs = self._runs
+        need = runs[0][0] + runs[0][1] if len(runs) == 1 else max(first + n for first, n in runs)
+        if a.ndim != 2 or a.shape[1] != self.shape[2] or a.shape[0] < need or a.dtype.kind not in "iu":
+            raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over top-k ids of shape "
+                             f"{a.shape} and dtype {a.dtype}; this step reads rows [0, {need}) of {self.shape[2]} "
+                             "integer ids: its rows are refused (a router saw another batch, or a hook was lost)")
+        return a
 
     def release(self) -> None:
         self._tensors = self._out = None
