@@ -247,11 +247,11 @@ class CaptureBinding:
     """Own the capture hooks bound to one model's routers: which cache row each MoE layer writes, whether
     recording is on for the current step, and how many layers recorded since the last reset.
 
-    With gate=True (eager execution: the hooks run in Python on every step) a hook only keeps its layer's top-k
-    tensor (a contiguous one by reference, as the cache's fused copy keeps it anyway; a strided one as a private
-    copy); the last layer's hook hands them all over in layer order (`drain`: to `take_step` if given, else to
-    `record` per layer). A step whose last hook did not run is drained by whoever ends the step (the worker's
-    post_step), so `calls` is read after `drain()`."""
+    With gate=True (eager execution: the hooks run on every step) a hook only keeps its layer's top-k tensor as the
+    router made it. Python hooks: the last layer's hands them all over in layer order (`drain`: to `take_step` if
+    given, else to `record` per layer). With c_hooks every hook is a C call and whoever ends the step (the worker's
+    post_step) takes the list or drains it; so does it for a step whose last hook did not run. `calls` is read
+    after that."""
 
     layers: list[MoELayer]
     record: Callable[[int, torch.Tensor], None]
@@ -269,8 +269,9 @@ class CaptureBinding:
     # with the (shape, dtype) all its tensors share where the binding checked that (every layer holds a 2-D tensor
     # covering the step), else None
     take_step: Callable[[list, tuple | None], None] | None = None
-    # gate=True: the hooks of all MoE layers but the last are C calls (_make_hook); only where nothing traces the
-    # model's Python (enforce_eager): torch.compile's dynamo cannot trace list.__setitem__
+    # gate=True: the hooks of all MoE layers are C calls (_make_hook; but a layer chaining a foreign hook or slicing a
+    # data-parallel batch); only where nothing traces the model's Python (enforce_eager): torch.compile's dynamo
+    # cannot trace list.__setitem__
     c_hooks: bool = False
 
     def bind(self) -> None:
@@ -288,7 +289,7 @@ class CaptureBinding:
     def drain(self) -> None:
         """gate=True: hand the held top-k tensors over in layer order, counting in `calls` those that cover
         min_rows rows; the list is emptied first, so a tensor that is refused is not held again. A no-op when
-        nothing is held (post_step's drain after a step whose last hook drained: every step)."""
+        nothing is held (post_step's drain after a step whose Python last hook drained, or that post_step took)."""
         if any(map(_HOLDS, self.held)):
             self._drain()
 
