@@ -31,8 +31,9 @@ Steps with no captured request do nothing beyond two dict/set checks: no copy, n
 
 Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every forward, captured or not, also
 writes its routing into a PrefixStore by KV slot, inside the forward: the cache's end-of-step flush (the last
-MoE layer's hook) scatters the step's rows to the runner's persistent slot-mapping buffer, so under CUDA graphs
-the write is part of the replayed graph and costs the engine thread nothing (the store is allocated and attached
+MoE layer's hook; under enforce_eager post_step, right after the forward) scatters the step's rows to the
+runner's persistent slot-mapping buffer, so under CUDA graphs the write is part of the replayed graph and costs the
+engine thread nothing (the store is allocated and attached
 when vLLM starts its warm-up, after the KV cache is sized and before graphs are captured; on CPU the hooks then
 record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
 (its block-table row -> slots) into the same host ring and delta as computed rows, after the step's forward (a
