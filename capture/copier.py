@@ -202,10 +202,13 @@ class HostRows:
             if self._tensors is None:
                 raise RuntimeError("rows were released; result() must come before release()")
             runs = self._runs
-            check = self._check if self._unchecked else None
+            # rows the step reads from each tensor, where result() checks them (checked=False)
+            need = None
+            if self._unchecked:
+                need = runs[0][0] + runs[0][1] if len(runs) == 1 else max(first + n for first, n in runs)
             out = np.empty(self.shape, dtype=ROW_DTYPE)
             for layer, t in enumerate(self._tensors):
-                a = t.numpy() if check is None else check(layer, t)
+                a = t.numpy() if need is None else self._check(layer, t, need)
                 if len(runs) == 1:
                     first, n = runs[0]
                     out[:, layer] = a[first:first + n]
@@ -215,15 +218,14 @@ class HostRows:
             self._out, self._tensors = out, None
         return self._out
 
-    def _check(self, layer: int, t) -> np.ndarray:
-        """Layer `layer`'s tensor as an array, where it is what result() reads (checked=False), else ValueError."""
+    def _check(self, layer: int, t, need: int) -> np.ndarray:
+        """Layer `layer`'s tensor as an array, where it is what result() reads (checked=False: 2-D, top_k columns,
+        `need` rows or more, integer ids), else ValueError."""
         try:
             a = t.numpy()
         except Exception as e:  # noqa: BLE001 -- named below (a device tensor, not a tensor, ...)
             raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over {type(t).__name__} "
                              f"that is no CPU tensor ({e}); this step's rows are refused") from None
-        runs = self._runs
-        need = runs[0][0] + runs[0][1] if len(runs) == 1 else max(first + n for first, n in runs)
         if a.ndim != 2 or a.shape[1] != self.shape[2] or a.shape[0] < need or a.dtype.kind not in "iu":
             raise ValueError(f"routing-replay: MoE layer {layer} (local index) handed over top-k ids of shape "
                              f"{a.shape} and dtype {a.dtype}; this step reads rows [0, {need}) of {self.shape[2]} "

@@ -517,16 +517,24 @@ def runner_kind(runner) -> str:
                               f"runs {type(runner).__module__}.{type(runner).__name__}")
 
 
-def step_layout(runner, kind: str):
+def step_layout(runner, kind: str, views: list | None = None):
     """After `Worker.execute_model` (before `sample_tokens`): (request ids in batch order, query_start_loc of
     n + 1 entries, absolute position of each request's first token in the step), or None if the step ran no
     forward. V1 keeps a persistent batch on the runner; V2 builds one per step and keeps it in
-    `execute_model_state` until `sample_tokens`."""
+    `execute_model_state` until `sample_tokens`. `views` (V1, the caller's list of five): the views of the last
+    step whose batch had as many requests are reused while the runner keeps its arrays (two numpy slices per step
+    fewer: cold, 4-13 us inside vLLM's CPU build)."""
     if kind == "v1":
         ib = runner.input_batch
         n = ib.num_reqs
         ids = ib.req_ids                            # the runner's own list: read, never kept or modified
-        return (ids if len(ids) == n else ids[:n]), runner.query_start_loc.np[:n + 1], ib.num_computed_tokens_cpu[:n]
+        ids = ids if len(ids) == n else ids[:n]
+        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
+        if views is None:
+            return ids, q[:n + 1], c[:n]
+        if views[0] != n or views[1] is not q or views[2] is not c:
+            views[:] = (n, q, c, q[:n + 1], c[:n])
+        return ids, views[3], views[4]
     st = runner.execute_model_state
     if st is None:
         return None
@@ -690,7 +698,7 @@ class WorkerCapture:
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
         self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one,
         #                                         whether they were checked)
-        self._views = (-1, None, None, None, None)  # V1: (num_reqs, the runner's two arrays, their views) (_layout)
+        self._views = [-1, None, None, None, None]  # V1: num_reqs, the runner's two arrays, their views
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -1234,7 +1242,7 @@ class WorkerCapture:
                 if t0:
                     self._count_host(t0, w0)
                 return
-        layout = self._v1_layout() if self.kind == "v1" else step_layout(self.runner, self.kind)
+        layout = step_layout(self.runner, self.kind, self._views)
         if layout is None:
             if t0:
                 self._count_host(t0, w0)
@@ -1318,20 +1326,6 @@ class WorkerCapture:
             else:
                 batch.add(pending, keys, computed, count, forward=self.forwards)
         self._stepped(batch, n, t0, w0)
-
-    def _v1_layout(self):
-        """step_layout of a Model Runner V1, whose persistent batch keeps its arrays from step to step: the views of
-        the last step whose batch had as many requests are reused (two numpy slices per step fewer: cold, 4-13 us
-        inside vLLM's CPU build)."""
-        runner = self.runner
-        ib = runner.input_batch
-        n = ib.num_reqs
-        ids = ib.req_ids                            # the runner's own list: read, never kept or modified
-        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
-        v = self._views
-        if v[0] != n or v[1] is not q or v[2] is not c:
-            v = self._views = (n, q, c, q[:n + 1], c[:n])
-        return (ids if len(ids) == n else ids[:n]), v[3], v[4]
 
     def _take_step(self, held: list, sig: tuple | None = None) -> None:
         """binding.drain's target on an eager CPU engine, with the step's top-k tensor of each MoE layer (the list
