@@ -1136,6 +1136,114 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     step.rows.release()
 
 
+def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_producers_thread(tmp_path):
+    """An eager CPU step goes to the producer as the runner laid it out (_StepBatch.add_host): the routers' tensors
+    unchecked, the engine ids, and the bytes of the computed positions and query start locations. On the
+    producer's thread the ids become keys through the worker's table; a request not captured, one captured only
+    from a later forward on, and one with no rows in the step stay out with their rows. Decode steps of one id list
+    share one key list and go out merged, one entry per request. Through a real Producer to a socket: the deltas'
+    ids, starts, counts and rows are exact, and the queue's byte count comes back to 0. The rows are those the
+    query start locations span, whatever the worker counted; a step whose tensors hold fewer is refused there
+    (encode_errors) and the next delta still goes out; a batch released unread lets its tensors go."""
+    import zmq
+
+    from routing_replay.capture import AsyncCopier, RoutingCache
+    from routing_replay.engines.vllm_plugin.worker import host_layouts, resolve_raw_steps
+    from routing_replay.producer import Producer
+    from tests.test_producer_faults import FakeBroker, wait_for
+    Lr, Kr = 3, 2
+    copier = AsyncCopier(RoutingCache(64, Lr, Kr), num_slots=4, max_rows=32)
+    rng = np.random.default_rng(7)
+
+    def tensors(n, dtype):
+        return [torch.from_numpy(rng.integers(0, 64, size=(n, Kr)).astype(dtype)) for _ in range(Lr)]
+
+    def rows_of(ts, sel):
+        return np.stack([t.numpy()[sel] for t in ts], axis=1).astype(np.int16)
+
+    def add(batch, ts, n, ids, computed, qsl, forward):     # (tensor bytes as the worker counts them: n rows)
+        batch.add_host(ts, n * Kr * ts[0].element_size(), n, ids, np.asarray(computed, np.int32).tobytes(),
+                       np.asarray(qsl, np.int32).tobytes(), (np.dtype(np.int32), np.dtype(np.int32)), forward)
+
+    table = {"r0": ("k0", 1), "r2": ("k2", 1), "r3": ("k3", 2), "r4": ("k4", 1)}     # r1: not captured
+    batch = _StepBatch(Kr)
+    # forward 1: r0 3 rows, r1 1 (not captured), r2 none, r3 2 (captured from forward 2 on), r4 1; int32 ids with
+    # 9 rows (the tensors may hold more than the step reads)
+    t1 = tensors(9, np.int32)
+    add(batch, t1, 7, ["r0", "r1", "r2", "r3", "r4"], [0, 10, 20, 5, 7], [0, 3, 4, 4, 6, 7], 1)
+    t2 = tensors(3, np.int64)                       # forward 2: every request captured, one row each, int64 ids
+    add(batch, t2, 3, ["r0", "r3", "r4"], [3, 5, 8], [0, 1, 2, 3], 2)
+    assert batch.rows == 10 and batch.extra == Lr * (7 * Kr * 4 - 7 * Kr * 2) + Lr * (3 * Kr * 8 - 3 * Kr * 2)
+    with pytest.raises(ValueError, match="needs the table"):
+        batch.take_parts()
+    ids, starts, counts, rows = batch.hand_over(copier, 2, table)
+    assert rows.deferred and rows.shape == (10, Lr, Kr) and rows.extra_nbytes > 0
+    want_a = np.concatenate([rows_of(t1, [0, 1, 2, 6]), rows_of(t2, [0, 1, 2])])
+
+    # decode steps of one id list (the worker's copy, shared): one key list, merged into one entry per request
+    decode = ["r0", "r3", "r4"]
+    t3, t4 = tensors(3, np.int32), tensors(3, np.int32)
+    add(batch, t3, 3, decode, [4, 6, 9], [0, 1, 2, 3], 3)
+    add(batch, t4, 3, decode, [5, 7, 10], [0, 1, 2, 3], 4)
+    b_ids, b_starts, b_counts, b_rows = batch.hand_over(copier, 4, table)
+    st, cn = host_layouts(b_rows._parts, b_rows._raw, b_starts, b_counts)
+    assert cn[0] is cn[1] and st[0].tolist() == [4, 6, 9] and st[1].tolist() == [5, 7, 10]
+    keys, _, _, select, cut = resolve_raw_steps(b_rows._raw, table, b_rows._forwards, b_ids, st, cn)
+    assert keys[0] == ["k0", "k3", "k4"] and keys[0] is keys[1] and select == [None, None] and cut == 0
+    want_b = np.stack([rows_of(t3, [0, 1, 2]), rows_of(t4, [0, 1, 2])], axis=1).reshape(6, Lr, Kr)  # by request
+
+    # query start locations that span 4 rows where the worker counted 3: the step is the 4 rows; then one whose
+    # layout spans 4 rows of tensors that hold 3: refused on the producer's thread
+    t5 = tensors(4, np.int32)
+    add(batch, t5, 3, ["r0", "r3"], [5, 7], [0, 3, 4], 5)
+    c_args = batch.hand_over(copier, 5, table)
+    add(batch, tensors(3, np.int32), 3, ["r0", "r3"], [8, 8], [0, 3, 4], 6)
+    d_args = batch.hand_over(copier, 6, table)
+
+    ctx = zmq.Context()
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=Lr, top_k=Kr, context=ctx, linger_ms=0)
+    try:
+        assert p.open_many([(k, 16, 0, None, False) for k in ("k0", "k3", "k4")], ids_checked=True) == []
+        assert p.publish_steps(ids, starts, counts, rows, checked=True) is True
+        got = [fake.recv() for _ in range(4)]
+        assert [(h.kind, h.key) for h, _ in got] == [("open", "k0"), ("open", "k3"), ("open", "k4"),
+                                                     ("delta", ["k0", "k4", "k0", "k3", "k4"])]
+        d = wire.parse_delta(got[3][0])
+        assert d.starts.tolist() == [0, 7, 3, 5, 8] and d.counts.tolist() == [3, 1, 1, 1, 1]
+        assert b"".join(bytes(f) for f in got[3][1]) == want_a.tobytes()
+        wait_for(lambda: p.queued_msgs == 0)
+        assert p.queued_bytes == 0 and p.stats.encode_errors == 0 and rows.shape[0] == 4 + 3
+        assert p.publish_steps(b_ids, b_starts, b_counts, b_rows, checked=True) is True
+        h, frames = fake.recv()
+        d = wire.parse_delta(h)
+        assert h.key == ["k0", "k3", "k4"] and d.starts.tolist() == [4, 6, 9] and d.counts.tolist() == [2, 2, 2]
+        assert b"".join(bytes(f) for f in frames) == want_b.tobytes()
+        assert p.publish_steps(*c_args, checked=True) is True
+        h, frames = fake.recv()
+        d = wire.parse_delta(h)
+        assert h.key == ["k0", "k3"] and d.starts.tolist() == [5, 7] and d.counts.tolist() == [3, 1]
+        assert b"".join(bytes(f) for f in frames) == rows_of(t5, [0, 1, 2, 3]).tobytes()
+        assert p.stats.encode_errors == 0
+        assert p.publish_steps(*d_args, checked=True) is True
+        wait_for(lambda: p.stats.encode_errors == 1)
+        p.end_many([("finish", "k3", 1, "stop", None)])     # its refused position goes out as lost
+        h, _ = fake.recv()
+        assert (h.kind, h.key, h.body["lost"]) == ("finish", "k3", [[8, 9]])
+        p.publish_rows(["k0"], [8], [1], want_a[:1])
+        h, _ = fake.recv()
+        assert (h.kind, h.key) == ("delta", ["k0"])
+        wait_for(lambda: p.queued_msgs == 0)
+        assert p.queued_bytes == 0 and p._failure is None and p.stats.encode_errors == 1
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+        ctx.term()
+    # a batch released before the producer's thread read it (a producer closing): nothing to give back, no error
+    add(batch, tensors(3, np.int32), 3, decode, [6, 8, 11], [0, 1, 2, 3], 5)
+    batch.hand_over(copier, 5, table)[3].release()
+
+
 def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions_lost(tmp_path):
     """A batch with raw steps that the producer's queue bound refuses is resolved on the caller's thread instead:
     the positions reported lost are the captured requests' own, under their keys; nothing of the request not

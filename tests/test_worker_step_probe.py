@@ -84,7 +84,7 @@ def _watch(events: list, entries: list | None = None):
     """on_producer for run(): the worker's calls into its real producer, in order (each call goes on to it); the
     delta entries (key, start, count) in `entries`. Steps added raw are resolved as the producer's thread will
     (their table only gains ids no step of theirs holds before that thread reads them)."""
-    from routing_replay.engines.vllm_plugin.worker import resolve_raw_steps
+    from routing_replay.engines.vllm_plugin.worker import host_layouts, resolve_raw_steps
 
     def attach(p):
         steps, ends, opens = p.publish_steps, p.end_many, p.open_many
@@ -92,7 +92,8 @@ def _watch(events: list, entries: list | None = None):
         def publish_steps(ids, starts, counts, rows, **kw):
             keys, st, cn = ids, starts, counts
             if getattr(rows, "deferred", False):
-                keys, st, cn, _, _ = resolve_raw_steps(rows._raw, rows._table, rows._forwards, ids, starts, counts,
+                st, cn = host_layouts(rows._parts, rows._raw, starts, counts)
+                keys, st, cn, _, _ = resolve_raw_steps(rows._raw, rows._table, rows._forwards, ids, st, cn,
                                                       rows._gone)
             events.append(("rows", {k for step in keys for k in step}))
             if entries is not None:

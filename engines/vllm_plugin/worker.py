@@ -207,13 +207,14 @@ class _BatchedRows:
     releases every part."""
 
     __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "_copier", "_slots", "shape",
-                 "dtype", "dropped", "_raw", "_table", "_select", "extra_nbytes", "_gone")
+                 "dtype", "dropped", "_raw", "_table", "_select", "extra_nbytes", "_gone", "_top_k")
 
     def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
                  ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0,
                  raw: list | None = None, table: dict | None = None, extra_nbytes: int = 0,
-                 gone: set | None = None):
+                 gone: set | None = None, top_k: int | None = None):
         self._parts = parts
+        self._top_k = top_k             # host steps added raw (_StepBatch.add_host): their HostRows' top-k
         self._gone = gone               # keys whose open the producer refused at this hand-over: left out too
         self.extra_nbytes = extra_nbytes    # bytes the parts hold beyond their int16 rows (HostRows' tensors)
         self._raw = raw                 # indices of the parts added raw (_StepBatch.add_raw) until resolve(); or None
@@ -227,6 +228,9 @@ class _BatchedRows:
         self._slots = slots             # their SlotBatch (mark_batch(slots=...))
         if copier is not None:
             self.shape = (rows, copier.cache.num_layers, copier.cache.top_k)
+            self.dtype = ROW_DTYPE
+        elif _is_host_raw(parts[0]):        # (the step's tensors, one per MoE layer)
+            self.shape = (rows, len(parts[0][0]), top_k)
             self.dtype = ROW_DTYPE
         else:
             self.shape = (rows, *parts[0].shape[1:])
@@ -254,6 +258,19 @@ class _BatchedRows:
         if raw is None:
             return request_ids, starts, counts
         self._raw = None
+        parts = self._parts
+        starts, counts = host_layouts(parts, raw, starts, counts)
+        grown = 0
+        for i in raw:   # host steps: their tensors as HostRows of the rows the layout spans (checked in result())
+            p = parts[i]
+            if _is_host_raw(p):
+                qsl = counts[i]
+                lo = int(qsl[0])
+                n = int(qsl[-1]) - lo
+                parts[i] = HostRows(p[0], [(lo, n)], self._top_k, p[1], checked=False)
+                grown += n - p[2]           # (the step's rows by the scheduler's count: the same in V1)
+        if grown:
+            self.shape = (self.shape[0] + grown, *self.shape[1:])
         keys_out, starts_out, counts_out, select, cut = resolve_raw_steps(raw, table, self._forwards, request_ids,
                                                                           starts, counts, self._gone)
         if cut:
@@ -319,10 +336,36 @@ class _BatchedRows:
 
     def release(self) -> None:
         for p in self._parts:
-            if type(p) is tuple:            # never taken: its share of the batch's event goes back
-                self._copier.forget_slot(self._slots)
+            if type(p) is tuple:
+                if not _is_host_raw(p):     # never taken: its share of the batch's event goes back
+                    self._copier.forget_slot(self._slots)
             else:
                 p.release()
+
+
+def _is_host_raw(part) -> bool:
+    """A host step added raw (_StepBatch.add_host): (its tensors, bytes of one, rows, dtypes), until resolve()."""
+    return type(part) is tuple and type(part[0]) is list
+
+
+def host_layouts(parts: list, raw: list, starts: list, counts: list) -> tuple[list, list]:
+    """`starts` and `counts` of a batch's steps (per step) with those of the host steps added raw (_StepBatch.add_host:
+    the bytes of the runner's computed positions and query start locations) as arrays; the lists themselves when
+    there are none. Consecutive steps with the same bytes share one array (decode steps repeat their layout)."""
+    if not any(_is_host_raw(parts[i]) for i in raw):
+        return starts, counts
+    starts, counts = list(starts), list(counts)
+    prev = (None, None, None, None)         # (bytes, array) of the last such step's two layouts
+    for i in raw:
+        if not _is_host_raw(parts[i]):
+            continue
+        dtypes = parts[i][3]
+        qb, cb = counts[i], starts[i]
+        qsl = prev[1] if qb == prev[0] else np.frombuffer(qb, dtype=dtypes[0])
+        comp = prev[3] if cb == prev[2] else np.frombuffer(cb, dtype=dtypes[1])
+        prev = (qb, qsl, cb, comp)
+        counts[i], starts[i] = qsl, comp
+    return starts, counts
 
 
 def _kept_rows(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -341,11 +384,21 @@ def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list,
     select = [None] * len(request_ids)
     cut = 0
     get = table.get
+    last_ids = last_keys = last_qsl = last_count = None
     for i in raw:
         ids, computed, qsl = request_ids[i], starts[i], counts[i]
         fwd = forwards[i]
-        keys = [k[0] if k is not None and k[1] <= fwd else None for k in map(get, ids)]
-        count = qsl[1:] - qsl[:-1]
+        if ids is last_ids:
+            keys = last_keys            # (the same id list as the step before, all captured by then: still so)
+        else:
+            keys = [k[0] if k is not None and k[1] <= fwd else None for k in map(get, ids)]
+            # decode steps share one id list: mapped once while every id of it was captured by its step
+            last_ids, last_keys = (ids, keys) if None not in keys else (None, None)
+        if qsl is last_qsl:
+            count = last_count
+        else:
+            count = last_count = qsl[1:] - qsl[:-1]
+            last_qsl = qsl
         if None not in keys and np.count_nonzero(count) == len(count):
             keys_out[i], starts_out[i], counts_out[i] = keys, computed, count
             continue
@@ -391,11 +444,13 @@ class _StepBatch:
     flattens them (Producer.publish_steps)."""
 
     __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed", "by_ref",
-                 "raw", "extra")
+                 "raw", "extra", "top_k", "row_nbytes")
 
     def __init__(self, top_k: int = 1, stamped: bool = False):
         # used on the producer's thread, one batch after the other
         self.stamps = StampCheck(top_k) if stamped else None
+        self.top_k = top_k
+        self.row_nbytes = top_k * ROW_DTYPE.itemsize       # one layer's row, as HostRows makes it
         self.parts: list = []
         self.strict: list = []
         self.forwards: list = []        # per step: the engine's forward count (StampCheck)
@@ -448,6 +503,26 @@ class _StepBatch:
         self.raw.append(len(self.parts))
         self.add_slot(first, n, slot, ids, computed, qsl, forward)
 
+    def add_host(self, tensors: list, tensor_nbytes: int, n: int, ids: list, computed: bytes, qsl: bytes,
+                 dtypes: tuple, forward: int) -> None:
+        """An eager CPU step by reference, as the runner laid it out (add_raw's host counterpart): each MoE layer's
+        top-k tensor as its router made it (`tensor_nbytes` bytes each; not checked yet), the step's `n` rows, its
+        engine ids, and the bytes of its computed positions and query start locations (`dtypes`: theirs). The
+        producer's thread turns them into arrays and the tensors into HostRows, which checks them
+        (_BatchedRows.resolve): the engine thread makes no array and no object but the part. `tensors` and `ids`
+        must not be modified afterwards; hand the batch over with hand_over(table=...)."""
+        self.raw.append(len(self.parts))
+        self.parts.append((tensors, tensor_nbytes, n, dtypes))
+        self.strict.append(True)
+        self.forwards.append(forward)
+        self.keys.append(ids)
+        self.starts.append(computed)
+        self.counts.append(qsl)
+        self.rows += n
+        extra = len(tensors) * (tensor_nbytes - n * self.row_nbytes)     # (as HostRows.extra_nbytes)
+        if extra > 0:
+            self.extra += extra
+
     def hand_over(self, copier: AsyncCopier, forward: int, table: dict | None = None, gone: set | None = None):
         """On the engine thread: the batch's one event (and, with step-ring parts, the checkpoint), then the
         batch as Producer.publish_steps arguments; `forward`: the engine's forward count now; `table`: engine id
@@ -469,7 +544,7 @@ class _StepBatch:
             raise ValueError("a batch with steps added raw needs the table of their engine ids")
         out = (self.keys, self.starts, self.counts,
                _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward, copier, slots,
-                            self.rows, raw, table, self.extra, gone if raw is not None else None))
+                            self.rows, raw, table, self.extra, gone if raw is not None else None, self.top_k))
         self.raw = []
         self.extra = 0
         self.ringed = False
@@ -699,6 +774,8 @@ class WorkerCapture:
         self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one,
         #                                         whether they were checked)
         self._views = [-1, None, None, None, None]  # V1: num_reqs, the runner's two arrays, their views
+        self._host_views = (None, None, None, None, None)   # _host_raw: the layout arrays, memoryviews, dtypes
+        self._host_ids = None           # _host_raw: the engine ids of the last step (a copy, shared by its steps)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -1191,57 +1268,53 @@ class WorkerCapture:
         # engines' last hook drained already), and the cache's flush resets its per-step count, so the next step
         # is judged on its own, and forgets this step's slots
         host = None
-        fast = False
         if b.gate:
             held = b.held
             if active and b.take_step is not None and not self.fill and all(map(_HOLDS, held)):
                 # CPU, enforce_eager: every layer's C hook kept its tensor (binding._make_hook); they go to the
                 # producer's thread as they are, where HostRows checks them (2-D, top_k columns, the step's rows,
                 # integer ids): no torch attribute is read here (cold, a step's shape checks cost 8-10 us)
-                host = (held[:], b.min_rows * self.cache.top_k * held[0].dtype.itemsize, False)
+                tensors = held[:]
                 held[:] = [None] * len(held)
-                b.calls = len(held)
+                b.calls = len(tensors)
                 self.active = self.storing = False
-                fast = True
-            else:
-                try:
-                    b.drain()
-                finally:
-                    self.active = self.storing = False
-                host, self._host_step = self._host_step, None
+                self._host_raw(so, tensors, b.min_rows, t0, w0)
+                return
+            try:
+                b.drain()
+            finally:
+                self.active = self.storing = False
+            host, self._host_step = self._host_step, None
         else:
             self.active = self.storing = False
-        # (a step taken by reference above: nothing recorded in the cache, every layer counted, no prefix store,
-        # captured)
-        if not fast:
-            self.cache.flush()
-            complete = True
-            if b.gate:
-                complete = b.calls == len(b.layers)
-                if not complete and active:
-                    raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded the "
-                                        f"routing of all {b.min_rows} tokens of this step; hooks bound: "
-                                        f"{b.bound()}. Refusing to publish stale routing.")
-            if storing:
-                if not complete:
-                    self._forget_step(so.total_num_scheduled_tokens)
-                    log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV "
-                                "slots hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
-                                so.total_num_scheduled_tokens, self.stats.store_forgotten)
-                if self._fills and self._store_trusted():     # (else the store went, and both queues with it)
-                    self._queue_fills()
-                if self._fill_queue:
-                    # one gather per batch's worth of steps, not one per request opened (each gather is torch
-                    # calls on this thread); a request whose blocks are freed before its turn is gathered then
-                    # (pre_step)
-                    self._fill_wait += 1
-                    if (self._fill_wait >= self.max_batch_steps or self._fill_rows >= self.copier.max_rows // 2) \
-                            and self._store_trusted():
-                        self._pump_fills()
-            if not active:
-                if t0:
-                    self._count_host(t0, w0)
-                return
+        self.cache.flush()
+        complete = True
+        if b.gate:
+            complete = b.calls == len(b.layers)
+            if not complete and active:
+                raise LostHookError(f"routing-replay: {b.calls} of {len(b.layers)} MoE layers recorded the "
+                                    f"routing of all {b.min_rows} tokens of this step; hooks bound: "
+                                    f"{b.bound()}. Refusing to publish stale routing.")
+        if storing:
+            if not complete:
+                self._forget_step(so.total_num_scheduled_tokens)
+                log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV "
+                            "slots hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
+                            so.total_num_scheduled_tokens, self.stats.store_forgotten)
+            if self._fills and self._store_trusted():     # (else the store went, and both queues with it)
+                self._queue_fills()
+            if self._fill_queue:
+                # one gather per batch's worth of steps, not one per request opened (each gather is torch
+                # calls on this thread); a request whose blocks are freed before its turn is gathered then
+                # (pre_step)
+                self._fill_wait += 1
+                if (self._fill_wait >= self.max_batch_steps or self._fill_rows >= self.copier.max_rows // 2) \
+                        and self._store_trusted():
+                    self._pump_fills()
+        if not active:
+            if t0:
+                self._count_host(t0, w0)
+            return
         layout = step_layout(self.runner, self.kind, self._views)
         if layout is None:
             if t0:
@@ -1325,6 +1398,32 @@ class WorkerCapture:
                 self.producer.publish_rows(keys, computed, count, pending)
             else:
                 batch.add(pending, keys, computed, count, forward=self.forwards)
+        self._stepped(batch, n, t0, w0)
+
+    def _host_raw(self, so, tensors: list, n: int, t0: int, w0: int) -> None:
+        """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
+        producer's thread as the runner laid it out (_StepBatch.add_host), which maps its ids to record keys,
+        leaves out what is not captured and checks the tensors (_BatchedRows.resolve, HostRows). Here: the
+        tensors, the engine ids (the last step's copy while the batch repeats it: one compare, C speed) and the
+        bytes of the runner's two layout arrays, copied through memoryviews kept while the arrays are (inside
+        vLLM's CPU build a numpy call right after the forward costs 7-12 us; `bytes` of a memoryview, a few).
+        No array, no per-request work, no torch call but one dtype read."""
+        layout = step_layout(self.runner, self.kind, self._views)
+        if layout is None:
+            if t0:
+                self._count_host(t0, w0)
+            return
+        req_ids, qsl, computed = layout
+        mv = self._host_views
+        if mv[0] is not qsl or mv[1] is not computed:
+            mv = self._host_views = (qsl, computed, memoryview(qsl), memoryview(computed), (qsl.dtype, computed.dtype))
+        ids = self._host_ids
+        if ids != req_ids:
+            ids = self._host_ids = list(req_ids)
+        batch = self.batch
+        batch.add_host(tensors, n * self.cache.top_k * tensors[0].dtype.itemsize, n, ids, bytes(mv[3]),
+                       bytes(mv[2]), mv[4], self.forwards)
+        self.stats.host_steps += 1
         self._stepped(batch, n, t0, w0)
 
     def _take_step(self, held: list, sig: tuple | None = None) -> None:
