@@ -1057,13 +1057,15 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
         copier.submit_slot(0, 20, 0)
 
 
-def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_captured_stays_out(tmp_path):
-    """A step whose batch changed goes to the producer as the runner laid it out (_StepBatch.add_raw): engine ids,
-    computed positions, query start locations. The producer's thread maps the ids to record keys through the
-    worker's table and leaves out a request that is not captured, one captured only from a later forward on, and
-    one with no rows in the step, with their rows. Through a real Producer to a socket: the delta's ids, starts,
-    counts and rows are exactly those of the captured requests, steps added by reference keep theirs, and the
-    queue's byte count comes back to 0 (the rows left out leave it too)."""
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_captured_stays_out(tmp_path, as_bytes):
+    """A step-ring step goes to the producer as the runner laid it out (_StepBatch.add_raw): engine ids,
+    computed positions, query start locations (arrays, or their bytes as the worker hands them over, whose rows are
+    those the locations span). The producer's thread maps the ids to record keys through the worker's table and
+    leaves out a request that is not captured, one captured only from a later forward on, and one with no rows in
+    the step, with their rows. Through a real Producer to a socket: the delta's ids, starts, counts and rows are
+    exactly those of the captured requests, steps added by reference keep theirs, and the queue's byte count comes
+    back to 0 (the rows left out leave it too)."""
     import zmq
 
     from routing_replay.capture import AsyncCopier, RoutingCache
@@ -1079,14 +1081,21 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     def slot_of(forward):
         return ((forward + batch.stamps.offset) & batch.stamps._mask) % S
 
+    def add_raw(first, n, slot, ids, computed, qsl, forward):
+        if not as_bytes:
+            return batch.add_raw(first, n, slot, ids, computed, qsl, forward)
+        # as the worker hands a step over: first 0 and the scheduler's rows; resolve() reads the locations
+        batch.add_raw(0, n, slot, ids, np.asarray(computed, np.int32).tobytes(), np.asarray(qsl, np.int32).tobytes(),
+                      forward, (np.dtype(np.int32), np.dtype(np.int32)))
+
     table = {"r0": ("k0", 1), "r2": ("k2", 1), "r3": ("k3", 2), "r4": ("k4", 1)}     # r1: not captured
     # forward 1: r0 3 rows, r1 1 (not captured), r2 none, r3 2 (captured from forward 2 on), r4 1
     w1 = _ring_step(cache, 1, 7)
     qsl1 = np.array([0, 3, 4, 4, 6, 7], dtype=np.int32)
-    batch.add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
+    add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
     # forward 2: every request captured, one row each
     w2 = _ring_step(cache, 2, 3)
-    batch.add_raw(0, 3, slot_of(2), ["r0", "r3", "r4"], np.array([3, 5, 8], np.int32),
+    add_raw(0, 3, slot_of(2), ["r0", "r3", "r4"], np.array([3, 5, 8], np.int32),
                   np.array([0, 1, 2, 3], np.int32), 2)
     # forward 3: a step added with its keys (rows 1..2 of the slot)
     w3 = _ring_step(cache, 3, 4)
@@ -1116,7 +1125,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
         assert rows.shape[0] == 4 + 3 + 2 and batch.stamps.steps == 3
         # a batch of which nothing is captured: no message at all, its host-ring rows given back
         _ring_step(cache, 4, 3)
-        batch.add_raw(0, 3, slot_of(4), ["r1", "r5", "r6"], np.zeros(3, np.int32), np.array([0, 1, 2, 3], np.int32), 4)
+        add_raw(0, 3, slot_of(4), ["r1", "r5", "r6"], np.zeros(3, np.int32), np.array([0, 1, 2, 3], np.int32), 4)
         free = copier.free_rows
         assert p.publish_steps(*batch.hand_over(copier, 4, table), checked=True) is True
         wait_for(lambda: p.queued_msgs == 0)
@@ -1129,7 +1138,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
         fake.close()
         ctx.term()
     # resolved on the thread that reads them, once: the same steps again, read directly
-    batch.add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
+    add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
     step = StepParts(*batch.hand_over(copier, 4, {"r1": ("k1", 1)})).step()
     assert (step.request_ids, step.starts, step.counts) == (["k1"], [10], [1])
     assert np.array_equal(step.rows.result(), w1[3:4]) and step.rows.owns_result
@@ -1244,10 +1253,11 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
     batch.hand_over(copier, 5, table)[3].release()
 
 
-def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions_lost(tmp_path):
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions_lost(tmp_path, as_bytes):
     """A batch with raw steps that the producer's queue bound refuses is resolved on the caller's thread instead:
     the positions reported lost are the captured requests' own, under their keys; nothing of the request not
-    captured is counted."""
+    captured is counted. The same with the layout as bytes (as the worker hands it over)."""
     import zmq
 
     from routing_replay.capture import AsyncCopier, RoutingCache
@@ -1260,7 +1270,11 @@ def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions
     batch.stamps.baseline(cache.stamp_value(), 0)
     slot = ((1 + batch.stamps.offset) & batch.stamps._mask) % S
     _ring_step(cache, 1, 5)
-    batch.add_raw(0, 5, slot, ["r0", "r1", "r2"], np.array([0, 10, 6], np.int32), np.array([0, 3, 4, 5], np.int32), 1)
+    computed, qsl = np.array([0, 10, 6], np.int32), np.array([0, 3, 4, 5], np.int32)
+    if as_bytes:
+        batch.add_raw(0, 5, slot, ["r0", "r1", "r2"], computed.tobytes(), qsl.tobytes(), 1, (qsl.dtype, qsl.dtype))
+    else:
+        batch.add_raw(0, 5, slot, ["r0", "r1", "r2"], computed, qsl, 1)
     free = copier.free_rows
     ids, starts, counts, rows = batch.hand_over(copier, 1, {"r0": ("k0", 1), "r2": ("k2", 1)})
     ctx = zmq.Context()

@@ -261,14 +261,18 @@ class _BatchedRows:
         parts = self._parts
         starts, counts = host_layouts(parts, raw, starts, counts)
         grown = 0
-        for i in raw:   # host steps: their tensors as HostRows of the rows the layout spans (checked in result())
-            p = parts[i]
-            if _is_host_raw(p):
+        for i in raw:   # the rows each step's layout spans: host steps' tensors as HostRows (checked in result()),
+            p = parts[i]            # step-ring steps' rows of their slot
+            if _in_bytes(p):
                 qsl = counts[i]
                 lo = int(qsl[0])
                 n = int(qsl[-1]) - lo
-                parts[i] = HostRows(p[0], [(lo, n)], self._top_k, p[1], checked=False)
-                grown += n - p[2]           # (the step's rows by the scheduler's count: the same in V1)
+                if _is_host_raw(p):         # (tensors, bytes of one, rows, dtypes)
+                    parts[i] = HostRows(p[0], [(lo, n)], self._top_k, p[1], checked=False)
+                    grown += n - p[2]       # (the rows the worker counted: the scheduler's, V1's too)
+                else:                       # (first, rows, slot, dtypes)
+                    parts[i] = (lo, n, p[2])
+                    grown += n - p[1]
         if grown:
             self.shape = (self.shape[0] + grown, *self.shape[1:])
         keys_out, starts_out, counts_out, select, cut = resolve_raw_steps(raw, table, self._forwards, request_ids,
@@ -348,16 +352,23 @@ def _is_host_raw(part) -> bool:
     return type(part) is tuple and type(part[0]) is list
 
 
+def _in_bytes(part) -> bool:
+    """A step added raw with its layout as bytes (_StepBatch.add_host, add_raw with dtypes): its part's last entry
+    is the dtypes of its computed positions and query start locations."""
+    return type(part) is tuple and len(part) == 4
+
+
 def host_layouts(parts: list, raw: list, starts: list, counts: list) -> tuple[list, list]:
-    """`starts` and `counts` of a batch's steps (per step) with those of the host steps added raw (_StepBatch.add_host:
-    the bytes of the runner's computed positions and query start locations) as arrays; the lists themselves when
-    there are none. Consecutive steps with the same bytes share one array (decode steps repeat their layout)."""
-    if not any(_is_host_raw(parts[i]) for i in raw):
+    """`starts` and `counts` of a batch's steps (per step) with those of the steps added raw as bytes (the runner's
+    computed positions and query start locations: _StepBatch.add_host, add_raw with dtypes) as arrays; the lists
+    themselves when there are none. Consecutive steps with the same bytes share one array (decode steps repeat
+    their layout)."""
+    if not any(_in_bytes(parts[i]) for i in raw):
         return starts, counts
     starts, counts = list(starts), list(counts)
     prev = (None, None, None, None)         # (bytes, array) of the last such step's two layouts
     for i in raw:
-        if not _is_host_raw(parts[i]):
+        if not _in_bytes(parts[i]):
             continue
         dtypes = parts[i][3]
         qb, cb = counts[i], starts[i]
@@ -494,14 +505,19 @@ class _StepBatch:
         self.counts.append(counts)
         self.rows += n
 
-    def add_raw(self, first: int, n: int, slot: int, ids: list, computed, qsl, forward: int) -> None:
+    def add_raw(self, first: int, n: int, slot: int, ids: list, computed, qsl, forward: int,
+                dtypes: tuple | None = None) -> None:
         """A step-ring step by reference, as the runner laid it out: its engine ids, the positions computed
         before it and its query start locations (rows [first, first + n) of slot `slot`: the whole step). The
         producer's thread maps the ids to record keys and leaves out what is not captured (_BatchedRows.resolve),
-        so a step whose batch changed costs the engine thread no work per request. `ids`, `computed` and `qsl`
-        must not be modified afterwards; hand the batch over with hand_over(table=...)."""
+        so a step costs the engine thread no work per request. With `dtypes`, `computed` and `qsl` are the bytes
+        of arrays of those dtypes, and the rows are those `qsl` spans (`first` and `n`: the scheduler's count).
+        `ids`, `computed` and `qsl` must not be modified afterwards; hand the batch over with
+        hand_over(table=...)."""
         self.raw.append(len(self.parts))
         self.add_slot(first, n, slot, ids, computed, qsl, forward)
+        if dtypes is not None:
+            self.parts[-1] = (first, n, slot, dtypes)
 
     def add_host(self, tensors: list, tensor_nbytes: int, n: int, ids: list, computed: bytes, qsl: bytes,
                  dtypes: tuple, forward: int) -> None:
@@ -774,8 +790,8 @@ class WorkerCapture:
         self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one,
         #                                         whether they were checked)
         self._views = [-1, None, None, None, None]  # V1: num_reqs, the runner's two arrays, their views
-        self._host_views = (None, None, None, None, None)   # _host_raw: the layout arrays, memoryviews, dtypes
-        self._host_ids = None           # _host_raw: the engine ids of the last step (a copy, shared by its steps)
+        self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
+        self._raw_ids = None            # _raw_layout: the engine ids of the last step (a copy its steps share)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -1321,24 +1337,22 @@ class WorkerCapture:
                 self._count_host(t0, w0)
             return
         req_ids, qsl, computed = layout
+        if self.cache.slots:
+            n = so.total_num_scheduled_tokens
+            slot = self._ring_slot(None, n)
+            if slot is not None:
+                # the whole step is in its ring slot: it goes to the producer's thread as the runner laid it out,
+                # which maps the ids to keys and leaves out what is not captured (_BatchedRows.resolve)
+                ids, cb, qb, dtypes = self._raw_layout(req_ids, qsl, computed)
+                batch = self.batch
+                batch.add_raw(0, n, slot, ids, cb, qb, self.forwards, dtypes)
+                self.stats.ring_steps += 1
+                self._stepped(batch, n, t0, w0)
+                return
         last_ids, last_gen, keys, uncaptured = self._last_keys
         # decode steps repeat the batch: compared item by item by identity (C speed, no id touched); the list
         # is copied and mapped to keys only when it changed
         changed = last_gen != self._tracked_gen or last_ids != req_ids
-        if changed and self.cache.slots:
-            slot = self._ring_slot(None, so.total_num_scheduled_tokens)
-            if slot is not None:
-                # the batch changed (requests started or ended): the step goes to the producer's thread as the
-                # runner laid it out, which maps the ids to keys and leaves out what is not captured there
-                req_ids = list(req_ids)
-                self._last_keys = (req_ids, self._tracked_gen, None, None)
-                lo = int(qsl[0])
-                n = int(qsl[-1]) - lo
-                batch = self.batch
-                batch.add_raw(lo, n, slot, req_ids, computed.copy(), qsl.copy(), self.forwards)
-                self.stats.ring_steps += 1
-                self._stepped(batch, n, t0, w0)
-                return
         if changed or keys is None:
             req_ids = list(req_ids)
             tracked = self.tracked
@@ -1404,27 +1418,33 @@ class WorkerCapture:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
         producer's thread as the runner laid it out (_StepBatch.add_host), which maps its ids to record keys,
         leaves out what is not captured and checks the tensors (_BatchedRows.resolve, HostRows). Here: the
-        tensors, the engine ids (the last step's copy while the batch repeats it: one compare, C speed) and the
-        bytes of the runner's two layout arrays, copied through memoryviews kept while the arrays are (inside
-        vLLM's CPU build a numpy call right after the forward costs 7-12 us; `bytes` of a memoryview, a few).
-        No array, no per-request work, no torch call but one dtype read."""
+        tensors, the engine ids and the bytes of the runner's two layout arrays (_raw_layout). No array, no
+        per-request work, no torch call but one dtype read."""
         layout = step_layout(self.runner, self.kind, self._views)
         if layout is None:
             if t0:
                 self._count_host(t0, w0)
             return
-        req_ids, qsl, computed = layout
-        mv = self._host_views
-        if mv[0] is not qsl or mv[1] is not computed:
-            mv = self._host_views = (qsl, computed, memoryview(qsl), memoryview(computed), (qsl.dtype, computed.dtype))
-        ids = self._host_ids
-        if ids != req_ids:
-            ids = self._host_ids = list(req_ids)
+        ids, cb, qb, dtypes = self._raw_layout(*layout)
         batch = self.batch
-        batch.add_host(tensors, n * self.cache.top_k * tensors[0].dtype.itemsize, n, ids, bytes(mv[3]),
-                       bytes(mv[2]), mv[4], self.forwards)
+        batch.add_host(tensors, n * self.cache.top_k * tensors[0].dtype.itemsize, n, ids, cb, qb, dtypes,
+                       self.forwards)
         self.stats.host_steps += 1
         self._stepped(batch, n, t0, w0)
+
+    def _raw_layout(self, req_ids, qsl, computed) -> tuple:
+        """A step's layout as it goes raw to the producer's thread: (engine ids, bytes of the computed positions,
+        bytes of the query start locations, their dtypes). The ids are the last step's copy while the batch
+        repeats them (one compare, C speed); the bytes are copied through memoryviews kept while the runner keeps
+        its arrays (inside vLLM's CPU build a numpy call right after the forward costs 7-12 us; `bytes` of a
+        memoryview, a few)."""
+        mv = self._raw_views
+        if mv[0] is not qsl or mv[1] is not computed:
+            mv = self._raw_views = (qsl, computed, memoryview(qsl), memoryview(computed), (qsl.dtype, computed.dtype))
+        ids = self._raw_ids
+        if ids != req_ids:
+            ids = self._raw_ids = list(req_ids)
+        return ids, bytes(mv[3]), bytes(mv[2]), mv[4]
 
     def _take_step(self, held: list, sig: tuple | None = None) -> None:
         """binding.drain's target on an eager CPU engine, with the step's top-k tensor of each MoE layer (the list
