@@ -3,6 +3,7 @@ notes, binding hooks, step batching, and the HF oracle on a generated model."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -497,7 +498,7 @@ def test_a_queue_bound_counts_the_router_tensors_an_eager_cpu_batch_holds(tmp_pa
 
     from routing_replay.capture import AsyncCopier, HostRows, RoutingCache
     from routing_replay.producer import Producer
-    from tests.test_producer_faults import FakeBroker, wait_for
+    from tests.test_producer_faults import wait_for
     L, K, N = 3, 2, 10                      # each step: 10 tokens routed, requests k0 (rows 0..3) and k1 (rows 6..8)
     copier = AsyncCopier(RoutingCache(64, L, K), num_slots=2, max_rows=32)
 
@@ -1057,6 +1058,24 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
         copier.submit_slot(0, 20, 0)
 
 
+@contextlib.contextmanager
+def _producer_to_fake(tmp_path, layers: int, top_k: int, **kw):
+    """A real Producer connected to a FakeBroker the test plays (tests/test_producer_faults.py), closed after."""
+    import zmq
+
+    from routing_replay.producer import Producer
+    from tests.test_producer_faults import FakeBroker
+    ctx = zmq.Context()
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=layers, top_k=top_k, context=ctx, linger_ms=0, **kw)
+    try:
+        yield p, fake
+    finally:
+        p.close(timeout_s=1)
+        fake.close()
+        ctx.term()
+
+
 @pytest.mark.parametrize("as_bytes", [False, True])
 def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_captured_stays_out(tmp_path, as_bytes):
     """A step-ring step goes to the producer as the runner laid it out (_StepBatch.add_raw): engine ids,
@@ -1066,12 +1085,9 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     the step, with their rows. Through a real Producer to a socket: the delta's ids, starts, counts and rows are
     exactly those of the captured requests, steps added by reference keep theirs, and the queue's byte count comes
     back to 0 (the rows left out leave it too)."""
-    import zmq
-
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.producer import Producer
     from routing_replay.producer.messages import StepParts
-    from tests.test_producer_faults import FakeBroker, wait_for
+    from tests.test_producer_faults import wait_for
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
@@ -1107,10 +1123,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     want_ids = ["k0", "k4", "k0", "k3", "k4", "k0", "k4"]
     want = np.concatenate([w1[[0, 1, 2, 6]], w2, w3[1:3]])
 
-    ctx = zmq.Context()
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=Lr, top_k=Kr, context=ctx, linger_ms=0)
-    try:
+    with _producer_to_fake(tmp_path, Lr, Kr) as (p, fake):
         assert p.open_many([(k, 16, 0, None, False) for k in ("k0", "k3", "k4")], ids_checked=True) == []
         assert p.publish_steps(ids, starts, counts, rows, checked=True) is True
         got = [fake.recv() for _ in range(4)]
@@ -1133,10 +1146,6 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
         p.publish_rows(["k0"], [8], [1], want[:1])
         h, frames = fake.recv()
         assert (h.kind, h.key, h.seq) == ("delta", ["k0"], got[3][0].seq + 1)
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
-        ctx.term()
     # resolved on the thread that reads them, once: the same steps again, read directly
     add_raw(0, 7, slot_of(1), ["r0", "r1", "r2", "r3", "r4"], np.array([0, 10, 20, 5, 7], np.int32), qsl1, 1)
     step = StepParts(*batch.hand_over(copier, 4, {"r1": ("k1", 1)})).step()
@@ -1154,12 +1163,9 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
     ids, starts, counts and rows are exact, and the queue's byte count comes back to 0. The rows are those the
     query start locations span, whatever the worker counted; a step whose tensors hold fewer is refused there
     (encode_errors) and the next delta still goes out; a batch released unread lets its tensors go."""
-    import zmq
-
     from routing_replay.capture import AsyncCopier, RoutingCache
     from routing_replay.engines.vllm_plugin.worker import host_layouts, resolve_raw_steps
-    from routing_replay.producer import Producer
-    from tests.test_producer_faults import FakeBroker, wait_for
+    from tests.test_producer_faults import wait_for
     Lr, Kr = 3, 2
     copier = AsyncCopier(RoutingCache(64, Lr, Kr), num_slots=4, max_rows=32)
     rng = np.random.default_rng(7)
@@ -1209,10 +1215,7 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
     add(batch, tensors(3, np.int32), 3, ["r0", "r3"], [8, 8], [0, 3, 4], 6)
     d_args = batch.hand_over(copier, 6, table)
 
-    ctx = zmq.Context()
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=Lr, top_k=Kr, context=ctx, linger_ms=0)
-    try:
+    with _producer_to_fake(tmp_path, Lr, Kr) as (p, fake):
         assert p.open_many([(k, 16, 0, None, False) for k in ("k0", "k3", "k4")], ids_checked=True) == []
         assert p.publish_steps(ids, starts, counts, rows, checked=True) is True
         got = [fake.recv() for _ in range(4)]
@@ -1244,10 +1247,6 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
         assert (h.kind, h.key) == ("delta", ["k0"])
         wait_for(lambda: p.queued_msgs == 0)
         assert p.queued_bytes == 0 and p._failure is None and p.stats.encode_errors == 1
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
-        ctx.term()
     # a batch released before the producer's thread read it (a producer closing): nothing to give back, no error
     add(batch, tensors(3, np.int32), 3, decode, [6, 8, 11], [0, 1, 2, 3], 5)
     batch.hand_over(copier, 5, table)[3].release()
@@ -1258,11 +1257,7 @@ def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions
     """A batch with raw steps that the producer's queue bound refuses is resolved on the caller's thread instead:
     the positions reported lost are the captured requests' own, under their keys; nothing of the request not
     captured is counted. The same with the layout as bytes (as the worker hands it over)."""
-    import zmq
-
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.producer import Producer
-    from tests.test_producer_faults import FakeBroker
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
@@ -1277,10 +1272,7 @@ def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions
         batch.add_raw(0, 5, slot, ["r0", "r1", "r2"], computed, qsl, 1)
     free = copier.free_rows
     ids, starts, counts, rows = batch.hand_over(copier, 1, {"r0": ("k0", 1), "r2": ("k2", 1)})
-    ctx = zmq.Context()
-    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
-    p = Producer(f"ipc://{tmp_path}/f", num_layers=Lr, top_k=Kr, context=ctx, linger_ms=0, max_queue_bytes=8)
-    try:
+    with _producer_to_fake(tmp_path, Lr, Kr, max_queue_bytes=8) as (p, fake):
         p.open_many([("k0", 4, 0, None, False), ("k2", 7, 0, None, False)], ids_checked=True)
         assert p.publish_steps(ids, starts, counts, rows, checked=True) is False
         assert (p.stats.dropped_msgs, p.stats.dropped_rows) == (1, 4)
@@ -1290,7 +1282,3 @@ def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions
                                                      ("finish", "k2")]
         assert got[2][0].body["lost"] == [[0, 3]] and got[3][0].body["lost"] == [[6, 7]]
         assert copier.free_rows == free and p.queued_bytes == 0 and p.queued_msgs == 0
-    finally:
-        p.close(timeout_s=1)
-        fake.close()
-        ctx.term()
