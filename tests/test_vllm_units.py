@@ -498,7 +498,7 @@ def test_a_queue_bound_counts_the_router_tensors_an_eager_cpu_batch_holds(tmp_pa
 
     from routing_replay.capture import AsyncCopier, HostRows, RoutingCache
     from routing_replay.producer import Producer
-    from tests.test_producer_faults import wait_for
+    from tests.test_producer_faults import FakeBroker, wait_for
     L, K, N = 3, 2, 10                      # each step: 10 tokens routed, requests k0 (rows 0..3) and k1 (rows 6..8)
     copier = AsyncCopier(RoutingCache(64, L, K), num_slots=2, max_rows=32)
 
