@@ -181,7 +181,10 @@ def test_capture_key_is_the_external_key_or_its_derived_key_on_every_path():
 
     ids = ["7-0123abcd", "2_chatcmpl-xyz-89abcdef", "-0123abcd", "a" * MAX_REQUEST_ID_BYTES + "-0123abcd",
            "a" * (MAX_REQUEST_ID_BYTES + 1) + "-0123abcd", "é" * 10 + "-0123abcd", "é" * 600 + "-0123abcd",
-           "x\ud800y-0123abcd", "plain-0123abcd"]
+           "x\ud800y-0123abcd", "plain-0123abcd",
+           # one character off vLLM's suffix: every path must refuse it as external_key does
+           "x-0123ABCD", "x-0123abcg", "x_0123abcd", "x-+123abcd", "x- 123abcd", "x-0123abc ", "x-0123 bcd",
+           "x-0123abc\n", "x-\u0661123abcd", "x--0123abcd", "x-0123abcd-", "x-0x23abcd", "x-ffffffff"]
     for randomized in (True, False):
         for rid in ids + ["plain", "a" * MAX_REQUEST_ID_BYTES, "a" * (MAX_REQUEST_ID_BYTES + 1), ""]:
             try:
