@@ -184,6 +184,22 @@ def _rpc_line_profile(worker, on: bool):
     cls = type(cap)
     if on:
         lp = LineProfiler()
+        # what pre_step and post_step call, line by line too (profiled only while inside one of them)
+        import inspect as _inspect
+
+        from routing_replay.engines.vllm_plugin import worker as _worker
+        for name, fn in _inspect.getmembers(cls, _inspect.isfunction):
+            if name.startswith("_") and not name.startswith("__"):
+                lp.add_function(fn)
+        for fn in (_worker.step_layout, *(f for n, f in _inspect.getmembers(_worker._StepBatch, _inspect.isfunction)
+                                           if not n.startswith("__"))):
+            lp.add_function(fn)
+        for obj, names in ((cap.producer, ("open_many", "end_many", "publish_steps", "_publish_parts")),
+                           (cap.copier, ("submit",))):
+            for n in names:
+                fn = getattr(type(obj), n, None) if obj is not None else None
+                if fn is not None:
+                    lp.add_function(fn)
         cap.pre_step = lp(cls.pre_step).__get__(cap)
         cap.post_step = lp(cls.post_step).__get__(cap)
         cap._bench_lines = lp
@@ -524,7 +540,7 @@ def main(argv=None) -> int:
                     help="leading prompt tokens shared by all requests (prefix-cache hits; the fill mode's gathers)")
     ap.add_argument("--line-profile", action="store_true",
                     help="after the rounds, one more round of on (and fill) under line_profiler (must be installed): "
-                         "time per line of pre_step and post_step, in lines_on.txt / lines_fill.txt")
+                         "time per line of pre_step and post_step and what they call, in lines_on.txt / lines_fill.txt")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds: one `on` and one `fill` round under cProfile (engine thread, pre_step + "
                          "post_step), reports in profile_on.txt / profile_fill.txt")

@@ -108,14 +108,17 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
         ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
         churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0, churn_hits: int = 0,
-        on_step=None, forward=None) -> dict:
+        on_step=None, forward=None, layout=None, optout_first: frozenset = frozenset()) -> dict:
     """One probe run; the result as a dict. churn_hits H: each new request of --churn starts with H prefix-cache
     hit tokens (its blocks shared with the others; mode `fill` gathers their rows from the store). churn_optout K:
     every K-th new request of --churn is not captured (its sampling params opt out), so captured and uncaptured
     requests share steps. churn_same_ids: a new request takes the id of the one it replaces (ids that callers
     reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls);
     on_step(step, worker) after each step's post_step. forward(step, hooks, topk_ids): --eager, instead of every
-    hook in layer order (tests: a forward that misses a layer)."""
+    hook in layer order (tests: a forward that misses a layer). layout(step, ids), without churn: the steps after
+    the first schedule the (engine id, tokens) pairs it returns, in that batch order (tests: a batch the runner
+    reorders, requests left out of a step, a chunk larger than a ring slot); optout_first: the indices of the first
+    step's requests that are not captured."""
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
@@ -173,7 +176,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
     sp_out = SimpleNamespace(extra_args={"return_routed_experts": False})
     ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
-    new = [SimpleNamespace(req_id=r, sampling_params=sp, prompt_token_ids=list(range(prompt_len)),
+    new = [SimpleNamespace(req_id=r, sampling_params=sp_out if i in optout_first else sp,
+                           prompt_token_ids=list(range(prompt_len)),
                            prompt_embeds=None, num_computed_tokens=0, block_ids=([i],)) for i, r in enumerate(ids)]
     # --churn: per step after the first, `churn` requests finish (the scheduler's notes: churn_output output ids)
     # and as many new ones take their places with a prefill of churn_prompt tokens, as in bench/vllm_gpu.py's rounds
@@ -194,6 +198,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     paced = 0                                       # --step-ring: waits for the producer's thread (see below)
     hooked = [0, 0]                                 # --eager: the router hooks, timed the same way
     hooks = cap.binding.hooks if eager else None
+    pos: dict = {}                                  # layout: tokens computed per request
     for step in range(steps + warm):
         if step == warm:
             st = cap.stats
@@ -203,7 +208,12 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             for name in parts:
                 parts[name] = 0
         first = step == 0
-        if first or not churn:
+        if layout is not None and not first and not churn:
+            sched = layout(step, ids)                   # [(engine id, tokens)] in batch order
+            if not pos:                                 # tokens computed per request before the step
+                pos.update((r, prompt_len) for r in ids)
+            so = _so([], dict(sched), sum(t for _, t in sched))
+        elif first or not churn:
             q = prompt_len if first else 1
             so = _so(new if first else [], {r: q for r in ids}, n * q)
         else:
@@ -228,7 +238,15 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         _outside(cap.pre_step, so, outer)
         # the runner's batch for this step, then the forward: every router writes its top-k
         ib.num_reqs, ib.req_ids = n, ids
-        if churn:
+        if layout is not None and not first and not churn:
+            ib.num_reqs, ib.req_ids = len(sched), [r for r, _ in sched]
+            ib.num_computed_tokens_cpu[:len(sched)] = [pos[r] for r, _ in sched]
+            qsl[0] = 0
+            np.cumsum([t for _, t in sched], out=qsl[1:len(sched) + 1])
+            rows = so.total_num_scheduled_tokens
+            for r, t in sched:
+                pos[r] += t
+        elif churn:
             ib.num_computed_tokens_cpu[:n] = done
             qsl[0] = 0
             np.cumsum(qs, out=qsl[1:n + 1])

@@ -607,3 +607,51 @@ def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_a
     assert sorted(second, key=lambda it: it[1]) == sorted([("finish", a, 2, "stop", [7, 8]),
                                                            ("finish", c, 1, "length", [9])], key=lambda it: it[1])
     assert ("capture-abort", b) in events and ("finish", b) not in events
+
+
+def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_mapping_publishes():
+    """A graph engine's step of the running batch after a ring step takes pre_step's first branch and post_step's
+    ring path in one frame (_ring_step). Steps that change the batch without opening or finishing anything take
+    it too: the runner reorders its batch, leaves requests out of a step, schedules only requests that are not
+    captured (no captured request runs: the general path), or a chunk larger than a ring slot (the copier). Each
+    gives exactly the delta entries of the engine thread's own mapping (stamps without the ring), in order, and
+    every ring read's stamp checks."""
+    n, steps, prompt_len, out = 8, 60, 16, frozenset({1, 5})
+
+    def layout(step, ids):
+        if step % 11 == 6:
+            return [(ids[i], 1) for i in sorted(out)]                # nothing captured runs
+        if step == 20:
+            return [(r, 600 if i == 2 else 1) for i, r in enumerate(ids)]    # larger than a 512-row slot
+        if step % 7 == 3:
+            return [(r, 1) for r in ids[1::-1] + ids[2:]]           # the first two swapped
+        if step % 7 == 5:
+            return [(r, 1) for r in ids[::2]]                       # half the batch left out
+        return [(r, 1) for r in ids]
+
+    runs = {}
+    for ring in (True, False):
+        entries, steady = [], []
+        r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=ring,
+                         layout=layout, optout_first=out, on_producer=_watch([], entries),
+                         on_step=lambda step, cap: steady.append(cap._steady))
+        assert r["producer_drained"] and r["encode_errors"] == 0
+        runs[ring] = (r, entries, steady)
+    (r, entries, steady), (r0, entries0, steady0) = runs[True], runs[False]
+    total = steps + steps // 4
+    idle = sum(1 for s in range(1, total) if s % 11 == 6)
+    assert r["active_steps"] == r0["active_steps"] == total - idle
+    assert r["ring_steps"] == total - idle - 1 and r0["ring_steps"] == 0 and r["stamps_checked"] == total - idle
+    ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]                 # (the probe's)
+    captured = [r for i, r in enumerate(ids) if i not in out]
+    want = len(captured) + sum(len([r for r, _ in layout(s, ids) if r in captured]) for s in range(1, total))
+    assert entries == entries0 and len(entries) == want
+    # every request's rows, in order, with nothing of the two not captured
+    keys = {k for k, _, _ in entries}
+    assert len(keys) == n - len(out)
+    for k in keys:
+        mine = [(a, c) for key, a, c in entries if key == k]
+        assert [a for a, _ in mine] == list(np.cumsum([0] + [c for _, c in mine[:-1]]))
+    # the fast path ran: every step after a ring step but the one larger than a slot left the worker steady (a
+    # step where nothing captured runs leaves it as it was); the engine without the ring never is
+    assert sum(steady) == total - 1 and not steady[20] and not any(steady0)

@@ -790,6 +790,11 @@ class WorkerCapture:
         self._host_step = None                  # CPU, eager: (the step's top-k tensors by layer, bytes of one,
         #                                         whether they were checked)
         self._views = [-1, None, None, None, None]  # V1: num_reqs, the runner's two arrays, their views
+        # a graph engine's step of the running batch (_ring_step): the last step went to the step ring by
+        # reference and left nothing for the next pre_step but counting its forward (pre_step's first branch)
+        self._steady = False
+        self._ring_views = (-1, None, None, None, None, None)   # _ring_step: num_reqs, the runner's two arrays,
+        #                                                         memoryviews of their step parts, dtypes
         self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
         self._raw_ids = None            # _raw_layout: the engine ids of the last step (a copy its steps share)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
@@ -1045,6 +1050,20 @@ class WorkerCapture:
         w0 = time.perf_counter_ns() if t0 else 0
         st = self.stats
         st.steps += 1
+        # (isdisjoint walks the step's dict until a tracked id: with nothing tracked, all of it; so it goes last)
+        if self._steady and self.tracked and not (so.scheduled_new_reqs or so.finished_req_ids
+                                                  or so.preempted_req_ids or so.scheduled_spec_decode_tokens) \
+                and so.total_num_scheduled_tokens and not self.tracked.keys().isdisjoint(so.num_scheduled_tokens):
+            # a graph engine's step of the running batch after a step that went to the ring by reference
+            # (_ring_step): nothing opens, ends or waits for the store, a captured request runs; of the path
+            # below only the forward's count is left (the step's work is post_step's, on the same path)
+            self.forwards += 1
+            self.active = True
+            if t0:
+                self._quiet = True
+                st.quiet_steps += 1
+                self._count_host(t0, w0)
+            return
         if t0:
             self._quiet = not (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids)
             st.quiet_steps += self._quiet
@@ -1076,7 +1095,20 @@ class WorkerCapture:
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
             notes = getattr(so, scheduler_hooks.ATTR, None)
-            for rid in so.finished_req_ids:
+            if notes is not None and self.batch.parts:
+                # the common step: every captured request that finishes has its note and its last rows in the
+                # batch; their finishes wait for it together (C-speed maps, no Python line per request)
+                ended = [rid for rid in so.finished_req_ids if rid in tracked]
+                infos = list(map(notes.get, ended))
+                if None not in infos:
+                    keys = list(map(tracked.pop, ended))
+                    self._tracked_gen += 1
+                    self._ended += ended
+                    self._closing.update(zip(keys, zip(ended, infos)))
+                    ended = ()
+            else:
+                ended = so.finished_req_ids
+            for rid in ended:
                 key = tracked.pop(rid, None)
                 self._tracked_gen += 1
                 if key is None:
@@ -1261,11 +1293,9 @@ class WorkerCapture:
             for rid, end in ends:
                 self._failed_end(rid, end[1], e)
             return
-        for _, end in ends:
-            if end[0] == "finish":
-                self.stats.finished += 1
-            else:
-                self.stats.aborted += 1
+        finished = [end[0] for _, end in ends].count("finish")
+        self.stats.finished += finished
+        self.stats.aborted += len(ends) - finished
 
     def post_step(self, so) -> None:
         active, storing = self.active, self.storing
@@ -1279,6 +1309,9 @@ class WorkerCapture:
         t0 = time.thread_time_ns() if self.timing else 0
         w0 = time.perf_counter_ns() if t0 else 0
         b = self.binding
+        if not b.gate and not storing and self.cache.slots and self.kind == "v1" and self._ring_step(so, t0, w0):
+            return
+        self._steady = False
         # ends the step: an eager step's layers held are handed over (_take_step, while `active` still says the
         # step is captured; the C hooks of enforce_eager engines keep every layer's tensor until here, other
         # engines' last hook drained already), and the cache's flush resets its per-step count, so the next step
@@ -1414,6 +1447,48 @@ class WorkerCapture:
                 batch.add(pending, keys, computed, count, forward=self.forwards)
         self._stepped(batch, n, t0, w0)
 
+    def _ring_step(self, so, t0: int, w0: int) -> bool:
+        """post_step of a V1 graph engine's captured step that fits a step-ring slot and writes nothing to the
+        prefix store: the path below (flush, layout, slot, raw layout, the batch) in one frame, for the running
+        batch's every step. False, having done nothing but the flush, where the rows are not in the ring (no
+        baseline yet, a step larger than a slot): the general path takes the step then."""
+        self.active = False
+        cache = self.cache
+        cache.flush()           # (a no-op for a graph-replayed step; ends an eager step whose last hook was lost)
+        nt = so.total_num_scheduled_tokens
+        stamps = self.batch.stamps
+        off = stamps.offset
+        if off is None or nt > cache.slot_rows:
+            return False
+        runner = self.runner
+        ib = runner.input_batch
+        n = ib.num_reqs
+        ids = ib.req_ids                            # the runner's own list: read, never kept or modified
+        if len(ids) != n:
+            ids = ids[:n]
+        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
+        rv = self._ring_views
+        if rv[0] != n or rv[1] is not q or rv[2] is not c:
+            rv = self._ring_views = (n, q, c, memoryview(q[:n + 1]), memoryview(c[:n]), (q.dtype, c.dtype))
+        last = self._raw_ids
+        if last != ids:                             # (C speed: decode steps repeat the batch)
+            last = self._raw_ids = list(ids)
+        batch = self.batch
+        # the slot this step's flush wrote (as _ring_slot); the step as the runner laid it out (as _raw_layout,
+        # _StepBatch.add_raw): the producer's thread maps the ids to keys (_BatchedRows.resolve)
+        batch.add_raw(0, nt, ((self.forwards + off) & stamps._mask) % cache.slots, last, bytes(rv[4]),
+                      bytes(rv[3]), self.forwards, rv[5])
+        st = self.stats
+        st.ring_steps += 1
+        st.active_steps += 1
+        st.rows += nt
+        if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
+            self._flush()
+        self._steady = not (self._opens and self.fill)
+        if t0:
+            self._count_host(t0, w0)
+        return True
+
     def _host_raw(self, so, tensors: list, n: int, t0: int, w0: int) -> None:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
         producer's thread as the runner laid it out (_StepBatch.add_host), which maps its ids to record keys,
@@ -1527,7 +1602,16 @@ class WorkerCapture:
             self._cut_seen()
         if self._closing:                   # finishes that waited for this batch (pre_step)
             closing, self._closing = self._closing, {}
-            for key, (rid, info) in closing.items():
+            if self.announces:              # (each with its scheduler note: _end_of's items, all at once)
+                try:
+                    self._ends += [(rid, ("abort", key, 0, "abort", None) if info.num_output_tokens == 0 and
+                                    info.reason == "abort" else ("finish", key, info.num_output_tokens, info.reason,
+                                                                 info.output_token_ids))
+                                   for key, (rid, info) in closing.items()]
+                    closing = ()
+                except Exception:       # noqa: BLE001 -- a note not as the hook makes it: one by one, as before
+                    pass
+            for key, (rid, info) in closing.items() if closing else ():
                 self._close_request(rid, key, info)
         if self._ends:
             self._send_ends()
