@@ -1602,16 +1602,13 @@ class WorkerCapture:
             self._cut_seen()
         if self._closing:                   # finishes that waited for this batch (pre_step)
             closing, self._closing = self._closing, {}
-            if self.announces:              # (each with its scheduler note: _end_of's items, all at once)
+            if self.announces:              # (each with its scheduler note: their items in one comprehension)
                 try:
-                    self._ends += [(rid, ("abort", key, 0, "abort", None) if info.num_output_tokens == 0 and
-                                    info.reason == "abort" else ("finish", key, info.num_output_tokens, info.reason,
-                                                                 info.output_token_ids))
-                                   for key, (rid, info) in closing.items()]
-                    closing = ()
+                    self._ends += [(rid, self._end_of(rid, key, info)) for key, (rid, info) in closing.items()]
+                    closing = {}
                 except Exception:       # noqa: BLE001 -- a note not as the hook makes it: one by one, as before
                     pass
-            for key, (rid, info) in closing.items() if closing else ():
+            for key, (rid, info) in closing.items():
                 self._close_request(rid, key, info)
         if self._ends:
             self._send_ends()
