@@ -211,6 +211,65 @@ def _rpc_line_profile(worker, on: bool):
     return buf.getvalue()
 
 
+def _rpc_step_trace(worker, on: bool):
+    """--step-trace: each step's engine-thread time, wall, without the clocks' own cost (WorkerStats.host_wall_ns
+    minus clock_wall_ns, read around pre_step and post_step), with what the step did: requests opened, finished,
+    tokens, whether it went to the step ring. on=True starts it; on=False stops it and returns the rows."""
+    from routing_replay.engines.vllm_plugin import capture_of
+
+    cap = capture_of(worker)
+    if cap is None:
+        return False
+    if on:
+        rows: list = []
+        st = cap.stats
+        pre, post = cap.pre_step, cap.post_step
+
+        def net():
+            return st.host_wall_ns - st.clock_wall_ns
+
+        def run_pre(so):
+            a = net()
+            pre(so)
+            rows.append([len(so.scheduled_new_reqs), len(so.finished_req_ids), int(so.total_num_scheduled_tokens),
+                         net() - a, 0, 0])
+
+        def run_post(so):
+            a, r = net(), st.ring_steps
+            post(so)
+            rows[-1][4] = net() - a
+            rows[-1][5] = st.ring_steps - r
+
+        cap.pre_step, cap.post_step = run_pre, run_post
+        cap._bench_trace = rows
+        return True
+    rows = cap.__dict__.pop("_bench_trace")
+    del cap.pre_step, cap.post_step
+    return rows
+
+
+def _trace_summary(rows: list) -> dict:
+    """--step-trace rows grouped by what the step did: steps, their total and mean engine-thread wall time."""
+    groups: dict = {}
+    for new, fin, n, pre, post, ring in rows:
+        kind = ("opens" if new else "") + ("+finishes" if fin else "") or "quiet"
+        kind = kind.lstrip("+") + ("" if ring else ", outside the ring")
+        g = groups.setdefault(kind, {"steps": 0, "opened": 0, "finished": 0, "tokens": 0, "pre_us": 0.0,
+                                     "post_us": 0.0})
+        g["steps"] += 1
+        g["opened"] += new
+        g["finished"] += fin
+        g["tokens"] += n
+        g["pre_us"] += pre / 1e3
+        g["post_us"] += post / 1e3
+    total = sum(g["pre_us"] + g["post_us"] for g in groups.values())
+    for g in groups.values():
+        g["total_us"] = g["pre_us"] + g["post_us"]
+        g["us_per_step"] = g["total_us"] / g["steps"]
+        g["us_per_round_step"] = g["total_us"] / max(len(rows), 1)      # its share of the every-step figure
+    return {"steps": len(rows), "us_per_step": total / max(len(rows), 1), "kinds": groups}
+
+
 def _rpc_prefix_rows(worker, mode: str) -> bool:
     from routing_replay.engines.vllm_plugin import capture_of
 
@@ -541,6 +600,9 @@ def main(argv=None) -> int:
     ap.add_argument("--line-profile", action="store_true",
                     help="after the rounds, one more round of on (and fill) under line_profiler (must be installed): "
                          "time per line of pre_step and post_step and what they call, in lines_on.txt / lines_fill.txt")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="after the rounds, one more round of on with each step's engine-thread time recorded, "
+                         "grouped by what the step did (opens, finishes, outside the step ring) in trace_on.json")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds: one `on` and one `fill` round under cProfile (engine thread, pre_step + "
                          "post_step), reports in profile_on.txt / profile_fill.txt")
@@ -681,6 +743,18 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
             print(f"== {what}, engine thread, {m} round (pre_step + post_step): {name}_{m}.txt\n" + report[:6000],
                   flush=True)
 
+    if a.step_trace:
+        engines["on"].collective_rpc(_rpc_step_trace, args=(True,))
+        one_round("on", -4)
+        trace = engines["on"].collective_rpc(_rpc_step_trace, args=(False,))[0]
+        summary = _trace_summary(trace)
+        (out / "trace_on.json").write_text(json.dumps({"summary": summary, "steps": trace}))
+        print(f"== step trace, on round: {summary['steps']} steps, {summary['us_per_step']:.1f} us per step wall "
+              "(pre + post, without the clocks)", flush=True)
+        for kind, g in sorted(summary["kinds"].items(), key=lambda kv: -kv[1]["total_us"]):
+            print(f"  {kind:32s} {g['steps']:4d} steps  {g['us_per_step']:8.1f} us each (pre {g['pre_us'] / g['steps']:.1f}"
+                  f", post {g['post_us'] / g['steps']:.1f})  {g['us_per_round_step']:5.1f} us of every step; "
+                  f"opened {g['opened']}, finished {g['finished']}, tokens {g['tokens']}", flush=True)
     gpu = engines["on"].collective_rpc(_rpc_gpu_cost, args=([a.requests, int(info["max_num_batched_tokens"])],))[0]
     final = engines["on"].collective_rpc(_rpc_stats)[0]
     for llm in (engines["on"], engines["off"]):

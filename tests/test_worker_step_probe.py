@@ -655,3 +655,64 @@ def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_m
     # the fast path ran: every step after a ring step but the one larger than a slot left the worker steady (a
     # step where nothing captured runs leaves it as it was); the engine without the ring never is
     assert sum(steady) == total - 1 and not steady[20] and not any(steady0)
+
+
+@pytest.mark.parametrize("optout,same_ids,randomized,hits", [(0, False, False, 0), (7, False, False, 16),
+                                                            (0, True, False, 0), (0, True, True, 0),
+                                                            (7, False, True, 0)])
+def test_a_steps_opens_in_bulk_are_what_opening_them_one_by_one_gives(monkeypatch, optout, same_ids, randomized,
+                                                                       hits):
+    """A step that opens several requests takes them in C-speed passes (WorkerCapture._open_bulk) where each is the
+    common kind, and one by one (_open_request) where any is not: a request not captured among them (every 7th),
+    an id that ended in the same step (same_ids), a key whose last request's finish waits for the batch (same_ids
+    with vLLM's random suffix: a new id, the same key). Either way the producer gets exactly the same calls, open
+    items (prefix-cache hits included) and delta entries, in the same order, and the worker's tables are the same
+    after every step."""
+    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+
+    n, steps, churn = 8, 40, 3
+    real = WorkerCapture._open_bulk
+    runs = {}
+    for bulk in (True, False):
+        taken: list = []
+        tables: list = []
+
+        def spy(self, news, bulk=bulk, taken=taken):
+            ok = bulk and real(self, news)
+            taken.append(ok)
+            return ok
+
+        monkeypatch.setattr(WorkerCapture, "_open_bulk", spy)
+        events, entries, items = [], [], []
+
+        def attach(p, events=events, entries=entries, items=items):
+            _watch(events, entries)(p)
+            opens = p.open_many
+
+            def open_many(its, **kw):
+                items.extend((key, p_len, c, list(t), f) for key, p_len, c, t, f in its)
+                return opens(its, **kw)
+            p.open_many = open_many
+
+        r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True,
+                         churn=churn, churn_prompt=12, churn_output=5, churn_optout=optout, churn_hits=hits,
+                         churn_same_ids=same_ids, randomized=randomized, on_producer=attach,
+                         on_step=lambda step, cap, tables=tables: tables.append(
+                             (cap.forwards, dict(cap.tracked), dict(cap._seen), dict(cap._closing))))
+        assert r["producer_drained"] and r["encode_errors"] == 0
+        runs[bulk] = (r, events, entries, items, taken, tables)
+    (r, events, entries, items, taken, tables), (r0, events0, entries0, items0, taken0, tables0) = \
+        runs[True], runs[False]
+    assert events == events0 and entries == entries0 and items == items0 and tables == tables0
+    assert (r["opened"], r["finished"], r["rows"]) == (r0["opened"], r0["finished"], r0["rows"])
+    churned = steps + steps // 4 - 1
+    assert not any(taken0) and len(taken0) == len(taken) == churned + 1 and taken[0]
+    assert {(c, h) for _, _, c, t, _ in items[n:] for h in [len(t)]} == {(hits, hits + 12)}
+    if same_ids:    # every new id (or key) ended in its own step, its finish waiting for the batch: one by one
+        assert not any(taken[1:])
+    else:                                   # serials n + 3k - 2 .. n + 3k: in bulk unless one is not captured
+        assert taken[1:] == [not (optout and any(s % optout == 0 for s in range(n + 3 * k - 2, n + 3 * k + 1)))
+                             for k in range(1, churned + 1)]
+        assert 0 < sum(taken[1:]) < churned or not optout
+    outs = sum(1 for s in range(n + 1, n + churn * churned + 1) if s % optout == 0) if optout else 0
+    assert len(items) == r["opened"] == n + churn * churned - outs
