@@ -214,7 +214,8 @@ def _rpc_line_profile(worker, on: bool):
 def _rpc_step_trace(worker, on: bool):
     """--step-trace: each step's engine-thread time, wall, without the clocks' own cost (WorkerStats.host_wall_ns
     minus clock_wall_ns, read around pre_step and post_step), with what the step did: requests opened, finished,
-    tokens, whether it went to the step ring. on=True starts it; on=False stops it and returns the rows."""
+    tokens, whether it went raw (_ring_step: the step ring, or copied whole). on=True starts it; on=False stops it
+    and returns the rows."""
     from routing_replay.engines.vllm_plugin import capture_of
 
     cap = capture_of(worker)
@@ -235,10 +236,10 @@ def _rpc_step_trace(worker, on: bool):
                          net() - a, 0, 0])
 
         def run_post(so):
-            a, r = net(), st.ring_steps
+            a, r = net(), st.ring_steps + getattr(st, "copied_steps", 0)
             post(so)
             rows[-1][4] = net() - a
-            rows[-1][5] = st.ring_steps - r
+            rows[-1][5] = st.ring_steps + getattr(st, "copied_steps", 0) - r
 
         cap.pre_step, cap.post_step = run_pre, run_post
         cap._bench_trace = rows
@@ -253,7 +254,7 @@ def _trace_summary(rows: list) -> dict:
     groups: dict = {}
     for new, fin, n, pre, post, ring in rows:
         kind = ("opens" if new else "") + ("+finishes" if fin else "") or "quiet"
-        kind = kind.lstrip("+") + ("" if ring else ", outside the ring")
+        kind = kind.lstrip("+") + ("" if ring else ", general path")
         g = groups.setdefault(kind, {"steps": 0, "opened": 0, "finished": 0, "tokens": 0, "pre_us": 0.0,
                                      "post_us": 0.0})
         g["steps"] += 1
@@ -291,7 +292,7 @@ def _rpc_stats(worker) -> dict:
         return d
     st, cop, prod = cap.stats, cap.copier.stats, cap.producer.stats
     cfg = worker.vllm_config
-    d.update(capture=True, steps=st.steps, active_steps=st.active_steps, ring_steps=st.ring_steps, rows=st.rows,
+    d.update(capture=True, steps=st.steps, active_steps=st.active_steps, ring_steps=st.ring_steps, copied_steps=st.copied_steps, rows=st.rows,
              host_ns=st.host_ns, host_wall_ns=st.host_wall_ns, clock_ns=st.clock_ns, clock_wall_ns=st.clock_wall_ns,
              timed_sections=st.timed_sections, quiet_steps=st.quiet_steps, quiet_sections=st.quiet_sections,
              quiet_host_ns=st.quiet_host_ns, quiet_host_wall_ns=st.quiet_host_wall_ns,
@@ -602,7 +603,7 @@ def main(argv=None) -> int:
                          "time per line of pre_step and post_step and what they call, in lines_on.txt / lines_fill.txt")
     ap.add_argument("--step-trace", action="store_true",
                     help="after the rounds, one more round of on with each step's engine-thread time recorded, "
-                         "grouped by what the step did (opens, finishes, outside the step ring) in trace_on.json")
+                         "grouped by what the step did (opens, finishes, the general path) in trace_on.json")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds: one `on` and one `fill` round under cProfile (engine thread, pre_step + "
                          "post_step), reports in profile_on.txt / profile_fill.txt")
@@ -699,6 +700,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
             steps = s1["steps"] - s0["steps"]
             r.update(steps=steps, active_steps=s1["active_steps"] - s0["active_steps"],
                      ring_steps=s1["ring_steps"] - s0["ring_steps"],
+                     copied_steps=s1.get("copied_steps", 0) - s0.get("copied_steps", 0),
                      host_us_per_step=(s1["host_ns"] - s0["host_ns"]) / steps / 1e3,
                      host_wall_us_per_step=(s1["host_wall_ns"] - s0["host_wall_ns"]) / steps / 1e3,
                      clock_us_per_step=(s1["clock_ns"] - s0["clock_ns"]) / steps / 1e3,

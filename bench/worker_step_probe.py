@@ -276,7 +276,9 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             on_step(step, cap)
         if ring:        # an engine's forward gives the producer's thread time; this loop's does not: wait (untimed)
             while cap.producer.queued_msgs > 1:         # rather than run a ring's worth of steps ahead of it
-                time.sleep(0.0002)                      # (a ring read lost, never wrong: an encode error here)
+                if not cap.producer.healthy:            # (a ring read lost, never wrong: an encode error here)
+                    cap.producer._check()               # its thread failed: raises with the reason
+                time.sleep(0.0002)
                 paced += 1
         if big is not None:
             big += 1.0
@@ -284,8 +286,9 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
                 d.get("a")
     cap._flush()
     deadline = time.monotonic() + 60               # the producer's thread took (copied, encoded) every delta
-    while cap.producer.queued_msgs and time.monotonic() < deadline:
+    while cap.producer.queued_msgs and time.monotonic() < deadline and cap.producer.healthy:
         time.sleep(0.01)
+    cap.producer._check()
     ok = cap.producer.queued_msgs == 0
     wall_s = time.perf_counter() - t_run
     st = cap.stats
@@ -294,7 +297,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     k = d[0]
     res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
            "device": device, "graph_mode": not eager, "step_stamp": stamp, "step_ring": ring,
-           "ring_steps": cap.stats.ring_steps, "encode_errors": cap.producer.stats.encode_errors, "paced_waits": paced,
+           "ring_steps": cap.stats.ring_steps, "copied_steps": cap.stats.copied_steps,
+           "encode_errors": cap.producer.stats.encode_errors, "paced_waits": paced,
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),
            **({"hooks_us": round(hooked[0] / k / 1e3, 2), "hooks_wall_us": round(hooked[1] / k / 1e3, 2),

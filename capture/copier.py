@@ -74,7 +74,7 @@ class PendingRows:
     on (in the consumer's thread) and the ring range to free."""
 
     __slots__ = ("shape", "dtype", "dropped", "_copier", "_lo", "_handle", "_event", "_waited", "_released",
-                 "_staged", "_seq", "_shared", "_lm", "_m", "stamped", "slot", "_ckpt", "_pulled")
+                 "_staged", "_seq", "_shared", "_lm", "_m", "stamped", "slot", "_ckpt", "_pulled", "tag")
 
     def __init__(self, copier: "AsyncCopier", shape: tuple, lo: int, handle, event, dropped: bool = False,
                  staged=None, seq: int = 0, layer_major: bool = False, ring_rows: int | None = None,
@@ -97,6 +97,7 @@ class PendingRows:
         self.slot = None                # submit_slot: (slot, first row) of the cache's step ring to copy from
         self._ckpt = None               # mark_batch(checkpoint=True): this batch's entry in the checkpoint ring
         self._pulled = False            # CPU: the slot was copied into the host ring (in result())
+        self.tag = None                 # the caller's (the vLLM worker: its step's layout dtypes until resolved)
 
     @property
     def nbytes(self) -> int:

@@ -642,6 +642,7 @@ def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_m
     idle = sum(1 for s in range(1, total) if s % 11 == 6)
     assert r["active_steps"] == r0["active_steps"] == total - idle
     assert r["ring_steps"] == total - idle - 1 and r0["ring_steps"] == 0 and r["stamps_checked"] == total - idle
+    assert (r["copied_steps"], r0["copied_steps"]) == (1, 0)        # the chunk larger than a slot: copied whole
     ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]                 # (the probe's)
     captured = [r for i, r in enumerate(ids) if i not in out]
     want = len(captured) + sum(len([r for r, _ in layout(s, ids) if r in captured]) for s in range(1, total))
@@ -652,9 +653,9 @@ def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_m
     for k in keys:
         mine = [(a, c) for key, a, c in entries if key == k]
         assert [a for a, _ in mine] == list(np.cumsum([0] + [c for _, c in mine[:-1]]))
-    # the fast path ran: every step after a ring step but the one larger than a slot left the worker steady (a
-    # step where nothing captured runs leaves it as it was); the engine without the ring never is
-    assert sum(steady) == total - 1 and not steady[20] and not any(steady0)
+    # the fast path ran: every step after a ring step left the worker steady, the one larger than a slot too (it
+    # goes raw, copied whole; a step where nothing captured runs leaves it as it was); without the ring never
+    assert sum(steady) == total and steady[20] and not any(steady0)
 
 
 @pytest.mark.parametrize("optout,same_ids,randomized,hits", [(0, False, False, 0), (7, False, False, 16),

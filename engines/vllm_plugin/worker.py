@@ -95,6 +95,7 @@ class WorkerStats:
     active_steps: int = 0           # steps that published rows
     ring_steps: int = 0             # of them: read from the step ring (nothing launched on the engine thread)
     host_steps: int = 0             # of them: the routers' host tensors by reference (CPU, eager: HostRows)
+    copied_steps: int = 0           # of them: larger than a step-ring slot, copied whole and handed over raw
     rows: int = 0                   # rows handed over (a raw step's all: the producer's thread leaves some out)
     opened: int = 0
     finished: int = 0
@@ -268,7 +269,11 @@ class _BatchedRows:
                 qsl = counts[i]
                 lo = int(qsl[0])
                 n = int(qsl[-1]) - lo
-                if _is_host_raw(p):         # (tensors, bytes of one, rows, dtypes)
+                if type(p) is not tuple:    # a step copied whole (_StepBatch.add_copied): its rows are fixed
+                    if lo != 0 or n != p.shape[0]:
+                        raise LostHookError(f"routing-replay: a step's layout spans rows [{lo}, {lo + n}) but its "
+                                            f"copy holds rows [0, {p.shape[0]}); refusing to publish them")
+                elif _is_host_raw(p):       # (tensors, bytes of one, rows, dtypes)
                     parts[i] = HostRows(p[0], [(lo, n)], self._top_k, p[1], checked=False)
                     grown += n - p[2]       # (the rows the worker counted: the scheduler's, V1's too)
                 else:                       # (first, rows, slot, dtypes)
@@ -354,9 +359,16 @@ def _is_host_raw(part) -> bool:
 
 
 def _in_bytes(part) -> bool:
-    """A step added raw with its layout as bytes (_StepBatch.add_host, add_raw with dtypes): its part's last entry
-    is the dtypes of its computed positions and query start locations."""
-    return type(part) is tuple and len(part) == 4
+    """A step added raw with its layout as bytes (_StepBatch.add_host, add_raw with dtypes, add_copied)."""
+    return _layout_dtypes(part) is not None
+
+
+def _layout_dtypes(part):
+    """The dtypes of the computed positions and query start locations of a step added raw with its layout as bytes:
+    a tuple part's last entry (add_host, add_raw), a copied step's tag (add_copied); None for any other part."""
+    if type(part) is tuple:
+        return part[3] if len(part) == 4 else None
+    return getattr(part, "tag", None)
 
 
 def host_layouts(parts: list, raw: list, starts: list, counts: list) -> tuple[list, list]:
@@ -371,7 +383,7 @@ def host_layouts(parts: list, raw: list, starts: list, counts: list) -> tuple[li
     for i in raw:
         if not _in_bytes(parts[i]):
             continue
-        dtypes = parts[i][3]
+        dtypes = _layout_dtypes(parts[i])
         qb, cb = counts[i], starts[i]
         qsl = prev[1] if qb == prev[0] else np.frombuffer(qb, dtype=dtypes[0])
         comp = prev[3] if cb == prev[2] else np.frombuffer(cb, dtype=dtypes[1])
@@ -519,6 +531,16 @@ class _StepBatch:
         self.add_slot(first, n, slot, ids, computed, qsl, forward)
         if dtypes is not None:
             self.parts[-1] = (first, n, slot, dtypes)
+
+    def add_copied(self, pending, ids: list, computed: bytes, qsl: bytes, dtypes: tuple, forward: int) -> None:
+        """A step copied whole (AsyncCopier.submit of rows [0, n), mark=False), as the runner laid it out (add_raw's
+        counterpart for a step larger than a ring slot): its engine ids and the bytes of its computed positions and
+        query start locations (`dtypes`: theirs). The producer's thread maps the ids to keys and leaves out the
+        rows of what is not captured (_BatchedRows.resolve). `ids` must not be modified afterwards; hand the batch
+        over with hand_over(table=...)."""
+        pending.tag = dtypes
+        self.raw.append(len(self.parts))
+        self.add(pending, ids, computed, qsl, forward=forward)
 
     def add_host(self, tensors: list, tensor_nbytes: int, n: int, ids: list, computed: bytes, qsl: bytes,
                  dtypes: tuple, forward: int) -> None:
@@ -1482,18 +1504,19 @@ class WorkerCapture:
         self._stepped(batch, n, t0, w0)
 
     def _ring_step(self, so, t0: int, w0: int) -> bool:
-        """post_step of a V1 graph engine's captured step that fits a step-ring slot and writes nothing to the
-        prefix store: the path below (flush, layout, slot, raw layout, the batch) in one frame, for the running
-        batch's every step. False, having done nothing but the flush, where the rows are not in the ring (no
-        baseline yet, a step larger than a slot): the general path takes the step then."""
+        """post_step of a V1 graph engine's captured step that writes nothing to the prefix store: the path below
+        (flush, layout, slot, raw layout, the batch) in one frame, for the running batch's every step; a step
+        larger than a ring slot is copied whole and goes raw the same way. False, having done nothing but the
+        flush, before the stamp baseline: the general path takes the step then."""
         self.active = False
         cache = self.cache
         cache.flush()           # (a no-op for a graph-replayed step; ends an eager step whose last hook was lost)
         nt = so.total_num_scheduled_tokens
         stamps = self.batch.stamps
         off = stamps.offset
-        if off is None or nt > cache.slot_rows:
+        if off is None:
             return False
+        big = nt > cache.slot_rows      # (a prefill chunk beyond the largest CUDA graph: copied whole, below)
         runner = self.runner
         ib = runner.input_batch
         n = ib.num_reqs
@@ -1508,12 +1531,25 @@ class WorkerCapture:
         if last != ids:                             # (C speed: decode steps repeat the batch)
             last = self._raw_ids = list(ids)
         batch = self.batch
-        # the slot this step's flush wrote (as _ring_slot); the step as the runner laid it out (as _raw_layout,
-        # _StepBatch.add_raw): the producer's thread maps the ids to keys (_BatchedRows.resolve)
-        batch.add_raw(0, nt, ((self.forwards + off) & stamps._mask) % cache.slots, last, bytes(rv[4]),
-                      bytes(rv[3]), self.forwards, rv[5])
         st = self.stats
-        st.ring_steps += 1
+        if big:
+            # rows [0, nt) copied whole (one launch; the rows of requests not captured are left out on the
+            # producer's thread, which maps the ids to keys as for a ring step): no numpy call, no key, nothing
+            # per request here (a 16,384-token chunk's layout, keys and counts cost ~300 us after its forward)
+            pending = self.copier.submit([(0, nt)], mark=False)
+            if pending.dropped:
+                self._copy_dropped(pending, last, rv)
+                if t0:
+                    self._count_host(t0, w0)
+                return True
+            batch.add_copied(pending, last, bytes(rv[4]), bytes(rv[3]), rv[5], self.forwards)
+            st.copied_steps += 1
+        else:
+            # the slot this step's flush wrote (as _ring_slot); the step as the runner laid it out (as
+            # _raw_layout, _StepBatch.add_raw): the producer's thread maps the ids to keys (_BatchedRows.resolve)
+            batch.add_raw(0, nt, ((self.forwards + off) & stamps._mask) % cache.slots, last, bytes(rv[4]),
+                          bytes(rv[3]), self.forwards, rv[5])
+            st.ring_steps += 1
         st.active_steps += 1
         st.rows += nt
         if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
@@ -1522,6 +1558,20 @@ class WorkerCapture:
         if t0:
             self._count_host(t0, w0)
         return True
+
+    def _copy_dropped(self, pending, ids: list, rv: tuple) -> None:
+        """_ring_step's whole-step copy found the host ring full (rare): as the general path does, the batch goes
+        first and the step's captured requests get their rows published as lost (Producer.publish_rows)."""
+        self._flush()
+        n = rv[0]
+        qsl = np.frombuffer(rv[3], dtype=rv[5][0])
+        computed = np.frombuffer(rv[4], dtype=rv[5][1]).copy()
+        count = qsl[1:n + 1] - qsl[:n]
+        keys = list(map(self.tracked.get, ids))
+        on = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
+        self.producer.publish_rows([k for k, o in zip(keys, on.tolist()) if o], computed[on], count[on], pending)
+        self.stats.active_steps += 1
+        self._steady = False
 
     def _host_raw(self, so, tensors: list, n: int, t0: int, w0: int) -> None:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
