@@ -108,8 +108,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         worker_timing: bool = False, prompt_len: int = 16, pieces: bool = False, stamp: bool = False,
         ring: bool = False, churn: int = 0, churn_prompt: int = 512, churn_output: int = 256,
         churn_same_ids: bool = False, on_producer=None, churn_optout: int = 0, churn_hits: int = 0,
-        on_step=None, forward=None, layout=None, optout_first: frozenset = frozenset(),
-        randomized: bool = False) -> dict:
+        on_step=None, forward=None, layout=None, optout_first: frozenset = frozenset()) -> dict:
     """One probe run; the result as a dict. churn_hits H: each new request of --churn starts with H prefix-cache
     hit tokens (its blocks shared with the others; mode `fill` gathers their rows from the store). churn_optout K:
     every K-th new request of --churn is not captured (its sampling params opt out), so captured and uncaptured
@@ -119,8 +118,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     hook in layer order (tests: a forward that misses a layer). layout(step, ids), without churn: the steps after
     the first schedule the (engine id, tokens) pairs it returns, in that batch order (tests: a batch the runner
     reorders, requests left out of a step, a chunk larger than a ring slot); optout_first: the indices of the first
-    step's requests that are not captured. randomized: engine ids with vLLM's random suffix (record key = the id
-    without it), and churn_same_ids then reuses the key, not the id."""
+    step's requests that are not captured."""
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
@@ -149,7 +147,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap.binding.bind()
     else:           # graph mode: the forward's replay writes the cache without Python (the loop calls record)
         cap.binding = SimpleNamespace(gate=False, active=False, calls=0, min_rows=0, layers=[None] * layers)
-    cap.layer_ids, cap.randomized = list(range(layers)), randomized
+    cap.layer_ids, cap.randomized = list(range(layers)), False
     where = tempfile.mkdtemp(prefix="rr-probe-")
     cap.producer = Producer(f"ipc://{where}/nobody", num_layers=layers, top_k=top_k, max_queue_bytes=1 << 30,
                             replay_max_bytes=1 << 30)
@@ -177,9 +175,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     captured = mode in ("on", "fill")
     sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
     sp_out = SimpleNamespace(extra_args={"return_routed_experts": False})
-    # engine ids: as vLLM's with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION set, or (randomized) with its random suffix:
-    # then churn_same_ids gives a new request the key (not the id) of the one it replaces, a client's id reused
-    ids = [f"cmpl-{i:04d}-{i:08x}" if randomized else f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
+    ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
     new = [SimpleNamespace(req_id=r, sampling_params=sp_out if i in optout_first else sp,
                            prompt_token_ids=list(range(prompt_len)),
                            prompt_embeds=None, num_computed_tokens=0, block_ids=([i],)) for i, r in enumerate(ids)]
@@ -226,11 +222,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             for t in range(churn):
                 j = (step * churn + t) % n
                 gone.add(ids[j])
-                if randomized:
-                    fresh_id = f"{ids[j][:-9] if churn_same_ids else f'cmpl-{serial:04d}'}-{serial:08x}"
-                else:
-                    fresh_id = ids[j] if churn_same_ids else f"cmpl-{serial:08x}-0-{serial:04d}"
-                ids = ids[:j] + [fresh_id] + ids[j + 1:]
+                ids = ids[:j] + [ids[j] if churn_same_ids else f"cmpl-{serial:08x}-0-{serial:04d}"] + ids[j + 1:]
                 serial += 1
                 out = churn_optout and serial % churn_optout == 0
                 fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp_out if out else sp,

@@ -201,42 +201,6 @@ def test_capture_key_is_the_external_key_or_its_derived_key_on_every_path():
     assert keys.capture_key("é" * 600 + "-0123abcd")[1] is not None           # 1,200 UTF-8 bytes: derived
 
 
-def test_capture_keys_are_capture_key_of_each_id_where_all_are_the_common_kind():
-    """capture_keys (a step's opens in bulk): for a list where every id is the common kind (vLLM's suffix after at
-    least one character, an ASCII key within the limit) exactly capture_key's keys, in order; None as soon as one
-    id is not, wherever it stands in the list (the worker then takes capture_key one by one)."""
-    import re
-
-    from routing_replay.protocol.wire import MAX_REQUEST_ID_BYTES
-
-    ids = ["7-0123abcd", "2_chatcmpl-xyz-89abcdef", "-0123abcd", "a" * MAX_REQUEST_ID_BYTES + "-0123abcd",
-           "a" * (MAX_REQUEST_ID_BYTES + 1) + "-0123abcd", "é" * 10 + "-0123abcd", "x\ud800y-0123abcd",
-           "plain-0123abcd", "x-0123ABCD", "x-0123abcg", "x_0123abcd", "x-0123abc\n", "x-\u0661123abcd",
-           "x--0123abcd", "x-0123abcd-", "x-ffffffff", "0123abcd", "-0123abc", "a-0123abc", "plain", "",
-           "a" * MAX_REQUEST_ID_BYTES, "a" * (MAX_REQUEST_ID_BYTES + 1)]
-    good = ["q-00000000", "0_r-89abcdef"]
-    for randomized in (True, False):
-        commons = 0
-        for rid in ids:
-            if randomized:
-                common = len(rid) > 9 and re.fullmatch(r"-[0-9a-f]{8}", rid[-9:]) is not None \
-                    and len(rid) - 9 <= MAX_REQUEST_ID_BYTES and rid[:-9].isascii()
-            else:
-                common = 0 < len(rid) <= MAX_REQUEST_ID_BYTES and rid.isascii()
-            commons += common
-            for batch in ([rid], good[:1] + [rid] + good[1:], good + [rid], [rid, rid]):
-                got = keys.capture_keys(batch, randomized)
-                if not common:
-                    assert got is None, (rid[:20], randomized, len(batch))
-                    continue
-                assert got == [keys.capture_key(i, randomized)[0] for i in batch], (rid[:20], randomized)
-                assert all(keys.capture_key(i, randomized)[1] is None for i in batch)
-        assert commons == (6 if randomized else 16)
-    # ids shorter than the suffix whose last characters, joined, would read as suffixes: never taken apart so
-    assert keys.capture_keys(["-012", "3abcd"]) is None and keys.capture_keys(["x-0123", "abcd"]) is None
-    assert keys.capture_keys([]) == [] and keys.capture_keys(good, False) == good
-
-
 def test_record_key_matches_vllm_child_naming():
     assert keys.record_key("7") == "7"
     assert keys.record_key("7", 0, 1) == "7"

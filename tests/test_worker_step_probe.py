@@ -189,25 +189,28 @@ def test_a_steps_finishes_go_in_one_call_when_no_batch_holds_rows():
     assert sizes.count(churn) >= (steps + steps // 4) // 16 - 1, sizes
 
 
-@pytest.mark.parametrize("same_ids", [False, True])
-def test_churn_with_requests_not_captured_publishes_what_the_engine_thread_mapping_publishes(same_ids):
+@pytest.mark.parametrize("same_ids,prompt", [(False, 12), (True, 12), (False, 600), (True, 600)])
+def test_churn_with_requests_not_captured_publishes_what_the_engine_thread_mapping_publishes(same_ids, prompt):
     """Under churn every step's batch changes, and with the step ring it goes to the producer raw: the producer's
     thread maps the engine ids to keys and leaves out the requests not captured (every 3rd new one here; with
     same_ids a captured and an uncaptured request take turns on one id). Exactly the same delta entries, in the
     same order, as the engine thread's own mapping (stamps without the ring), and no request's rows outside its
-    open .. finish."""
+    open .. finish. With 600-token prefills every step after the first is larger than a ring slot: copied whole
+    and handed over raw the same way (_StepBatch.add_copied)."""
     n, steps, prompt_len = 8, 40, 16
     runs = {}
     for ring in (True, False):
         events, entries = [], []
         r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=ring,
-                         churn=1, churn_prompt=12, churn_output=5, churn_same_ids=same_ids, churn_optout=3,
+                         churn=1, churn_prompt=prompt, churn_output=5, churn_same_ids=same_ids, churn_optout=3,
                          on_producer=_watch(events, entries))
         assert r["producer_drained"] and r["encode_errors"] == 0
         runs[ring] = (r, events, entries)
     (r, events, entries), (r0, _, entries0) = runs[True], runs[False]
     warm = steps // 4
-    assert r["ring_steps"] == r["active_steps"] == steps + warm and r0["ring_steps"] == 0
+    big = prompt > 512
+    assert r["active_steps"] == steps + warm and r0["ring_steps"] == r0["copied_steps"] == 0
+    assert (r["ring_steps"], r["copied_steps"]) == ((1, steps + warm - 1) if big else (steps + warm, 0))
     assert entries == entries0 and (r["opened"], r["finished"]) == (r0["opened"], r0["finished"])
     churned = steps + warm - 1
     optout = sum(1 for serial in range(n + 1, n + churned + 1) if serial % 3 == 0)     # as the probe picks them
@@ -656,64 +659,3 @@ def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_m
     # the fast path ran: every step after a ring step left the worker steady, the one larger than a slot too (it
     # goes raw, copied whole; a step where nothing captured runs leaves it as it was); without the ring never
     assert sum(steady) == total and steady[20] and not any(steady0)
-
-
-@pytest.mark.parametrize("optout,same_ids,randomized,hits", [(0, False, False, 0), (7, False, False, 16),
-                                                            (0, True, False, 0), (0, True, True, 0),
-                                                            (7, False, True, 0)])
-def test_a_steps_opens_in_bulk_are_what_opening_them_one_by_one_gives(monkeypatch, optout, same_ids, randomized,
-                                                                       hits):
-    """A step that opens several requests takes them in C-speed passes (WorkerCapture._open_bulk) where each is the
-    common kind, and one by one (_open_request) where any is not: a request not captured among them (every 7th),
-    an id that ended in the same step (same_ids), a key whose last request's finish waits for the batch (same_ids
-    with vLLM's random suffix: a new id, the same key). Either way the producer gets exactly the same calls, open
-    items (prefix-cache hits included) and delta entries, in the same order, and the worker's tables are the same
-    after every step."""
-    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
-
-    n, steps, churn = 8, 40, 3
-    real = WorkerCapture._open_bulk
-    runs = {}
-    for bulk in (True, False):
-        taken: list = []
-        tables: list = []
-
-        def spy(self, news, bulk=bulk, taken=taken):
-            ok = bulk and real(self, news)
-            taken.append(ok)
-            return ok
-
-        monkeypatch.setattr(WorkerCapture, "_open_bulk", spy)
-        events, entries, items = [], [], []
-
-        def attach(p, events=events, entries=entries, items=items):
-            _watch(events, entries)(p)
-            opens = p.open_many
-
-            def open_many(its, **kw):
-                items.extend((key, p_len, c, list(t), f) for key, p_len, c, t, f in its)
-                return opens(its, **kw)
-            p.open_many = open_many
-
-        r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True,
-                         churn=churn, churn_prompt=12, churn_output=5, churn_optout=optout, churn_hits=hits,
-                         churn_same_ids=same_ids, randomized=randomized, on_producer=attach,
-                         on_step=lambda step, cap, tables=tables: tables.append(
-                             (cap.forwards, dict(cap.tracked), dict(cap._seen), dict(cap._closing))))
-        assert r["producer_drained"] and r["encode_errors"] == 0
-        runs[bulk] = (r, events, entries, items, taken, tables)
-    (r, events, entries, items, taken, tables), (r0, events0, entries0, items0, taken0, tables0) = \
-        runs[True], runs[False]
-    assert events == events0 and entries == entries0 and items == items0 and tables == tables0
-    assert (r["opened"], r["finished"], r["rows"]) == (r0["opened"], r0["finished"], r0["rows"])
-    churned = steps + steps // 4 - 1
-    assert not any(taken0) and len(taken0) == len(taken) == churned + 1 and taken[0]
-    assert {(c, h) for _, _, c, t, _ in items[n:] for h in [len(t)]} == {(hits, hits + 12)}
-    if same_ids:    # every new id (or key) ended in its own step, its finish waiting for the batch: one by one
-        assert not any(taken[1:])
-    else:                                   # serials n + 3k - 2 .. n + 3k: in bulk unless one is not captured
-        assert taken[1:] == [not (optout and any(s % optout == 0 for s in range(n + 3 * k - 2, n + 3 * k + 1)))
-                             for k in range(1, churned + 1)]
-        assert 0 < sum(taken[1:]) < churned or not optout
-    outs = sum(1 for s in range(n + 1, n + churn * churned + 1) if s % optout == 0) if optout else 0
-    assert len(items) == r["opened"] == n + churn * churned - outs

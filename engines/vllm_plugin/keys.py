@@ -61,30 +61,6 @@ def capture_key(internal_id: str, randomized: bool = True) -> tuple[str, str | N
     return (ext, None) if problem is None else (record_key_for(ext), problem)
 
 
-_SUFFIXES = re.compile(r"(?:-[0-9a-f]{8})*")   # capture_keys: every id's last 9 characters, joined
-
-
-def capture_keys(internal_ids: list, randomized: bool = True) -> list | None:
-    """capture_key's record keys of several internal ids at once, in C-speed passes over the list, where every id
-    is the common kind (vLLM's suffix after at least one character, an ASCII key within the limit); None when
-    any is not (the caller then takes capture_key one by one, which derives or refuses that one)."""
-    if not internal_ids:
-        return []
-    if not randomized:
-        keys = internal_ids
-        if min(map(len, keys)) < 1:
-            return None
-    else:
-        # (every id longer than 9 characters: each one's last 9 start at a multiple of 9 in the joined string)
-        if min(map(len, internal_ids)) <= 9 \
-                or _SUFFIXES.fullmatch("".join([i[-9:] for i in internal_ids])) is None:
-            return None
-        keys = [i[:-9] for i in internal_ids]
-    if max(map(len, keys)) > MAX_REQUEST_ID_BYTES or not "".join(keys).isascii():
-        return None
-    return list(keys)
-
-
 def record_key(request_id: str, index: int = 0, n: int = 1) -> str:
     """Key of the record for sample `index` of a request with `n` samples (RequestOutput.request_id,
     CompletionOutput.index, SamplingParams.n); derived (`record_key_for`) when the id cannot travel as it is."""

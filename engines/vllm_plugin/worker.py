@@ -54,7 +54,6 @@ import logging
 import os
 import time
 from collections import deque
-from itertools import repeat
 from dataclasses import dataclass
 
 import numpy as np
@@ -1158,11 +1157,9 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not self._store_trusted():
             store = None                            # before a request opens with rows from it
-        news = so.scheduled_new_reqs
-        if news and (len(news) < 2 or not self._open_bulk(news)):
-            for new in news:
-                if new.req_id not in tracked:
-                    self._open_request(new)
+        for new in so.scheduled_new_reqs:
+            if new.req_id not in tracked:
+                self._open_request(new)
         if self._opens and self.fill:
             # with a prefix store, each step's opens go at once: waiting for the hand-over cost fill engines
             # 13-30 us of engine-thread wall time per step on the H200 host (docs/PERFORMANCE.md, session 38)
@@ -1225,37 +1222,6 @@ class WorkerCapture:
             log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
                         "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
                         key, self.stats.derived_keys)
-
-    def _open_bulk(self, news: list) -> bool:
-        """_open_request for a step's new requests at once, in C-speed passes over them (a prefill step opens
-        dozens: no Python line per request), where each is the common kind: captured, its id new here and the
-        common kind of key (keys.capture_keys), its prompt as token ids, none of the keys finishing, no prefix
-        store. The opens, table entries and counts are exactly _open_request's, in the same order. False,
-        having done nothing, where any request is not so (_open_request then takes them one by one)."""
-        if not self.announces or (self.fill and self.store is not None):
-            return False
-        rids = [new.req_id for new in news]
-        tracked, seen = self.tracked, self._seen
-        if not (tracked.keys().isdisjoint(rids) and seen.keys().isdisjoint(rids)):
-            return False
-        try:
-            if not all(map(self.settings.captures, [new.sampling_params for new in news])):
-                return False
-        except Exception:       # noqa: BLE001 -- a bad flag: _open_request skips that request alone
-            return False
-        keys = _keys.capture_keys(rids, self.randomized)
-        if keys is None or (self._closing and not self._closing.keys().isdisjoint(keys)):
-            return False
-        prompts = [new.prompt_token_ids for new in news]
-        table = dict(zip(rids, keys))
-        if None in prompts or len(table) != len(rids):
-            return False
-        computed = list(map(int, [new.num_computed_tokens for new in news]))
-        self._opens += zip(rids, zip(keys, map(len, prompts), computed, prompts, repeat(False)))
-        tracked.update(table)
-        seen.update(zip(rids, zip(keys, repeat(self.forwards + 1))))    # (as _open_request)
-        self._tracked_gen += 1
-        return True
 
     def _send_opens(self) -> set | None:
         """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
