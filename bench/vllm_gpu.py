@@ -371,7 +371,7 @@ def _rpc_gpu_cost(worker, sizes: list, reps: int = 200) -> dict:
         def fill():
             cache.buffer[:, :n].fill_(-1)
 
-        def record():
+        def record(ids=ids):
             for i, t in enumerate(ids):
                 cache.record(i, t)
 

@@ -1036,9 +1036,8 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     assert np.array_equal(rows.result(), want)
     rows.release()
     if by_ref:          # the host ring is full when the reading thread takes the rows: lost, and nothing leaks
-        held = copier.submit([(0, copier.max_rows)])
-        held2 = copier.submit([(0, copier.max_rows)])
-        assert held2.dropped is False
+        held = [copier.submit([(0, copier.max_rows)]), copier.submit([(0, copier.max_rows)])]
+        assert [h.dropped for h in held] == [False, False]
         while not copier.submit([(0, copier.max_rows)]).dropped:
             pass
         free = copier.free_rows
