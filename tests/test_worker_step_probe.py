@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -659,3 +660,50 @@ def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_m
     # the fast path ran: every step after a ring step left the worker steady, the one larger than a slot too (it
     # goes raw, copied whole; a step where nothing captured runs leaves it as it was); without the ring never
     assert sum(steady) == total and steady[20] and not any(steady0)
+
+
+def test_a_step_copied_whole_into_a_full_host_ring_is_published_lost_and_no_other_step_is():
+    """A step larger than a ring slot whose whole-step copy finds the host ring full (held by other rows here) goes
+    as the general path sends such a step: the batch first, then the step's captured requests' rows published as
+    lost (the producer reports their positions downstream); the uncaptured ones are left out. Every other step's
+    delta entries are exactly those of a run where the ring had room."""
+    n, steps, prompt_len, out = 8, 40, 16, frozenset({1, 5})
+
+    def layout(step, ids):
+        return [(r, 600 if step == 20 and i == 2 else 1) for i, r in enumerate(ids)]
+
+    held: list = []
+    caps: list = []
+
+    def on_step(step, cap, full=True):
+        caps.append(cap)
+        if not full:
+            return
+        if step == 19:                      # the batch goes, the producer's thread takes it, then the ring fills
+            cap._flush()
+            while cap.producer.queued_msgs:
+                time.sleep(0.001)
+            for rows in (cap.copier.max_rows, 1):
+                while not (p := cap.copier.submit([(0, rows)])).dropped:
+                    held.append(p)
+        elif step == 20:
+            for p in held:
+                p.release()
+            held.clear()
+
+    runs = {}
+    for full in (True, False):
+        entries: list = []
+        r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=True,
+                         layout=layout, optout_first=out, on_producer=_watch([], entries),
+                         on_step=lambda step, cap, full=full: on_step(step, cap, full))
+        assert r["producer_drained"] and r["encode_errors"] == 0
+        ps = caps[-1].producer.stats
+        runs[full] = (dict(r, dropped=(ps.dropped_msgs, ps.dropped_rows)), entries)
+    (r, entries), (r0, entries0) = runs[True], runs[False]
+    captured = n - len(out)
+    assert (r["copied_steps"], r0["copied_steps"]) == (0, 1) and r["ring_steps"] == r0["ring_steps"]
+    assert r["active_steps"] == r0["active_steps"] and r["rows"] == r0["rows"]
+    k = captured * 20                       # the entries of steps 0..19, then step 20's
+    assert entries == entries0[:k] + entries0[k + captured:]
+    assert (r["dropped"], r0["dropped"]) == ((1, 600 + captured - 1), (0, 0))

@@ -1505,11 +1505,9 @@ class WorkerCapture:
             pending = self.copier.submit([(0, nt)], mark=False)
             if pending.dropped:
                 self._copy_dropped(pending, last, rv)
-                if t0:
-                    self._count_host(t0, w0)
-                return True
-            batch.add_copied(pending, last, bytes(rv[4]), bytes(rv[3]), rv[5], self.forwards)
-            st.copied_steps += 1
+            else:
+                batch.add_copied(pending, last, bytes(rv[4]), bytes(rv[3]), rv[5], self.forwards)
+                st.copied_steps += 1
         else:
             # the slot this step's flush wrote (as _ring_slot); the step as the runner laid it out (as
             # _raw_layout, _StepBatch.add_raw): the producer's thread maps the ids to keys (_BatchedRows.resolve)
@@ -1527,17 +1525,15 @@ class WorkerCapture:
 
     def _copy_dropped(self, pending, ids: list, rv: tuple) -> None:
         """_ring_step's whole-step copy found the host ring full (rare): as the general path does, the batch goes
-        first and the step's captured requests get their rows published as lost (Producer.publish_rows)."""
+        first and the step's captured requests get their rows published as lost (Producer.publish_rows), mapped
+        as the producer's thread maps a raw step (resolve_raw_steps)."""
         self._flush()
-        n = rv[0]
         qsl = np.frombuffer(rv[3], dtype=rv[5][0])
-        computed = np.frombuffer(rv[4], dtype=rv[5][1]).copy()
-        count = qsl[1:n + 1] - qsl[:n]
-        keys = list(map(self.tracked.get, ids))
-        on = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
-        self.producer.publish_rows([k for k, o in zip(keys, on.tolist()) if o], computed[on], count[on], pending)
-        self.stats.active_steps += 1
-        self._steady = False
+        computed = np.frombuffer(rv[4], dtype=rv[5][1]).copy()      # (the runner's array changes next step)
+        keys, starts, counts, _, _ = resolve_raw_steps([0], self._seen, [self.forwards], [ids], [computed], [qsl])
+        # (a dropped copy holds no rows: it stands for those of the requests kept, as the general path's does)
+        pending.shape = (int(np.sum(counts[0])), *pending.shape[1:])
+        self.producer.publish_rows(keys[0], starts[0], counts[0], pending)
 
     def _host_raw(self, so, tensors: list, n: int, t0: int, w0: int) -> None:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
