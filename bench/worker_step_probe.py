@@ -23,6 +23,7 @@ fill in pre_step) unless --eager.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -114,8 +115,9 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     every K-th new request of --churn is not captured (its sampling params opt out), so captured and uncaptured
     requests share steps. churn_same_ids: a new request takes the id of the one it replaces (ids that callers
     reuse). on_producer(producer) is called once the worker's producer exists (tests watch its calls);
-    on_step(step, worker) after each step's post_step. forward(step, hooks, topk_ids): --eager, instead of every
-    hook in layer order (tests: a forward that misses a layer). layout(step, ids), without churn: the steps after
+    on_step(step, worker) after each step's post_step. forward(step, hooks, topk_ids): instead of every hook
+    in layer order (--eager) or every layer's RoutingCache.record (graph mode) (tests: a forward that misses a
+    layer, ids that differ per step). layout(step, ids), without churn: the steps after
     the first schedule the (engine id, tokens) pairs it returns, in that batch order (tests: a batch the runner
     reorders, requests left out of a step, a chunk larger than a ring slot); optout_first: the indices of the first
     step's requests that are not captured."""
@@ -198,6 +200,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     paced = 0                                       # --step-ring: waits for the producer's thread (see below)
     hooked = [0, 0]                                 # --eager: the router hooks, timed the same way
     hooks = cap.binding.hooks if eager else None
+    records = [functools.partial(cap.cache.record, layer) for layer in range(layers)]
     pos: dict = {}                                  # layout: tokens computed per request
     for step in range(steps + warm):
         if step == warm:
@@ -256,8 +259,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
             qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
             rows = n * q
-        if forward is not None and hooks is not None:
-            forward(step, hooks, topk[:rows])
+        if forward is not None:             # graph mode: the cache's record per layer, as the replay writes it
+            forward(step, hooks if hooks is not None else records, topk[:rows])
         elif hooks is not None:
             _outside(_forward, (hooks, topk[:rows]), hooked)
         else:

@@ -535,11 +535,17 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     with torch.cuda.graph(lost, pool=torch.cuda.graph_pool_handle()):
         routers.step(x_static[:64])
     assert cache.incomplete_flushes >= 1
-    batch.stamps.baseline(cache.stamp_value(), forwards)
+    # the refusal took the device's count: no baseline needed for the next check
+    assert batch.stamps.resyncs == 1
+    assert batch.stamps.offset == (cache.stamp_value() - forwards) & batch.stamps._mask
     step(graph_for(64), 64, checked=False)
     step(lost, 64)
     with pytest.raises(LostHookError, match="1 complete flush"):
         hand_over()
+    # the graphs with every hook again: checked against the device's count, rows exact
+    wants = [step(graph_for(n), n) for n in (5, 64, 17)]
+    assert np.array_equal(hand_over(), torch.cat(wants).cpu().numpy())
+    assert batch.stamps.resyncs == 2
     assert copier.in_flight_rows == 0
 
 

@@ -774,17 +774,19 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
     with pytest.raises(LostHookError, match=f"forward {forward} carry step stamp 15: 1 complete flush"):
         rows.result()
     rows.release()
+    # the refusal took the device's count: the next forward is checked against it (no baseline needed)
+    mask = batch.stamps._mask
+    assert batch.stamps.resyncs == 1 and batch.stamps.offset == (cache.stamp_value() - forward) & mask
     # a forward that missed one layer: its flush adds nothing (the rows of the missed layer would be stale)
     forward += 1
-    batch.stamps.baseline(cache.stamp_value(), forward - 1)
     batch.add(_stamped_step(cache, copier, 8, seed=99, layers=[0, 2]), ["x"], [0], [8], forward=forward)
     _, _, _, rows = batch.take_parts()
     with pytest.raises(LostHookError, match="1 complete flush"):
         rows.result()
     rows.release()
+    assert batch.stamps.resyncs == 2 and batch.stamps.offset == (cache.stamp_value() - forward) & mask
     # a forward the engine did not launch (a data-parallel dummy batch) adds a flush and no forward: tolerated
     forward += 1
-    batch.stamps.baseline(cache.stamp_value(), forward - 1)
     _stamped_step(cache, copier, 3, seed=8).release()
     batch.add(_stamped_step(cache, copier, 8, seed=9), ["x"], [0], [8], forward=forward)
     _, _, _, rows = batch.take_parts()
@@ -1021,7 +1023,13 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     with pytest.raises(LostHookError, match="did not run the capture hooks"):
         rows.result()
     rows.release()
-    batch.stamps.baseline(cache.stamp_value(), state["forward"])
+    # the refusal took the device's count from the batch's checkpoint: later batches read the slots it writes
+    assert batch.stamps.resyncs == 1
+    assert batch.stamps.offset == (cache.stamp_value() - state["forward"]) & batch.stamps._mask
+    want = step(51)
+    rows = hand_over()
+    assert np.array_equal(rows.result(), want)
+    rows.release()
     # a flush the engine did not count (a forward outside execute_model): the read slot holds that flush's rows
     # with the stamp the step would have had; the checkpoint sees the counter ahead, loses the batch, and the next
     # batch reads the right slots again
@@ -1046,7 +1054,7 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
         with pytest.raises(RingReadLost, match="host ring was full"):
             rows.result()
         rows.release()
-        assert copier.free_rows == free and batch.stamps.steps == 11
+        assert copier.free_rows == free and batch.stamps.steps == 12
         assert copier.stats.dropped_steps >= 2
         step(81)                                    # a batch released unread (dropped by the producer's queue bound)
         hand_over().release()

@@ -707,3 +707,63 @@ def test_a_step_copied_whole_into_a_full_host_ring_is_published_lost_and_no_othe
     k = captured * 20                       # the entries of steps 0..19, then step 20's
     assert entries == entries0[:k] + entries0[k + captured:]
     assert (r["dropped"], r0["dropped"]) == ((1, 600 + captured - 1), (0, 0))
+
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["stamps", "ring"])
+@pytest.mark.parametrize("lasting", [False, True], ids=["one-step", "lasting"])
+def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published_exact(ring, lasting, monkeypatch):
+    """Graph mode with step stamps (and the step ring): step `bad`'s forward misses layer 0's write, so its flush
+    is incomplete and the device counts one flush fewer than the engine's forwards. The delta that holds the step
+    is refused (LostHookError: one encode error), never published with stale rows; the check then takes the
+    device's count, so every later step is published, each step's rows exactly the ids its forward wrote (they
+    differ per step and per layer). A hook lost for good (every step from `bad` on) is refused at every later
+    delta and publishes nothing stale."""
+    from routing_replay.engines.vllm_plugin import worker as wmod
+
+    n, layers, steps, bad = 8, 4, 40, 20
+    published, refused, behind, wrote, caps = {}, [], [], {}, []
+    checked = wmod._BatchedRows._checked
+
+    def watched(self):              # the producer's thread: each batch's steps (by forward) as published, or refused
+        forwards = list(self._forwards)
+        try:
+            arrays = checked(self)
+        except wmod.LostHookError:
+            refused.append(forwards)
+            raise
+        except wmod.RingReadLost:
+            behind.append(forwards)
+            raise
+        for f, a in zip(forwards, arrays):
+            published[f] = a.copy()
+        return arrays
+    monkeypatch.setattr(wmod._BatchedRows, "_checked", watched)
+
+    def forward(step, records, t):  # forward step + 1 (every step runs tokens)
+        ids = [((t + 3 * step + 5 * layer) % 128).to(torch.int16) for layer in range(layers)]
+        wrote[step + 1] = torch.stack(ids, dim=1).numpy()
+        for layer, record in enumerate(records):
+            if not (layer == 0 and (step == bad or (lasting and step > bad))):
+                record(ids[layer])
+
+    import torch
+    r = _probe().run("on", n, layers, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=ring,
+                     forward=forward, on_step=lambda step, cap: caps.append(cap))
+    total = steps + steps // 4
+    check = caps[-1].batch.stamps
+    assert r["producer_drained"] and r["active_steps"] == total and len(wrote) == total
+    first = refused[0]
+    assert bad + 1 in first and len(first) <= wmod.MAX_BATCH_STEPS and first == list(range(first[0], first[-1] + 1))
+    lost = {f for fs in refused for f in fs}
+    if lasting:                     # every delta from the bad step's on is refused: nothing of them goes out
+        assert lost == set(range(first[0], total + 1)) and r["encode_errors"] == len(refused) > 1
+        assert check.resyncs == len(refused)
+    else:                           # that delta alone; the device's count is taken once
+        assert lost == set(first) and r["encode_errors"] == 1 and check.resyncs == 1
+    assert sorted(published) == sorted(set(range(1, total + 1)) - lost)
+    for f, rows in published.items():
+        assert np.array_equal(rows, wrote[f]), f
+    assert not behind               # (the batch handed over before the refusal reads the slots the device wrote)
+    if not ring:                    # (ring: the refused batch's reads after the bad step find the next forward's
+        assert check.steps == len(published) + bad + 1 - first[0]     # stamp; its checkpoint refuses it)

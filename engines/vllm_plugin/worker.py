@@ -129,14 +129,19 @@ class StampCheck:
     the engine did not launch through execute_model, e.g. a data-parallel dummy batch, adds a flush and no
     forward). A step whose stamp leaves the offset below the last one's had a forward without a complete flush:
     its hooks did not run (a graph replayed without them) or missed a layer, so its rows are stale:
-    LostHookError. So are rows of one step that carry different stamps."""
+    LostHookError. So are rows of one step that carry different stamps.
 
-    __slots__ = ("_mask", "offset", "steps")
+    A refusal moves the offset to what the device counted (the stale step's stamp, or the batch's checkpoint), so
+    one lost flush loses the batch that holds it and the steps after it are checked, and published, against the
+    new count: a graph that never stamps is still refused at every step (each falls one more flush behind)."""
+
+    __slots__ = ("_mask", "offset", "steps", "resyncs")
 
     def __init__(self, top_k: int):
         self._mask = (1 << stamp_bits(top_k)) - 1
         self.offset: int | None = None      # flushes - forwards (mod 2**bits): from baseline() or the first step
         self.steps = 0
+        self.resyncs = 0                    # refusals after which the offset moved to the device's count
 
     def baseline(self, stamp: int, forwards: int) -> None:
         """The device counter and the engine's forward count at a quiet point (after warm-up), so that the very
@@ -156,10 +161,13 @@ class StampCheck:
         if last is not None:
             behind = (last - off) & self._mask
             if 0 < behind <= self._mask >> 1:
+                self.offset = off           # later steps are checked against what the device counted
+                self.resyncs += 1
                 raise LostHookError(f"routing-replay: the rows of forward {forward} carry step stamp {v}: {behind} "
                                     "complete flush(es) fewer than forwards since the last checked step. The "
                                     "forward did not run the capture hooks of every MoE layer (e.g. a CUDA graph "
-                                    "replayed without them). Refusing to publish stale routing.")
+                                    "replayed without them). Refusing to publish stale routing; later steps are "
+                                    "checked against the device's count")
         self.offset = off
         self.steps += 1
 
@@ -197,9 +205,23 @@ class StampCheck:
                                f"engine's forwards by forward {forward} (a forward the engine did not launch through "
                                "execute_model): this batch's step-ring reads may hold another forward's rows, so its "
                                "rows are reported lost; later steps use the new offset")
+        self.offset = (v - forward) & mask  # later batches read the slots the device writes now
+        self.resyncs += 1
         raise LostHookError(f"routing-replay: the device counted {(want - v) & mask} complete flush(es) fewer than "
                             f"the engine's {forward} forwards at the hand-over: a forward did not run the capture "
-                            "hooks of every MoE layer. Refusing to publish stale routing.")
+                            "hooks of every MoE layer. Refusing to publish stale routing; later batches use the "
+                            "device's count")
+
+    def resync(self, value: int | None, forward: int) -> None:
+        """After a step-ring read of a batch was refused: the offset from the batch's checkpoint (the device
+        counter at the hand-over, when the engine had launched `forward` forwards), so that a lost flush does not
+        make every later batch read the slot before its own. None (no checkpoint taken): nothing."""
+        if value is None:
+            return
+        off = (value - forward) & self._mask
+        if off != self.offset:
+            self.offset = off
+            self.resyncs += 1
 
 
 class _BatchedRows:
@@ -292,9 +314,14 @@ class _BatchedRows:
         if self._slots is None:
             return
         parts, copier, sb = self._parts, self._copier, self._slots
+        check, forwards = self._stamps, self._forwards
+        off, mask, ring = check.offset, check._mask, copier.cache.slots
         for i, p in enumerate(parts):           # (a part taken is no tuple: a second call takes the rest only)
             if type(p) is tuple:
-                parts[i] = copier.take_slot(p[0], p[1], p[2], sb)
+                # the slot the device wrote for this forward, by the offset now: the one the engine thread used,
+                # unless a refused batch before this one moved the offset to the device's count since
+                slot = ((forwards[i] + off) & mask) % ring if off is not None else p[2]
+                parts[i] = copier.take_slot(p[0], p[1], slot, sb)
         lost = sum(p.dropped for p in parts)
         if lost:
             raise RingReadLost(f"routing-replay: the host ring was full when the producer's thread took this "
@@ -308,15 +335,20 @@ class _BatchedRows:
             arrays = [a if k is None else a[k] for a, k in zip(arrays, self._select)]
         check = self._stamps
         ring = None                         # a part read from the step ring: it carries the batch's checkpoint
-        for i, (p, a, strict) in enumerate(zip(self._parts, arrays, self._strict)):
-            if strict and a.size:
-                if getattr(p, "slot", None) is not None:
-                    ring = p
-                    check.exact(p.stamps(), self._forwards[i], f"step ring slot {p.slot[0]}")
-                elif check is not None and p.stamped:
-                    check(p.stamps(), self._forwards[i])
-                if int(a.min()) < 0:
-                    self._lost_hook(a)
+        try:
+            for i, (p, a, strict) in enumerate(zip(self._parts, arrays, self._strict)):
+                if strict and a.size:
+                    if getattr(p, "slot", None) is not None:
+                        ring = p
+                        check.exact(p.stamps(), self._forwards[i], f"step ring slot {p.slot[0]}")
+                    elif check is not None and p.stamped:
+                        check(p.stamps(), self._forwards[i])
+                    if int(a.min()) < 0:
+                        self._lost_hook(a)
+        except (LostHookError, RingReadLost):
+            if ring is not None:            # a lost flush: later batches read the slots the device writes now
+                check.resync(ring.checkpoint(), self._ckpt_forward)
+            raise
         if ring is not None:
             check.checkpoint(ring.checkpoint(), self._ckpt_forward)
         return arrays
@@ -1669,10 +1701,11 @@ class WorkerCapture:
             st = self.stats
             log.info("routing-replay: worker capture closing: steps=%d active_steps=%d ring_steps=%d host_steps=%d "
                      "rows=%d opened=%d finished=%d aborted=%d derived_keys=%d skipped=%d rebinds=%d "
-                     "prefix_requests=%d prefix_rows=%d store_forgotten=%d", st.steps, st.active_steps, st.ring_steps,
-                     st.host_steps, st.rows,
+                     "prefix_requests=%d prefix_rows=%d store_forgotten=%d copied_steps=%d stamp_resyncs=%d",
+                     st.steps, st.active_steps, st.ring_steps, st.host_steps, st.rows,
                      st.opened, st.finished, st.aborted, st.derived_keys, st.skipped, st.rebinds,
-                     st.prefix_requests, st.prefix_rows, st.store_forgotten)
+                     st.prefix_requests, st.prefix_rows, st.store_forgotten, st.copied_steps,
+                     self.batch.stamps.resyncs if self.batch.stamps is not None else 0)
             try:
                 if self.batch.parts and self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)     # close may run off the engine thread and its stream:
