@@ -292,7 +292,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     k = d[0]
     res = {"mode": mode, "requests": n, "layers": layers, "top_k": top_k, "steps": k, "evict_mib": evict_mib,
            "device": device, "graph_mode": not eager, "step_stamp": stamp, "step_ring": ring,
-           "ring_steps": cap.stats.ring_steps, "copied_steps": cap.stats.copied_steps,
+           "ring_steps": cap.stats.ring_steps, "copied_steps": cap.stats.copied_steps, "host_steps": cap.stats.host_steps,
            "encode_errors": cap.producer.stats.encode_errors, "paced_waits": paced,
            "stamps_checked": cap.batch.stamps.steps if stamp else 0,
            "calls_us": round(outer[0] / k / 1e3, 2), "calls_wall_us": round(outer[1] / k / 1e3, 2),

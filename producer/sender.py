@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+import numpy as np
 import zmq
 
 from routing_replay.protocol import security, wire
@@ -211,6 +212,8 @@ class Sender:
             item, stash = stash, None
             if type(item) is StepParts:             # the caller's per-step references, flattened here
                 item = self._step_of(item)
+                if item is None:                    # (it could not be resolved: dropped, counted, logged)
+                    continue
             if item is STOP:
                 self._stopping = True
             elif type(item) is Announces:           # Producer.open_many / end_many: built here, in order
@@ -229,16 +232,30 @@ class Sender:
                 self._intake(item)
         return stash
 
-    def _step_of(self, parts: StepParts) -> Step:
+    def _step_of(self, parts: StepParts) -> Step | None:
         """The caller's per-step references as one Step; rows that resolving the ids left out (the worker's raw
-        steps) leave the queue's count, and so do the bytes the rows held beyond their int16 rows (extra_nbytes)."""
-        extra = getattr(parts.rows, "extra_nbytes", 0)
+        steps) leave the queue's count, and so do the bytes the rows held beyond their int16 rows (extra_nbytes).
+        None when they cannot be made one (the worker's raw steps whose layout or ids do not resolve): the delta
+        is dropped, its rows released, and the stream goes on (encode_errors, one WARNING); its requests' records
+        then miss those rows (the consumer reports them as not delivered)."""
+        rows = parts.rows
+        extra = getattr(rows, "extra_nbytes", 0)
         if extra:
             self._ledger.shrunk(extra)
-        if not getattr(parts.rows, "deferred", False):
-            return parts.step(self.hints)
-        before = parts.rows.shape[0]
-        step = parts.step(self.hints)
+        shape = getattr(rows, "shape", None)        # (a caller's rows without one: its counts, as it counted them)
+        before = shape[0] if shape is not None else sum(int(np.sum(c)) for c in parts.counts)
+        deferred = getattr(rows, "deferred", False)     # (until resolve() has run)
+        try:
+            step = parts.step(self.hints)
+        except Exception as e:  # noqa: BLE001 (one delta's failure; the stream goes on)
+            release = getattr(rows, "release", None)
+            if release is not None:
+                release()
+            self._ledger.taken(before * self.cfg.row_bytes)     # what the caller counted for its rows
+            self._encode_failed("delta", sum(map(len, parts.request_ids)), e)
+            return None
+        if not deferred:
+            return step
         cut = before - step_rows(step)
         if cut:
             self._ledger.shrunk(cut * self.cfg.row_bytes)
@@ -261,6 +278,8 @@ class Sender:
                 return batch, None
             if type(nxt) is StepParts:
                 nxt = self._step_of(nxt)
+                if nxt is None:
+                    continue
             if not isinstance(nxt, Step):
                 return batch, nxt
             b = step_rows(nxt) * rb

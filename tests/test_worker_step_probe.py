@@ -710,22 +710,15 @@ def test_a_step_copied_whole_into_a_full_host_ring_is_published_lost_and_no_othe
 
 
 
-@pytest.mark.parametrize("ring", [False, True], ids=["stamps", "ring"])
-@pytest.mark.parametrize("lasting", [False, True], ids=["one-step", "lasting"])
-def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published_exact(ring, lasting, monkeypatch):
-    """Graph mode with step stamps (and the step ring): step `bad`'s forward misses layer 0's write, so its flush
-    is incomplete and the device counts one flush fewer than the engine's forwards. The delta that holds the step
-    is refused (LostHookError: one encode error), never published with stale rows; the check then takes the
-    device's count, so every later step is published, each step's rows exactly the ids its forward wrote (they
-    differ per step and per layer). A hook lost for good (every step from `bad` on) is refused at every later
-    delta and publishes nothing stale."""
+def _watch_batches(monkeypatch):
+    """The producer's thread, per batch it reads: each step's rows (by the engine's forward) as published, and the
+    forwards of the batches refused (LostHookError) or lost (RingReadLost)."""
     from routing_replay.engines.vllm_plugin import worker as wmod
 
-    n, layers, steps, bad = 8, 4, 40, 20
-    published, refused, behind, wrote, caps = {}, [], [], {}, []
+    published, refused, behind = {}, [], []
     checked = wmod._BatchedRows._checked
 
-    def watched(self):              # the producer's thread: each batch's steps (by forward) as published, or refused
+    def watched(self):
         forwards = list(self._forwards)
         try:
             arrays = checked(self)
@@ -739,13 +732,35 @@ def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published
             published[f] = a.copy()
         return arrays
     monkeypatch.setattr(wmod._BatchedRows, "_checked", watched)
+    return published, refused, behind
+
+
+def _step_ids(step: int, t, layers: int) -> np.ndarray:
+    """The (rows, layers, top_k) int16 ids a probe forward writes at `step`: they differ per step and per layer."""
+    import torch
+    return torch.stack([((t + 3 * step + 5 * layer) % 128).to(torch.int16) for layer in range(layers)], dim=1).numpy()
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["stamps", "ring"])
+@pytest.mark.parametrize("lasting", [False, True], ids=["one-step", "lasting"])
+def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published_exact(ring, lasting, monkeypatch):
+    """Graph mode with step stamps (and the step ring): step `bad`'s forward misses layer 0's write, so its flush
+    is incomplete and the device counts one flush fewer than the engine's forwards. The delta that holds the step
+    is refused (LostHookError: one encode error), never published with stale rows; the check then takes the
+    device's count, so every later step is published, each step's rows exactly the ids its forward wrote (they
+    differ per step and per layer). A hook lost for good (every step from `bad` on) is refused at every later
+    delta and publishes nothing stale."""
+    from routing_replay.engines.vllm_plugin import worker as wmod
+
+    n, layers, steps, bad = 8, 4, 40, 20
+    published, refused, behind = _watch_batches(monkeypatch)
+    wrote, caps = {}, []
 
     def forward(step, records, t):  # forward step + 1 (every step runs tokens)
-        ids = [((t + 3 * step + 5 * layer) % 128).to(torch.int16) for layer in range(layers)]
-        wrote[step + 1] = torch.stack(ids, dim=1).numpy()
+        wrote[step + 1] = _step_ids(step, t, layers)
         for layer, record in enumerate(records):
             if not (layer == 0 and (step == bad or (lasting and step > bad))):
-                record(ids[layer])
+                record(torch.from_numpy(wrote[step + 1][:, layer]))
 
     import torch
     r = _probe().run("on", n, layers, 2, steps, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=ring,
@@ -767,3 +782,45 @@ def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published
     assert not behind               # (the batch handed over before the refusal reads the slots the device wrote)
     if not ring:                    # (ring: the refused batch's reads after the bad step find the next forward's
         assert check.steps == len(published) + bad + 1 - first[0]     # stamp; its checkpoint refuses it)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["ring", "eager-cpu"])
+def test_a_batch_whose_raw_steps_do_not_resolve_is_dropped_and_the_producer_goes_on(eager, monkeypatch):
+    """The producer's thread maps a batch's raw steps (engine ids, the runner's layout: step-ring steps under
+    graphs, an eager CPU engine's host steps) to record keys before it encodes them (_BatchedRows.resolve). One
+    batch whose mapping fails (here: resolve_raw_steps raises for the batch that holds forward `bad`) is dropped:
+    its rows released, its bytes out of the queue's count, one encode error, and the thread goes on: every other
+    step is published, exactly as its forward wrote it. (Before, the failure ended the producer's thread, and with
+    it the engine at its next step.)"""
+    from routing_replay.engines.vllm_plugin import worker as wmod
+
+    n, layers, steps, bad = 8, 4, 40, 21
+    published, refused, behind = _watch_batches(monkeypatch)
+    resolve, failed, wrote, caps = wmod.resolve_raw_steps, [], {}, []
+
+    def resolve_or_fail(raw, table, forwards, *a, **kw):
+        if bad in forwards:
+            failed.append(list(forwards))
+            raise ValueError("a layout that does not resolve")
+        return resolve(raw, table, forwards, *a, **kw)
+    monkeypatch.setattr(wmod, "resolve_raw_steps", resolve_or_fail)
+
+    def forward(step, records, t):
+        wrote[step + 1] = _step_ids(step, t, layers)
+        for layer, record in enumerate(records):
+            record(torch.from_numpy(wrote[step + 1][:, layer]))
+
+    import torch
+    # the runner reorders its batch every step (the rows of a step follow its layout)
+    r = _probe().run("on", n, layers, 2, steps, 1, "cpu", eager=eager, prompt_len=16, stamp=True, ring=True,
+                     forward=forward, on_step=lambda step, cap: caps.append(cap),
+                     layout=lambda step, ids: [(ids[(i + step) % n], 1) for i in range(n)])
+    total = steps + steps // 4
+    cap = caps[-1]
+    assert r["producer_drained"] and r["encode_errors"] == 1          # (the probe raises a failed thread's error)
+    assert len(failed) == 1 and bad in failed[0] and not refused and not behind
+    assert sorted(published) == sorted(set(range(1, total + 1)) - set(failed[0]))
+    for f, rows in published.items():       # (rows in batch order: the layout's order is the forward's)
+        assert np.array_equal(rows, wrote[f]), f
+    assert (r["ring_steps"], r["host_steps"]) == ((0, total) if eager else (total, 0))
+    assert cap.producer.queued_bytes == 0 and cap.copier.in_flight_rows == 0

@@ -1284,8 +1284,8 @@ class WorkerCapture:
     def _skip(self, rid: str, what: str, error: Exception) -> None:
         """Log and count a per-request failure; re-raise it if the producer itself failed (engine-wide)."""
         p = self.producer
-        # The producer's own failure (its thread died, e.g. LostHookError from a copied row) or a closed producer
-        # fails every request alike: that stops the engine as before.
+        # The producer's own failure (its thread died: a bug there; a delta it cannot resolve or encode is dropped,
+        # and it goes on) or a closed producer fails every request alike: that stops the engine as before.
         if p is not None and not p.healthy:
             raise error
         self.stats.skipped += 1
