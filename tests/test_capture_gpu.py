@@ -558,11 +558,14 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
     launches nothing per step, one checkpoint copy and one event per batch), and another thread reads every step
     out of its slot, later, with the stamps and checkpoint checked: rows exact over 8 batches x 16 steps of random
     sizes with unchecked replays between. Steps larger than a slot go through submit() as before, in the same
-    batches. Reads that fall behind by the ring's size lose their batch, never hand out wrong rows. by_ref: ring
-    steps go by reference, as the worker adds them (host-ring rows taken on the reading thread: take_slot).
-    kernels: the flush's slot write as the two Triton kernels (capture/ring_kernels.py) or the torch ones."""
+    batches. Reads that fall behind by the ring's size lose their batch, never hand out wrong rows. A graph captured
+    while a hook was lost (its replay flushes nothing): the batch that holds it is refused and the check takes the
+    device's count, so later batches are exact again (one handed over before the refusal was read too, by
+    reference; added with its slot fixed on the engine thread, it is lost, never wrong). by_ref: ring steps go by
+    reference, as the worker adds them (host-ring rows taken on the reading thread: take_slot). kernels: the
+    flush's slot write as the two Triton kernels (capture/ring_kernels.py) or the torch ones."""
     import threading
-    from routing_replay.engines.vllm_plugin.worker import RingReadLost, _StepBatch
+    from routing_replay.engines.vllm_plugin.worker import LostHookError, RingReadLost, _StepBatch
 
     max_tokens = max(SIZES)
     S = 32                          # more slots than a batch's forwards (16 checked + 4 unchecked) before its read
@@ -592,7 +595,7 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
 
     big = [0]                                           # checked steps larger than a slot
 
-    def step(n, checked=True):
+    def step(n, checked=True, graph=None):
         nonlocal forwards
         forwards += 1
         big[0] += checked and n > cache.slot_rows
@@ -601,7 +604,7 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
         m = n - a
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphs[min(s for s in SIZES if s >= n)].replay()
+            (graph or graphs[min(s for s in SIZES if s >= n)]).replay()
             if checked and by_ref and n <= cache.slot_rows:
                 batch.add_slot(a, m, slot_of(forwards), ["x"], [0], [m], forwards)
             elif checked:
@@ -649,5 +652,29 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
     torch.cuda.synchronize()
     read(rows, "late")
     assert isinstance(out["late"], RingReadLost)
+    # a graph captured while layer 2's hook was lost: its replays flush nothing (no stamp, no slot write)
+    routers.skip = 2
+    lost = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(lost, pool=torch.cuda.graph_pool_handle()):
+        routers.step(x_static[:64])
+    routers.skip = None
+    assert cache.incomplete_flushes >= 1 and batch.stamps.resyncs == 0
+    step(20)
+    step(64, graph=lost)
+    step(10)
+    held = hand_over()                                  # refused: its checkpoint is one flush short
+    wants = [step(int(rng.integers(1, 65))) for _ in range(5)]
+    early = hand_over()                                 # handed over before the refusal is read
+    read(held, "lost")
+    read(early, "early")
+    assert isinstance(out["lost"], LostHookError) and batch.stamps.resyncs == 1
+    if by_ref:          # its slots are taken by the device's count: exact
+        assert np.array_equal(out["early"], torch.cat(wants).cpu().numpy())
+    else:               # its slots were fixed by the engine's old count: lost, never wrong
+        assert isinstance(out["early"], (LostHookError, RingReadLost))
+    for b in range(2):  # later batches: exact
+        wants = [step(int(rng.integers(1, 65))) for _ in range(6)]
+        read(hand_over(), ("after", b))
+        assert np.array_equal(out[("after", b)], torch.cat(wants).cpu().numpy()), b
     assert copier.in_flight_rows == 0
-    assert len(copier._batch_pool) == 1                 # each batch's one event came back once read: one in all
+    assert len(copier._batch_pool) == 2     # each batch's one event came back once read: two in all (two were out)
