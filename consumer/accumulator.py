@@ -66,6 +66,7 @@ class _Ending(NamedTuple):
     lost: list                # [[lo, hi], ...] positions the producer dropped (finish only)
     output_tokens: object     # np.ndarray of output token ids, or None
     aborted: bool             # an abort or a timeout: the record is incomplete whatever it holds
+    refused: list | tuple = ()  # of `lost`: ranges the producer refused to send (their rows failed its checks)
 
 
 _last_layer_id_array: tuple = (None, None)    # (list, int32 array of it): the opens of one model share one list
@@ -718,7 +719,7 @@ class Accumulator:
             else:
                 st.prompt_len = f.prompt_len
                 st.num_cached = f.num_cached or 0
-        st.finish = _Ending(f.num_output, f.reason, f.lost, out_tokens, False)
+        st.finish = _Ending(f.num_output, f.reason, f.lost, out_tokens, False, f.refused)
         st.finish_at = now
         st.last_seen = now
         return self._try_emit(st, now, force="no_open" in st.notes)
@@ -894,6 +895,8 @@ class Accumulator:
         if not complete:
             if aborted:
                 reason = finish_reason if finish_reason else "abort"
+            elif end.refused and any(a < m[1] and m[0] < b for a, b in end.refused for m in missing):
+                reason = "producer_refused"
             elif lost and any(a < m[1] and m[0] < b for a, b in lost for m in missing):
                 reason = "producer_queue_full"
             elif notes:

@@ -495,10 +495,19 @@ def encode_steps(items: Sequence[Step], producer_id: str, epoch: int, seq: int, 
     return Encoded(Parts("delta", ids, starts, counts), [head, *frames], sum(len(f) for f in frames)), failed
 
 
-def with_lost(item: Announce, lost: list) -> Announce:
-    """A finish that also reports `lost` position ranges (after those it already carries)."""
+class RowsLost(RuntimeError):
+    """Rows a deferred rows object could not deliver for lack of room or time (a ring read that fell behind, a full
+    host ring): reported lost in the requests' finishes like a step the queue bound dropped. Any other error from
+    its result() is a refusal: the rows failed a check (reported lost and refused)."""
+
+
+def with_lost(item: Announce, lost: list, refused: list = ()) -> Announce:
+    """A finish that also reports `lost` position ranges (after those it already carries), and of them the
+    `refused` ones (rows the producer would not send: they failed its checks)."""
     body = dict(item.body)
     body["lost"] = list(body.get("lost", ())) + [list(r) for r in lost]
+    if refused:
+        body["refused"] = list(body.get("refused", ())) + [list(r) for r in refused]
     return item._replace(body=body)
 
 

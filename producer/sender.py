@@ -19,7 +19,7 @@ from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
-                                              RequestBook, Step, StepParts, merge_coalesced_steps,
+                                              RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
                                               encode_announce, encode_step, encode_steps, escaped_id, step_rows,
                                               token_frames, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
@@ -316,8 +316,9 @@ class Sender:
                 enc, failed = None, [(item, e) for item in items]
             for item, e in failed:
                 kept = self._kept_entries(item)
+                refused = not isinstance(e, RowsLost)
                 for rid, s, c in kept:
-                    self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1)
+                    self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1, refused)
                 self._encode_failed("delta", len(kept), e)
             if enc is not None:
                 self._keep(enc)
@@ -375,8 +376,9 @@ class Sender:
             enc = encode_step(item, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry)
         except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
             kept = self._kept_entries(item)
+            refused = not isinstance(e, RowsLost)
             for rid, s, c in kept:
-                self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1)
+                self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1, refused)
             self._encode_failed("delta", len(kept), e)
             return
         self._keep(enc)
@@ -393,7 +395,7 @@ class Sender:
         if item.kind == "finish":
             late = self._late_lost.pop(rid, None)
             if late:
-                item = with_lost(item, late)
+                item = with_lost(item, [r for r, _ in late], [r for r, refused in late if refused])
         elif item.kind == "abort":
             self._late_lost.pop(rid, None)
         item, bad = token_frames(item)
@@ -421,9 +423,10 @@ class Sender:
         log.warning("producer %s dropped a %s message of %d request(s) it could not encode (%d so far): %s: %s",
                     self.cfg.producer_id, kind, requests, self.stats.encode_errors, type(e).__name__, str(e)[:200])
 
-    def _note_lost(self, rid: Any, rng: list, seq: int) -> str:
-        """Report positions `rng` of request `rid` lost in its finish: the finish held after `seq` if it was not
-        sent yet (re-encoded), else the finish still to come. Returns what was done, for the log line."""
+    def _note_lost(self, rid: Any, rng: list, seq: int, refused: bool = False) -> str:
+        """Report positions `rng` of request `rid` lost in its finish (and `refused`: their rows failed a check,
+        never sent): the finish held after `seq` if it was not sent yet (re-encoded), else the finish still to
+        come. Returns what was done, for the log line."""
         if type(rid) is not str:
             return "not a request id"
         for f in self._replay.after(seq):
@@ -436,12 +439,14 @@ class Sender:
                 h = wire.decode_header(frames[0])
                 body = dict(h.body)
                 body["lost"] = list(body.get("lost", ())) + [rng]
+                if refused:
+                    body["refused"] = list(body.get("refused", ())) + [rng]
                 frames[0] = wire.pack_header("finish", self.cfg.producer_id, self.cfg.epoch, f.seq, rid, body)
                 self._replay.replace_frames(f, frames)
                 return "finish re-encoded"
         if rid not in self._late_lost and len(self._late_lost) >= _MAX_LATE_LOST:
             self._late_lost.pop(next(iter(self._late_lost)))
-        self._late_lost.setdefault(rid, []).append(rng)
+        self._late_lost.setdefault(rid, []).append((rng, refused))
         return "reported in its finish"
 
     # ---- connection --------------------------------------------------------------------------------------------------

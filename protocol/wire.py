@@ -37,7 +37,9 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
               a producer's coalesced steps: one frame per step); the key may repeat an id (several steps batched)
     finish    key: request id
               {num_output[, reason = "stop"][, prompt_len][, num_cached][, lost: [[lo, hi], ...]]
-               [, n_output_tokens = 0]}
+               [, refused: [[lo, hi], ...]][, n_output_tokens = 0]}
+              lost: positions the producer could not deliver; refused: those of them it would not send (rows
+              that failed its checks), a subset of lost
               frame 1 (when n_output_tokens is sent): the output token ids, n_output_tokens int32 LE
     abort     key: request id                     {[reason = "abort"][, num_output]}             no frames
 
@@ -462,6 +464,20 @@ class Finish:
     num_cached: int | None
     lost: list
     n_output_tokens: int
+    refused: list = field(default_factory=list)     # of `lost`: ranges the producer refused (checks failed)
+
+
+def _ranges(raw: Any, name: str) -> list:
+    """A finish's list of [lo, hi] position ranges (its field `name`) as (lo, hi) tuples."""
+    if not isinstance(raw, list) or len(raw) > 4096:
+        raise _bad("bad_field", f"{name} must be a list of at most 4096 [lo, hi] ranges")
+    out = []
+    for r in raw:
+        if (not isinstance(r, list) or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int
+                or not 0 <= r[0] <= r[1] <= MAX_POSITION):
+            raise _bad("bad_field", f"{name} range {r!r} is not [lo, hi] with 0 <= lo <= hi")
+        out.append((r[0], r[1]))
+    return out
 
 
 def parse_finish(h: Header) -> Finish:
@@ -473,17 +489,10 @@ def parse_finish(h: Header) -> Finish:
         raise _bad("bad_field", "finish reason must be a str of at most 64 characters")
     P = int_field(b, "prompt_len", 0, MAX_POSITION, None) if b.get("prompt_len") is not None else None
     C = int_field(b, "num_cached", 0, MAX_POSITION, None) if b.get("num_cached") is not None else None
-    lost_raw = b.get("lost", [])
-    if not isinstance(lost_raw, list) or len(lost_raw) > 4096:
-        raise _bad("bad_field", "lost must be a list of at most 4096 [lo, hi] ranges")
-    lost = []
-    for r in lost_raw:
-        if (not isinstance(r, list) or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int
-                or not 0 <= r[0] <= r[1] <= MAX_POSITION):
-            raise _bad("bad_field", f"lost range {r!r} is not [lo, hi] with 0 <= lo <= hi")
-        lost.append((r[0], r[1]))
+    lost = _ranges(b.get("lost", []), "lost")
+    refused = _ranges(b.get("refused", []), "refused")
     nt = int_field(b, "n_output_tokens", 0, MAX_POSITION, 0)
-    return Finish(rid, G, reason, P, C, lost, nt)
+    return Finish(rid, G, reason, P, C, lost, nt, refused)
 
 
 def parse_abort(h: Header) -> tuple[str, str, int | None]:

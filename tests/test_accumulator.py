@@ -1,7 +1,5 @@
 """Accumulator tests on decoded messages alone (no sockets): every record checked bit for bit."""
 
-import sys
-
 import numpy as np
 import pytest
 
@@ -170,6 +168,23 @@ def test_producer_loss_named_in_reason():
     f.finish("a", 2, lost=[[2, 4]])
     r = f.out["a"]
     assert (r.complete, r.missing, r.reason) == (False, [(2, 5)], "producer_queue_full")
+
+
+def test_rows_the_producer_refused_are_named_apart_from_its_queue():
+    """`refused` (a subset of `lost`): rows the producer would not send because they failed its checks (a lost
+    capture hook); the record names that reason, not the queue. Rows are handled as for any loss: -1, missing."""
+    f = Feed(finish_grace_s=0.0)
+    for rid, lost, refused in (("a", [[2, 4]], [[2, 4]]), ("b", [[1, 2], [3, 4]], [[3, 4]]),
+                               ("c", [[2, 4]], [[9, 9]])):
+        f.open(rid, 4)
+        f.delta([(rid, 0, rows(3, 0, 2))])
+        f.finish(rid, 2, lost=lost, refused=refused)
+    a, b, c = f.out["a"], f.out["b"], f.out["c"]
+    assert (a.complete, a.missing, a.reason) == (False, [(2, 5)], "producer_refused")
+    assert (b.complete, b.missing, b.reason) == (False, [(1, 5)], "producer_refused")
+    assert (c.complete, c.missing, c.reason) == (False, [(2, 5)], "producer_queue_full")   # refused elsewhere
+    assert (a.prompt_routed_experts[2:] == -1).all() and (b.prompt_routed_experts[1:] == -1).all()
+    np.testing.assert_array_equal(a.prompt_routed_experts[:2], expected(3, 4, 2, 0)[0][:2])
 
 
 def test_pipeline_parallel_layer_ranges_merge():

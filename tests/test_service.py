@@ -60,6 +60,51 @@ def test_producer_never_blocks_and_reports_what_the_bound_dropped():
     assert (r.prompt_routed_experts[8:] == -1).all() and (r.routed_experts == -1).all()
 
 
+class Failing:
+    """Deferred rows whose result() raises `error` (a check that failed, or rows lost for lack of room)."""
+
+    def __init__(self, n, error):
+        self.shape, self.dtype, self.error = (n, L, K), np.dtype(np.int16), error
+        self.released = 0
+
+    def result(self):
+        raise self.error
+
+    def release(self):
+        self.released += 1
+
+
+def test_rows_the_producer_refuses_reach_the_record_as_refused_and_rows_it_lost_as_lost():
+    """A step whose deferred rows fail a check (e.g. the vLLM worker's LostHookError) is refused: the producer sends
+    every other step, and the finish reports those positions lost and refused, so the record says
+    `producer_refused`; rows it could not deliver for lack of room (RowsLost, e.g. a step-ring read that fell behind)
+    say `producer_queue_full`, as a step the queue bound dropped. Real producer, broker and consumer (embedded)."""
+    from routing_replay.producer.messages import RowsLost
+
+    got = {}
+    with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
+        p = pipe.producer(num_layers=L, top_k=K)
+        bad = {"a": Failing(4, RuntimeError("a capture hook was lost")), "b": Failing(4, RowsLost("fell behind"))}
+        for rid, rows in bad.items():
+            p.open(rid, prompt_len=12)
+            p.publish_rows([rid], [0], [4], true_rows(1, np.arange(0, 4), L, K, E))
+            assert p.flush(10)
+            p.publish_rows([rid], [4], [4], rows)
+            assert p.flush(10)
+            p.publish_rows([rid], [8], [4], true_rows(1, np.arange(8, 12), L, K, E))
+            p.finish(rid, num_output_tokens=1)
+        assert p.flush(10)
+        assert p.stats.encode_errors == 2 and [r.released for r in bad.values()] == [1, 1]
+        p.close()
+        assert pipe.wait_idle(10)
+    for rid, reason in (("a", "producer_refused"), ("b", "producer_queue_full")):
+        r = got[rid]
+        assert (r.complete, r.reason, r.missing) == (False, reason, [(4, 8)]), rid
+        np.testing.assert_array_equal(r.prompt_routed_experts[:4], true_rows(1, np.arange(4), L, K, E))
+        np.testing.assert_array_equal(r.prompt_routed_experts[8:], true_rows(1, np.arange(8, 12), L, K, E))
+        assert (r.prompt_routed_experts[4:8] == -1).all()
+
+
 def test_producer_validates_shapes_at_the_caller():
     with EmbeddedPipeline() as pipe, pipe.producer(num_layers=L, top_k=K) as p:
         with pytest.raises(ValueError, match=r"rows must be \(n, 4, 2\) int16"):

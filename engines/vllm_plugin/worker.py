@@ -68,7 +68,7 @@ from routing_replay.engines.vllm_plugin.binding import _HOLDS, CaptureBinding, f
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
-from routing_replay.producer.messages import flat_ids, flat_ints, request_major
+from routing_replay.producer.messages import RowsLost, flat_ids, flat_ints, request_major
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -80,9 +80,10 @@ class LostHookError(RuntimeError):
     """A MoE layer did not record its routing in a step that captured a request: never publish stale rows."""
 
 
-class RingReadLost(RuntimeError):
+class RingReadLost(RowsLost):
     """Rows read from the step ring cannot be shown to be their step's (a later step reused the slot before it was
-    read, or the device counted a forward the engine did not): the batch's positions are reported lost."""
+    read, or the device counted a forward the engine did not), or the host ring had no room for them: the batch's
+    positions are reported lost (not refused: nothing was wrong with what the forward wrote)."""
 
 
 STEP_RING_SLOTS = 64                # steps the producer's thread may fall behind before step-ring rows are lost
