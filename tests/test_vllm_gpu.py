@@ -234,12 +234,9 @@ def shutdown_mp(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.mark.parametrize("step_stamp", ["on", "ring"])
-def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir, step_stamp):
-    """In-process engine (to watch the worker) with vLLM's default batch budget: rows from graph replays and
-    from eager steps (prefill steps above the largest captured graph) are both exact. With
-    ROUTING_REPLAY_STEP_STAMP=ring the graph-sized steps are read from the step ring (nothing launched on the
-    engine thread), the larger eager ones snapshotted as before, in the same batches."""
+def embedded_engine(env, tmp_path, step_stamp: str):
+    """An in-process engine (its worker can be watched) publishing to the embedded pipeline, float32, vLLM's
+    default batch budget, records as npz files in tmp_path/npz: (npz dir, model dir, LLM)."""
     npz = tmp_path / "npz"
     env.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all",
                TRITON_F32_DEFAULT="ieee", ROUTING_REPLAY_STEP_STAMP=step_stamp)
@@ -247,6 +244,16 @@ def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir
     model = tiny_model("qwen3_moe")
     llm = inprocess_llm(model, enforce_eager=ON_CPU, enable_prefix_caching=True, max_model_len=2048,
                         gpu_memory_utilization=GPU_MEM, kv_cache_memory_bytes=1 << 30)
+    return npz, model, llm
+
+
+@pytest.mark.parametrize("step_stamp", ["on", "ring"])
+def test_embedded_float32_exact_graph_and_eager_steps(env, tmp_path, results_dir, step_stamp):
+    """In-process engine (to watch the worker) with vLLM's default batch budget: rows from graph replays and
+    from eager steps (prefill steps above the largest captured graph) are both exact. With
+    ROUTING_REPLAY_STEP_STAMP=ring the graph-sized steps are read from the step ring (nothing launched on the
+    engine thread), the larger eager ones snapshotted as before, in the same batches."""
+    npz, model, llm = embedded_engine(env, tmp_path, step_stamp)
     steps: list = []
     try:
         cfg = engine_config(llm.llm_engine.vllm_config)
@@ -307,13 +314,7 @@ def test_embedded_hook_lost_for_one_step_under_graphs_costs_that_delta_only(env,
     That request's record is incomplete with reason `producer_refused`, its rows outside `missing` exact; every
     record after it complete and exact against HF transformers. (Before session 45 every later delta of the engine
     was refused.)"""
-    npz = tmp_path / "npz"
-    env.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(npz), ROUTING_REPLAY_REQUESTS="all",
-               TRITON_F32_DEFAULT="ieee", ROUTING_REPLAY_STEP_STAMP=step_stamp)
-    env.pop("ROUTING_REPLAY_SERVE", None)
-    model = tiny_model("qwen3_moe")
-    llm = inprocess_llm(model, enforce_eager=False, enable_prefix_caching=True, max_model_len=2048,
-                        gpu_memory_utilization=GPU_MEM, kv_cache_memory_bytes=1 << 30)
+    npz, model, llm = embedded_engine(env, tmp_path, step_stamp)
     rnd = random.Random(45)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     try:
