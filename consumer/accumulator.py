@@ -69,6 +69,11 @@ class _Ending(NamedTuple):
     refused: list | tuple = ()  # of `lost`: ranges the producer refused to send (their rows failed its checks)
 
 
+def _overlap(ranges, missing: list) -> bool:
+    """Whether any [lo, hi) of `ranges` overlaps any of `missing`."""
+    return any(a < m[1] and m[0] < b for a, b in ranges for m in missing)
+
+
 _last_layer_id_array: tuple = (None, None)    # (list, int32 array of it): the opens of one model share one list
 
 
@@ -895,9 +900,9 @@ class Accumulator:
         if not complete:
             if aborted:
                 reason = finish_reason if finish_reason else "abort"
-            elif end.refused and any(a < m[1] and m[0] < b for a, b in end.refused for m in missing):
+            elif _overlap(end.refused, missing):
                 reason = "producer_refused"
-            elif lost and any(a < m[1] and m[0] < b for a, b in lost for m in missing):
+            elif _overlap(lost, missing):
                 reason = "producer_queue_full"
             elif notes:
                 reason = notes[0]

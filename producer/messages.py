@@ -501,14 +501,19 @@ class RowsLost(RuntimeError):
     its result() is a refusal: the rows failed a check (reported lost and refused)."""
 
 
-def with_lost(item: Announce, lost: list, refused: list = ()) -> Announce:
-    """A finish that also reports `lost` position ranges (after those it already carries), and of them the
-    `refused` ones (rows the producer would not send: they failed its checks)."""
-    body = dict(item.body)
+def lost_body(body: dict, lost: Sequence, refused: Sequence = ()) -> dict:
+    """A finish's body (a new dict) that also reports `lost` position ranges (after those it already carries), and
+    of them the `refused` ones (rows the producer would not send: they failed its checks)."""
+    body = dict(body)
     body["lost"] = list(body.get("lost", ())) + [list(r) for r in lost]
     if refused:
         body["refused"] = list(body.get("refused", ())) + [list(r) for r in refused]
-    return item._replace(body=body)
+    return body
+
+
+def with_lost(item: Announce, lost: list, refused: list = ()) -> Announce:
+    """A finish item that also reports `lost` (and `refused`) position ranges: lost_body."""
+    return item._replace(body=lost_body(item.body, lost, refused))
 
 
 def escaped_id(request_id: Any, limit: int = 80) -> str:

@@ -20,7 +20,8 @@ from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
-                                              encode_announce, encode_step, encode_steps, escaped_id, step_rows,
+                                              encode_announce, encode_step, encode_steps, escaped_id, lost_body,
+                                              step_rows,
                                               token_frames, with_lost)
 from routing_replay.producer.replay import ReplayBuffer
 
@@ -315,11 +316,7 @@ class Sender:
             except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
                 enc, failed = None, [(item, e) for item in items]
             for item, e in failed:
-                kept = self._kept_entries(item)
-                refused = not isinstance(e, RowsLost)
-                for rid, s, c in kept:
-                    self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1, refused)
-                self._encode_failed("delta", len(kept), e)
+                self._delta_failed(item, seq, e)
             if enc is not None:
                 self._keep(enc)
         finally:
@@ -375,13 +372,18 @@ class Sender:
         try:
             enc = encode_step(item, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry)
         except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
-            kept = self._kept_entries(item)
-            refused = not isinstance(e, RowsLost)
-            for rid, s, c in kept:
-                self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1, refused)
-            self._encode_failed("delta", len(kept), e)
+            self._delta_failed(item, seq, e)
             return
         self._keep(enc)
+
+    def _delta_failed(self, item: Step, seq: int, e: Exception) -> None:
+        """A step that could not be encoded as the delta `seq` would have been: its kept requests' positions go in
+        their finishes as lost, and as refused unless its rows were lost for lack of room (RowsLost)."""
+        kept = self._kept_entries(item)
+        refused = not isinstance(e, RowsLost)
+        for rid, s, c in kept:
+            self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1, refused)
+        self._encode_failed("delta", len(kept), e)
 
     def _intake_announce(self, item: Announce) -> None:
         rid = item.request_id
@@ -437,10 +439,7 @@ class Sender:
                     return "finish already sent"
                 frames = list(self._replay.frames(f))
                 h = wire.decode_header(frames[0])
-                body = dict(h.body)
-                body["lost"] = list(body.get("lost", ())) + [rng]
-                if refused:
-                    body["refused"] = list(body.get("refused", ())) + [rng]
+                body = lost_body(h.body, [rng], [rng] if refused else ())
                 frames[0] = wire.pack_header("finish", self.cfg.producer_id, self.cfg.epoch, f.seq, rid, body)
                 self._replay.replace_frames(f, frames)
                 return "finish re-encoded"

@@ -206,8 +206,7 @@ class StampCheck:
                                f"engine's forwards by forward {forward} (a forward the engine did not launch through "
                                "execute_model): this batch's step-ring reads may hold another forward's rows, so its "
                                "rows are reported lost; later steps use the new offset")
-        self.offset = (v - forward) & mask  # later batches read the slots the device writes now
-        self.resyncs += 1
+        self.resync(v, forward)             # later batches read the slots the device writes now
         raise LostHookError(f"routing-replay: the device counted {(want - v) & mask} complete flush(es) fewer than "
                             f"the engine's {forward} forwards at the hand-over: a forward did not run the capture "
                             "hooks of every MoE layer. Refusing to publish stale routing; later batches use the "
