@@ -67,6 +67,7 @@ class _Ending(NamedTuple):
     output_tokens: object     # np.ndarray of output token ids, or None
     aborted: bool             # an abort or a timeout: the record is incomplete whatever it holds
     refused: list | tuple = ()  # of `lost`: ranges the producer refused to send (their rows failed its checks)
+    broker_refused: list | tuple = ()   # of `lost`: ranges of deltas the broker accepted and dropped
 
 
 def _overlap(ranges, missing: list) -> bool:
@@ -724,7 +725,7 @@ class Accumulator:
             else:
                 st.prompt_len = f.prompt_len
                 st.num_cached = f.num_cached or 0
-        st.finish = _Ending(f.num_output, f.reason, f.lost, out_tokens, False, f.refused)
+        st.finish = _Ending(f.num_output, f.reason, f.lost, out_tokens, False, f.refused, f.broker_refused)
         st.finish_at = now
         st.last_seen = now
         return self._try_emit(st, now, force="no_open" in st.notes)
@@ -902,6 +903,8 @@ class Accumulator:
                 reason = finish_reason if finish_reason else "abort"
             elif _overlap(end.refused, missing):
                 reason = "producer_refused"
+            elif _overlap(end.broker_refused, missing):
+                reason = "broker_refused"
             elif _overlap(lost, missing):
                 reason = "producer_queue_full"
             elif notes:

@@ -501,19 +501,21 @@ class RowsLost(RuntimeError):
     its result() is a refusal: the rows failed a check (reported lost and refused)."""
 
 
-def lost_body(body: dict, lost: Sequence, refused: Sequence = ()) -> dict:
+def lost_body(body: dict, lost: Sequence, refused: Sequence = (), broker_refused: Sequence = ()) -> dict:
     """A finish's body (a new dict) that also reports `lost` position ranges (after those it already carries), and
-    of them the `refused` ones (rows the producer would not send: they failed its checks)."""
+    of them the `refused` ones (rows the producer would not send: they failed its checks) and the `broker_refused`
+    ones (rows of a delta the broker accepted and dropped: it could not take the message)."""
     body = dict(body)
     body["lost"] = list(body.get("lost", ())) + [list(r) for r in lost]
-    if refused:
-        body["refused"] = list(body.get("refused", ())) + [list(r) for r in refused]
+    for key, ranges in (("refused", refused), ("broker_refused", broker_refused)):
+        if ranges:
+            body[key] = list(body.get(key, ())) + [list(r) for r in ranges]
     return body
 
 
-def with_lost(item: Announce, lost: list, refused: list = ()) -> Announce:
-    """A finish item that also reports `lost` (and `refused`) position ranges: lost_body."""
-    return item._replace(body=lost_body(item.body, lost, refused))
+def with_lost(item: Announce, lost: list, refused: list = (), broker_refused: list = ()) -> Announce:
+    """A finish item that also reports `lost` (and `refused`, `broker_refused`) position ranges: lost_body."""
+    return item._replace(body=lost_body(item.body, lost, refused, broker_refused))
 
 
 def escaped_id(request_id: Any, limit: int = 80) -> str:

@@ -380,9 +380,9 @@ class Sender:
         """A step that could not be encoded as the delta `seq` would have been: its kept requests' positions go in
         their finishes as lost, and as refused unless its rows were lost for lack of room (RowsLost)."""
         kept = self._kept_entries(item)
-        refused = not isinstance(e, RowsLost)
+        why = None if isinstance(e, RowsLost) else "refused"
         for rid, s, c in kept:
-            self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1, refused)
+            self._note_lost(rid, [int(s), int(s) + int(c)], seq - 1, why)
         self._encode_failed("delta", len(kept), e)
 
     def _intake_announce(self, item: Announce) -> None:
@@ -397,7 +397,8 @@ class Sender:
         if item.kind == "finish":
             late = self._late_lost.pop(rid, None)
             if late:
-                item = with_lost(item, [r for r, _ in late], [r for r, refused in late if refused])
+                item = with_lost(item, [r for r, _ in late], [r for r, why in late if why == "refused"],
+                                 [r for r, why in late if why == "broker_refused"])
         elif item.kind == "abort":
             self._late_lost.pop(rid, None)
         item, bad = token_frames(item)
@@ -425,10 +426,11 @@ class Sender:
         log.warning("producer %s dropped a %s message of %d request(s) it could not encode (%d so far): %s: %s",
                     self.cfg.producer_id, kind, requests, self.stats.encode_errors, type(e).__name__, str(e)[:200])
 
-    def _note_lost(self, rid: Any, rng: list, seq: int, refused: bool = False) -> str:
-        """Report positions `rng` of request `rid` lost in its finish (and `refused`: their rows failed a check,
-        never sent): the finish held after `seq` if it was not sent yet (re-encoded), else the finish still to
-        come. Returns what was done, for the log line."""
+    def _note_lost(self, rid: Any, rng: list, seq: int, why: str | None = None) -> str:
+        """Report positions `rng` of request `rid` lost in its finish, and `why` when it was not for lack of room
+        ("refused": their rows failed a check and were never sent; "broker_refused": the broker dropped the delta
+        that carried them): the finish held after `seq` if it was not sent yet (re-encoded), else the finish still
+        to come. Returns what was done, for the log line."""
         if type(rid) is not str:
             return "not a request id"
         for f in self._replay.after(seq):
@@ -439,13 +441,14 @@ class Sender:
                     return "finish already sent"
                 frames = list(self._replay.frames(f))
                 h = wire.decode_header(frames[0])
-                body = lost_body(h.body, [rng], [rng] if refused else ())
+                body = lost_body(h.body, [rng], [rng] if why == "refused" else (),
+                                 [rng] if why == "broker_refused" else ())
                 frames[0] = wire.pack_header("finish", self.cfg.producer_id, self.cfg.epoch, f.seq, rid, body)
                 self._replay.replace_frames(f, frames)
                 return "finish re-encoded"
         if rid not in self._late_lost and len(self._late_lost) >= _MAX_LATE_LOST:
             self._late_lost.pop(next(iter(self._late_lost)))
-        self._late_lost.setdefault(rid, []).append((rng, refused))
+        self._late_lost.setdefault(rid, []).append((rng, why))
         return "reported in its finish"
 
     # ---- connection --------------------------------------------------------------------------------------------------
@@ -577,7 +580,7 @@ class Sender:
             return
         p = e.parts
         if p.kind == "delta":
-            done = [self._note_lost(rid, [int(s), int(s) + int(c)], e.seq)
+            done = [self._note_lost(rid, [int(s), int(s) + int(c)], e.seq, "broker_refused")
                     for rid, s, c in zip(p.request_ids, p.starts, p.counts)]
             log.warning("producer %s: broker refused seq=%d kind=delta requests=%d rows=%d (%s): %s",
                         self.cfg.producer_id, r.seq, len(p.request_ids), int(sum(p.counts)),

@@ -37,9 +37,10 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
               a producer's coalesced steps: one frame per step); the key may repeat an id (several steps batched)
     finish    key: request id
               {num_output[, reason = "stop"][, prompt_len][, num_cached][, lost: [[lo, hi], ...]]
-               [, refused: [[lo, hi], ...]][, n_output_tokens = 0]}
+               [, refused: [[lo, hi], ...]][, broker_refused: [[lo, hi], ...]][, n_output_tokens = 0]}
               lost: positions the producer could not deliver; refused: those of them it would not send (rows
-              that failed its checks), a subset of lost
+              that failed its checks); broker_refused: those of them whose delta the broker accepted and dropped
+              (its `error` named the seq); both subsets of lost
               frame 1 (when n_output_tokens is sent): the output token ids, n_output_tokens int32 LE
     abort     key: request id                     {[reason = "abort"][, num_output]}             no frames
 
@@ -465,6 +466,7 @@ class Finish:
     lost: list
     n_output_tokens: int
     refused: list = field(default_factory=list)     # of `lost`: ranges the producer refused (checks failed)
+    broker_refused: list = field(default_factory=list)  # of `lost`: ranges of deltas the broker dropped
 
 
 def _ranges(raw: Any, name: str) -> list:
@@ -491,8 +493,9 @@ def parse_finish(h: Header) -> Finish:
     C = int_field(b, "num_cached", 0, MAX_POSITION, None) if b.get("num_cached") is not None else None
     lost = _ranges(b.get("lost", []), "lost")
     refused = _ranges(b.get("refused", []), "refused")
+    broker_refused = _ranges(b.get("broker_refused", []), "broker_refused")
     nt = int_field(b, "n_output_tokens", 0, MAX_POSITION, 0)
-    return Finish(rid, G, reason, P, C, lost, nt, refused)
+    return Finish(rid, G, reason, P, C, lost, nt, refused, broker_refused)
 
 
 def parse_abort(h: Header) -> tuple[str, str, int | None]:

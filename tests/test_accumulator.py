@@ -187,6 +187,24 @@ def test_rows_the_producer_refused_are_named_apart_from_its_queue():
     np.testing.assert_array_equal(a.prompt_routed_experts[:2], expected(3, 4, 2, 0)[0][:2])
 
 
+def test_rows_the_broker_refused_are_named_apart_from_the_producers_queue():
+    """`broker_refused` (a subset of `lost`): rows of a delta the broker accepted and dropped (it could not take the
+    message). The producer's own refusal names the record first when both overlap the missing rows."""
+    f = Feed(finish_grace_s=0.0)
+    for rid, kw in (("a", {"lost": [[2, 4]], "broker_refused": [[2, 4]]}),
+                    ("b", {"lost": [[1, 2], [3, 4]], "refused": [[1, 2]], "broker_refused": [[3, 4]]}),
+                    ("c", {"lost": [[2, 4]], "broker_refused": [[9, 9]]})):
+        f.open(rid, 4)
+        f.delta([(rid, 0, rows(3, 0, 2))])
+        f.finish(rid, 2, **kw)
+    a, b, c = f.out["a"], f.out["b"], f.out["c"]
+    assert (a.complete, a.missing, a.reason) == (False, [(2, 5)], "broker_refused")
+    assert (b.complete, b.missing, b.reason) == (False, [(1, 5)], "producer_refused")
+    assert (c.complete, c.missing, c.reason) == (False, [(2, 5)], "producer_queue_full")   # refused elsewhere
+    assert (a.prompt_routed_experts[2:] == -1).all()
+    np.testing.assert_array_equal(a.prompt_routed_experts[:2], expected(3, 4, 2, 0)[0][:2])
+
+
 def test_pipeline_parallel_layer_ranges_merge():
     f = Feed(finish_grace_s=1.0)
     f.open("a", 5)

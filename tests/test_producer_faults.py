@@ -248,7 +248,8 @@ def test_a_refused_delta_is_reported_lost_and_a_refused_open_drops_its_request(c
         p.finish("a", num_output_tokens=2)
         got = [fake.recv() for _ in range(2)]
         assert [(h.kind, h.seq, h.key) for h, _ in got] == [("delta", 5, ["a"]), ("finish", 6, "a")]
-        assert got[1][0].body["lost"] == [[0, 4]]
+        assert (got[1][0].body["lost"], got[1][0].body["broker_refused"]) == ([[0, 4]], [[0, 4]])
+        assert "refused" not in got[1][0].body
         assert p.stats.dropped_parts == 2
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any(re.search(r"broker refused seq=3 kind=delta requests=2 rows=6 .*undecodable: test", m)

@@ -105,6 +105,50 @@ def test_rows_the_producer_refuses_reach_the_record_as_refused_and_rows_it_lost_
         assert (r.prompt_routed_experts[4:8] == -1).all()
 
 
+def test_rows_of_a_delta_the_broker_refuses_reach_the_record_as_broker_refused(monkeypatch):
+    """A delta the broker accepts and drops (it could not take the message: here a broker that refuses b's second
+    delta, as one with other limits would) is named in its `error` (refused_seq); the producer puts its positions
+    in b's finish as lost and broker_refused, and the record says `broker_refused`, not `producer_queue_full`.
+    Real producer, broker and consumer (embedded); only the broker's payload check is replaced."""
+    import routing_replay.broker.broker as broker_module
+
+    real = broker_module.wire
+
+    class SkewedWire:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def check_payload(d, frames):
+            if d.request_ids == ["b"] and int(d.starts[0]) == 4:
+                raise real.ProtocolError("out_of_range", "this broker takes no rows of b at 4")
+            return real.check_payload(d, frames)
+
+    monkeypatch.setattr(broker_module, "wire", SkewedWire())
+    got = {}
+    with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
+        p = pipe.producer(num_layers=L, top_k=K, coalesce_max_bytes=0)
+        for rid, seed in (("a", 1), ("b", 2)):
+            p.open(rid, prompt_len=12)
+        for lo in (0, 4, 8):
+            for rid, seed in (("a", 1), ("b", 2)):
+                p.publish_rows([rid], [lo], [4], true_rows(seed, np.arange(lo, lo + 4), L, K, E))
+            assert p.flush(10)
+        wait_until(lambda: p.stats.refused_by_broker == 1, 10)      # before b's finish: it carries the ranges
+        for rid in ("a", "b"):
+            p.finish(rid, num_output_tokens=1)
+        assert p.flush(10)
+        p.close()
+        assert pipe.wait_idle(10)
+    a, b = got["a"], got["b"]
+    assert (a.complete, a.reason, a.missing) == (True, "", [])
+    np.testing.assert_array_equal(a.prompt_routed_experts, true_rows(1, np.arange(12), L, K, E))
+    assert (b.complete, b.reason, b.missing) == (False, "broker_refused", [(4, 8)])
+    np.testing.assert_array_equal(b.prompt_routed_experts[:4], true_rows(2, np.arange(4), L, K, E))
+    np.testing.assert_array_equal(b.prompt_routed_experts[8:], true_rows(2, np.arange(8, 12), L, K, E))
+    assert (b.prompt_routed_experts[4:8] == -1).all()
+
+
 def test_producer_validates_shapes_at_the_caller():
     with EmbeddedPipeline() as pipe, pipe.producer(num_layers=L, top_k=K) as p:
         with pytest.raises(ValueError, match=r"rows must be \(n, 4, 2\) int16"):

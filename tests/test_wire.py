@@ -38,14 +38,17 @@ def test_open_finish_abort_round_trip():
         ("r", 10, 4, 3, 2, [0, 2, 3], 10)
     f = wire.parse_finish(wire.decode_header(wire.pack_header(
         "finish", "p", 0, 2, "r", {"num_output": 5, "reason": "length", "lost": [[3, 6]]})))
-    assert (f.num_output, f.reason, f.lost, f.prompt_len, f.refused) == (5, "length", [(3, 6)], None, [])
+    assert (f.num_output, f.reason, f.lost, f.prompt_len, f.refused, f.broker_refused) == \
+        (5, "length", [(3, 6)], None, [], [])
     f = wire.parse_finish(wire.decode_header(wire.pack_header(
-        "finish", "p", 0, 2, "r", {"num_output": 5, "lost": [[1, 2], [3, 6]], "refused": [[3, 6]]})))
-    assert (f.lost, f.refused) == ([(1, 2), (3, 6)], [(3, 6)])
-    for bad in ([[3]], [[4, 3]], "x", [[0, 1]] * 4097):
-        with pytest.raises(wire.ProtocolError, match="refused"):
-            wire.parse_finish(wire.decode_header(wire.pack_header(
-                "finish", "p", 0, 2, "r", {"num_output": 5, "refused": bad})))
+        "finish", "p", 0, 2, "r", {"num_output": 5, "lost": [[1, 2], [3, 6], [7, 9]], "refused": [[3, 6]],
+                                   "broker_refused": [[7, 9]]})))
+    assert (f.lost, f.refused, f.broker_refused) == ([(1, 2), (3, 6), (7, 9)], [(3, 6)], [(7, 9)])
+    for field in ("refused", "broker_refused"):
+        for bad in ([[3]], [[4, 3]], "x", [[0, 1]] * 4097):
+            with pytest.raises(wire.ProtocolError, match=f"^{field} "):
+                wire.parse_finish(wire.decode_header(wire.pack_header(
+                    "finish", "p", 0, 2, "r", {"num_output": 5, field: bad})))
     assert wire.parse_abort(wire.decode_header(wire.pack_header("abort", "p", 0, 3, "r", {}))) == ("r", "abort", None)
 
 
