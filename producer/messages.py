@@ -435,6 +435,83 @@ def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry)
     return Encoded(parts, [head, payload], len(payload))
 
 
+# What one delta may hold so that every receiver takes it (protocol/wire.py's limits: a receiver refuses more rows
+# or entries, a longer header, and its socket drops a larger frame). A step beyond them goes as several deltas.
+DELTA_HEADER_BUDGET = wire.MAX_HEADER_BYTES - (64 << 10)    # for the key list and the start/count arrays
+ENTRY_HEADER_BOUND = 13         # an entry's header bytes beyond 4 per id character: str head, start and count
+SAFE_ENTRIES = DELTA_HEADER_BUDGET // (wire.MAX_REQUEST_ID_BYTES + ENTRY_HEADER_BOUND)   # never over the budget
+
+
+def delta_rows_limit(row_bytes: int) -> int:
+    """The most rows one delta may carry: the wire's bound, and one frame's (a step's rows are one frame)."""
+    return min(wire.MAX_ROWS_PER_DELTA, wire.MAX_MESSAGE_BYTES // row_bytes)
+
+
+def header_bound(ids: Sequence[str]) -> int:
+    """An upper bound on the header bytes of a delta's key list and start/count arrays (UTF-8: at most 4 bytes a
+    character)."""
+    return 4 * sum(map(len, ids)) + ENTRY_HEADER_BOUND * len(ids)
+
+
+def oversized(rows: int, ids: Sequence[str], max_rows: int) -> bool:
+    """Whether a step of `rows` rows and these entries is too large for one delta (split_step). Constant time
+    unless it has more than SAFE_ENTRIES entries."""
+    n = len(ids)
+    return rows > max_rows or (n > SAFE_ENTRIES and (n > wire.MAX_REQUESTS_PER_DELTA
+                                                     or header_bound(ids) > DELTA_HEADER_BUDGET))
+
+
+def split_step(item: Step, max_rows: int, max_entries: int = wire.MAX_REQUESTS_PER_DELTA,
+               header_budget: int = DELTA_HEADER_BUDGET) -> list[Step]:
+    """A step too large for one delta (oversized) as consecutive steps that each fit, with ndarray rows (views of
+    one array). Deferred rows are waited for and their slot released here, whatever happens (copied out of it
+    first); refused parts are cut out. The entries are cut in order, a request's rows between two steps where
+    they must be (positions are absolute: each part is a delta of its own). ValueError if the rows are not
+    (sum(counts), ...)."""
+    rows = item.rows
+    release = None if isinstance(rows, np.ndarray) else getattr(rows, "release", None)
+    owned = release is not None and bool(getattr(rows, "owns_result", False))
+    try:
+        if not isinstance(rows, np.ndarray):
+            rows = rows.result()
+        rows = np.asarray(rows)
+        ids, starts, counts = item.request_ids, item.starts, item.counts
+        if item.keep is not None:
+            rows = kept_rows(rows, counts, item.keep)
+            ids, starts, counts = ([x for x, k in zip(v, item.keep) if k] for v in (ids, starts, counts))
+        elif release is not None and not owned:
+            rows = rows.copy()          # out of the ring slot before it is released
+    finally:
+        if release is not None:
+            release()
+    total = int(sum(counts))
+    if rows.ndim != 3 or rows.shape[0] != total:
+        raise ValueError(f"rows are {rows.shape}, the step's counts add up to {total} rows")
+    out: list = []
+    part: tuple = ([], [], [])
+    lo = at = cost = 0                  # the part's first row, the next row, its header bound
+    for rid, s, c in zip(ids, starts, counts):
+        s, c = int(s), int(c)
+        e = 4 * len(rid) + ENTRY_HEADER_BOUND
+        while True:
+            if part[0] and (len(part[0]) >= max_entries or cost + e > header_budget or at - lo >= max_rows):
+                out.append(Step(*part, rows[lo:at]))
+                part, lo, cost = ([], [], []), at, 0
+            take = min(c, max_rows - (at - lo))
+            part[0].append(rid)
+            part[1].append(s)
+            part[2].append(take)
+            cost += e
+            at += take
+            s += take
+            c -= take
+            if c == 0:
+                break
+    if part[0]:
+        out.append(Step(*part, rows[lo:at]))
+    return out
+
+
 def step_rows(item: Step) -> int:
     """Rows a queued step carries (all of them, kept or not)."""
     shape = getattr(item.rows, "shape", None)

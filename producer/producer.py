@@ -51,6 +51,7 @@ class ProducerStats:
     refused_by_broker: int = 0  # data messages the broker accepted-and-dropped as undecodable (error refused_seq)
     owner_hints: int = 0        # request -> owner group hints received (the broker's acks; messages.OwnerHints)
     merged_steps: int = 0       # publish_rows steps that queued up and went out merged (messages.merge_coalesced_steps)
+    split_steps: int = 0        # steps too large for one delta, sent as several (messages.split_step)
 
 
 def _positions(values: Any, name: str) -> Any:

@@ -21,8 +21,9 @@ from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
                                               encode_announce, encode_step, encode_steps, escaped_id, lost_body,
-                                              step_rows,
-                                              token_frames, with_lost)
+                                              step_rows, token_frames, with_lost, DELTA_HEADER_BUDGET,
+                                              ENTRY_HEADER_BOUND, SAFE_ENTRIES, delta_rows_limit, oversized,
+                                              split_step)
 from routing_replay.producer.replay import ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
@@ -85,6 +86,7 @@ class Sender:
         self.close_deadline = math.inf
         self.failure: BaseException | None = None
         self.hints = OwnerHints()            # owner groups from the broker's acks (this thread only)
+        self._max_rows = delta_rows_limit(cfg.row_bytes)     # the most rows one delta may carry
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"rr-producer-{cfg.producer_id}", daemon=True)
 
@@ -269,6 +271,7 @@ class Sender:
         batch = [first]
         nbytes = step_rows(first) * rb
         entries = len(first.request_ids)
+        chars = -1                      # characters of the batch's ids, counted once it could pass the header budget
         limit = self.cfg.coalesce_max_bytes
         if nbytes >= limit:
             return batch, None
@@ -286,8 +289,15 @@ class Sender:
             b = step_rows(nxt) * rb
             n = len(nxt.request_ids)
             if (nbytes + b > limit or entries + n > wire.MAX_REQUESTS_PER_DELTA
-                    or (nbytes + b) // rb > wire.MAX_ROWS_PER_DELTA):
+                    or (nbytes + b) // rb > self._max_rows):
                 return batch, nxt
+            if entries + n > SAFE_ENTRIES:      # (long request ids: the key list may outgrow the header's bound)
+                if chars < 0:
+                    chars = sum(sum(map(len, item.request_ids)) for item in batch)
+                more = sum(map(len, nxt.request_ids))
+                if 4 * (chars + more) + ENTRY_HEADER_BOUND * (entries + n) > DELTA_HEADER_BUDGET:
+                    return batch, nxt
+                chars += more
             batch.append(nxt)
             nbytes += b
             entries += n
@@ -368,6 +378,9 @@ class Sender:
         item = self._screen_step(item)
         if item is None:
             return
+        if oversized(step_rows(item), item.request_ids, self._max_rows):
+            self._intake_split(item)
+            return
         seq = self._replay.next_seq
         try:
             enc = encode_step(item, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry)
@@ -375,6 +388,30 @@ class Sender:
             self._delta_failed(item, seq, e)
             return
         self._keep(enc)
+
+    def _intake_split(self, item: Step) -> None:
+        """A step too large for one delta (more rows or entries, or a longer key list, than a receiver takes: the
+        broker would refuse it) as several deltas, one after the other (messages.split_step)."""
+        seq = self._replay.next_seq
+        try:
+            parts = split_step(item, self._max_rows)
+        except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
+            self._delta_failed(item, seq, e)
+            return
+        self.stats.split_steps += 1
+        n = self.stats.split_steps
+        if n == 1 or n % 1000 == 0:
+            log.info("producer %s sent a step of %d rows and %d entries as %d deltas (split_steps=%d)",
+                     self.cfg.producer_id, sum(len(p.rows) for p in parts), sum(len(p.request_ids) for p in parts),
+                     len(parts), n)
+        for part in parts:
+            seq = self._replay.next_seq
+            try:
+                enc = encode_step(part, self.cfg.producer_id, self.cfg.epoch, seq, self.cfg.geometry)
+            except Exception as e:  # noqa: BLE001
+                self._delta_failed(part, seq, e)
+                continue
+            self._keep(enc)
 
     def _delta_failed(self, item: Step, seq: int, e: Exception) -> None:
         """A step that could not be encoded as the delta `seq` would have been: its kept requests' positions go in

@@ -270,3 +270,87 @@ def test_inbox_wakes_the_thread_only_for_items_put_with_wake_and_keeps_their_ord
     inbox.put("open d", wake=False)
     inbox.wake()                                        # flush/close: what waits goes now
     assert inbox.get(timeout=30) == "open d"
+
+
+# ---- a step too large for one delta -----------------------------------------------------------------------------
+
+def _joined(parts: list) -> dict:
+    """{request id: {position: row}} of split parts, checking that no position comes twice."""
+    got: dict = {}
+    for part in parts:
+        at = 0
+        for rid, s, c in zip(part.request_ids, part.starts, part.counts):
+            for j in range(c):
+                assert s + j not in got.setdefault(rid, {}), (rid, s + j)
+                got[rid][s + j] = part.rows[at + j]
+            at += c
+        assert at == len(part.rows)
+    return got
+
+
+def test_a_step_too_large_for_one_delta_is_cut_into_parts_that_each_fit_and_together_are_the_step():
+    from routing_replay.producer.messages import ENTRY_HEADER_BOUND, oversized, split_step
+
+    ids = ["a", "bb" * 30, "c", "d" * 200, "e"]
+    starts, counts = [0, 5, 0, 7, 3], [7, 3, 0, 11, 9]
+    rows = np.arange(30 * 2 * 2, dtype=np.int16).reshape(30, 2, 2)
+    want = _joined([Step(ids, starts, counts, rows)])
+    for max_rows, max_entries, budget in ((4, 100, 10 ** 6), (100, 2, 10 ** 6), (100, 100, 3 * ENTRY_HEADER_BOUND + 250),
+                                          (5, 3, 900), (30, 5, 10 ** 6)):     # rows, entries, header, all, none
+        parts = split_step(Step(ids, starts, counts, rows), max_rows, max_entries, budget)
+        got = _joined(parts)
+        assert got.keys() == want.keys() and all(
+            got[k].keys() == want[k].keys() and all(np.array_equal(got[k][p], want[k][p]) for p in want[k])
+            for k in want), (max_rows, max_entries, budget)
+        for part in parts:
+            assert len(part.rows) <= max_rows and len(part.request_ids) <= max_entries
+            assert sum(4 * len(r) + ENTRY_HEADER_BOUND for r in part.request_ids) <= budget or \
+                len(part.request_ids) == 1
+            assert np.shares_memory(part.rows, rows) or len(part.rows) == 0
+        # the entries in order, a request cut only where a part is full
+        assert [r for p in parts for r in p.request_ids if r == "c"] == ["c"]
+    assert len(split_step(Step(ids, starts, counts, rows), 30, 5, 10 ** 6)) == 1
+    assert [len(p.rows) for p in split_step(Step(ids, starts, counts, rows), 4, 100, 10 ** 6)] == [4] * 7 + [2]
+    assert oversized(31, ids, 30) and not oversized(30, ids, 30)
+    assert oversized(1, ["x" * 1024] * 5000, 10) and not oversized(1, ["x" * 40] * 5000, 10)
+    assert oversized(1, ["x"] * (wire.MAX_REQUESTS_PER_DELTA + 1), 10 ** 9)
+
+
+def test_a_split_step_waits_for_deferred_rows_copies_them_out_before_releasing_and_cuts_refused_parts():
+    from routing_replay.producer.messages import split_step
+
+    class Slot:
+        """Deferred rows in a ring slot: the slot is overwritten once released."""
+
+        def __init__(self, arr):
+            self.arr, self.shape, self.dtype, self.released = arr, arr.shape, arr.dtype, 0
+
+        def result(self):
+            return self.arr
+
+        def release(self):
+            self.released += 1
+            self.arr[...] = -7
+
+    rows = np.arange(12 * 2 * 2, dtype=np.int16).reshape(12, 2, 2)
+    slot = Slot(rows.copy())
+    parts = split_step(Step(["a", "b", "c"], [0, 0, 4], [5, 3, 4], slot, keep=[True, False, True]), 4)
+    assert slot.released == 1
+    assert [(p.request_ids, p.starts, p.counts) for p in parts] == [(["a"], [0], [4]), (["a", "c"], [4, 4], [1, 3]),
+                                                                   (["c"], [7], [1])]
+    np.testing.assert_array_equal(np.concatenate([p.rows for p in parts]), np.concatenate([rows[:5], rows[8:]]))
+    slot = Slot(rows.copy())
+    parts = split_step(Step(["a", "b"], [0, 0], [5, 7], slot), 8)
+    np.testing.assert_array_equal(np.concatenate([p.rows for p in parts]), rows)   # copied before the release
+    assert slot.released == 1
+
+    class Broken(Slot):
+        def result(self):
+            raise RuntimeError("device copy failed")
+
+    broken = Broken(rows.copy())
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        split_step(Step(["a"], [0], [12], broken), 4)
+    assert broken.released == 1
+    with pytest.raises(ValueError, match="counts add up to 13 rows"):
+        split_step(Step(["a"], [0], [13], rows), 4)

@@ -149,6 +149,87 @@ def test_rows_of_a_delta_the_broker_refuses_reach_the_record_as_broker_refused(m
     assert (b.prompt_routed_experts[4:8] == -1).all()
 
 
+class Slot:
+    """Deferred rows in a ring slot: overwritten once released (the producer must copy them out first)."""
+
+    def __init__(self, arr):
+        self.arr, self.shape, self.dtype, self.released = arr, arr.shape, arr.dtype, 0
+
+    def result(self):
+        return self.arr
+
+    def release(self):
+        self.released += 1
+        self.arr[...] = -7
+
+
+def _rows_of(n: int, seed: int) -> np.ndarray:
+    return ((np.arange(n * L * K, dtype=np.int64) * 7 + seed) % 30011).astype(np.int16).reshape(n, L, K)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_step_with_more_rows_than_one_delta_may_carry_goes_as_several_and_arrives_exact(deferred):
+    """The wire takes at most MAX_ROWS_PER_DELTA rows per delta (a broker refuses more: the rows were lost). A step
+    beyond that is sent as several deltas, a request's rows cut between two. Real producer, broker and consumer."""
+    got = {}
+    n_a, n_b = wire.MAX_ROWS_PER_DELTA - 3, 11          # b's rows straddle the cut
+    rows = _rows_of(n_a + n_b, 5)
+    with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
+        p = pipe.producer(num_layers=L, top_k=K, max_queue_bytes=64 << 20)
+        p.open("a", prompt_len=n_a)
+        p.open("b", prompt_len=n_b + 2)
+        step = Slot(rows.copy()) if deferred else rows
+        assert p.publish_rows(["a", "b"], [0, 0], [n_a, n_b], step)
+        p.publish_rows(["b"], [n_b], [2], _rows_of(2, 6))
+        p.finish("a", num_output_tokens=1)
+        p.finish("b", num_output_tokens=1)
+        assert p.flush(30)
+        assert (p.stats.split_steps, p.stats.refused_by_broker, p.stats.encode_errors) == (1, 0, 0)
+        assert not deferred or step.released == 1
+        p.close()
+        assert pipe.wait_idle(30)
+    a, b = got["a"], got["b"]
+    assert (a.complete, a.missing, b.complete, b.missing) == (True, [], True, [])
+    np.testing.assert_array_equal(a.prompt_routed_experts, rows[:n_a])
+    np.testing.assert_array_equal(b.prompt_routed_experts, np.concatenate([rows[n_a:], _rows_of(2, 6)]))
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_steps_whose_request_ids_outgrow_one_header_go_as_several_deltas_and_arrive_exact(coalesced):
+    """A delta's header (its key list) is bounded by MAX_HEADER_BYTES: 4,160 entries of 1,000-character ids pass
+    it. One step with them (`coalesced` False), or 16 steps of 260 that queue up and that the producer would
+    coalesce (each step other requests: nothing to merge), go as several deltas. Real producer, broker, consumer."""
+    got = {}
+    ids = [f"{i:05d}-" + "x" * 994 for i in range(4160)]
+    rows = _rows_of(4160, 3)
+    gate = threading.Event()
+    with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
+        p = pipe.producer(num_layers=L, top_k=K)
+        for rid in ids:
+            p.open(rid, prompt_len=1)
+        if coalesced:       # the thread waits on a first step while the 16 queue up behind it
+            p.open("first", prompt_len=1)
+            p.publish_rows(["first"], [0], [1], Blocked(_rows_of(1, 1), gate))
+            for s in range(16):
+                p.publish_rows(ids[s * 260:(s + 1) * 260], [0] * 260, [1] * 260, rows[s * 260:(s + 1) * 260])
+            gate.set()
+            p.finish("first", num_output_tokens=1)
+        else:
+            p.publish_rows(ids, [0] * 4160, [1] * 4160, rows)
+        for rid in ids:
+            p.finish(rid, num_output_tokens=1)
+        assert p.flush(30)
+        assert (p.stats.refused_by_broker, p.stats.encode_errors) == (0, 0)
+        assert p.stats.split_steps == (0 if coalesced else 1)
+        p.close()
+        assert pipe.wait_idle(30)
+    assert len(got) == 4160 + coalesced
+    for i, rid in enumerate(ids):
+        r = got[rid]
+        assert (r.complete, r.missing) == (True, []), rid[:5]
+        np.testing.assert_array_equal(r.prompt_routed_experts, rows[i:i + 1])
+
+
 def test_producer_validates_shapes_at_the_caller():
     with EmbeddedPipeline() as pipe, pipe.producer(num_layers=L, top_k=K) as p:
         with pytest.raises(ValueError, match=r"rows must be \(n, 4, 2\) int16"):
