@@ -318,19 +318,7 @@ def test_a_step_too_large_for_one_delta_is_cut_into_parts_that_each_fit_and_toge
 
 def test_a_split_step_waits_for_deferred_rows_copies_them_out_before_releasing_and_cuts_refused_parts():
     from routing_replay.producer.messages import split_step
-
-    class Slot:
-        """Deferred rows in a ring slot: the slot is overwritten once released."""
-
-        def __init__(self, arr):
-            self.arr, self.shape, self.dtype, self.released = arr, arr.shape, arr.dtype, 0
-
-        def result(self):
-            return self.arr
-
-        def release(self):
-            self.released += 1
-            self.arr[...] = -7
+    from tests.standins import Slot
 
     rows = np.arange(12 * 2 * 2, dtype=np.int16).reshape(12, 2, 2)
     slot = Slot(rows.copy())

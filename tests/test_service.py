@@ -15,6 +15,7 @@ from routing_replay.protocol import wire
 from routing_replay.apps.embedded import EmbeddedPipeline
 from routing_replay.apps.synthetic import SyntheticEngine, expected_record, true_rows, workload
 from tests.procs import Proc, start_broker, start_consumer, wait_until
+from tests.standins import Slot
 
 L, K, E = 4, 2, 16
 
@@ -147,20 +148,6 @@ def test_rows_of_a_delta_the_broker_refuses_reach_the_record_as_broker_refused(m
     np.testing.assert_array_equal(b.prompt_routed_experts[:4], true_rows(2, np.arange(4), L, K, E))
     np.testing.assert_array_equal(b.prompt_routed_experts[8:], true_rows(2, np.arange(8, 12), L, K, E))
     assert (b.prompt_routed_experts[4:8] == -1).all()
-
-
-class Slot:
-    """Deferred rows in a ring slot: overwritten once released (the producer must copy them out first)."""
-
-    def __init__(self, arr):
-        self.arr, self.shape, self.dtype, self.released = arr, arr.shape, arr.dtype, 0
-
-    def result(self):
-        return self.arr
-
-    def release(self):
-        self.released += 1
-        self.arr[...] = -7
 
 
 def _rows_of(n: int, seed: int) -> np.ndarray:
