@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
 import queue
 import statistics

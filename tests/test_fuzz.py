@@ -13,10 +13,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from routing_replay.broker import Broker
-from routing_replay.consumer import Accumulator, Consumer, TrainerClient, load_records
+from routing_replay.consumer import Accumulator, Consumer, TrainerClient
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire
-from routing_replay.apps.synthetic import SyntheticEngine, expected_record, true_rows, workload
+from routing_replay.apps.synthetic import SyntheticEngine, true_rows, workload
 from tests.procs import start_broker, start_consumer, wait_until
 from tests.test_pipeline import check_records, wait_records
 

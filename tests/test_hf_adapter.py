@@ -71,7 +71,7 @@ def assemble(deltas) -> dict:
 def reference(model, prompts, max_new_tokens, eos_token_id=None):
     """Hook-free greedy replay of the same forward calls with output_router_logits=True; the reference top-k
     is recomputed from each router's logits. Returns (outputs, {request index: {position: (L, K) row}})."""
-    B, P = len(prompts), len(prompts[0])
+    B = len(prompts)
     feed = torch.tensor(prompts, device=next(model.parameters()).device)
     past, pos = None, 0
     outputs = [[] for _ in range(B)]

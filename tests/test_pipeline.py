@@ -149,8 +149,6 @@ def test_bad_input_never_crashes_and_never_touches_other_records(tmp_path):
     raw.send_multipart([wire.pack_header("hello", "x", 0, 0, "x", {"unacked_from": 0})])
     specs = workload(24, seed=4, prefix="good")
     try:
-        good = {"p": None}
-
         def hostile(step):
             # interleave hostile messages with the good workload
             bad = [

@@ -20,7 +20,7 @@ import zmq
 
 from routing_replay.broker import Broker
 from routing_replay.broker.ownership import rendezvous as _hrw
-from routing_replay.consumer import Consumer, TrainerClient, load_records
+from routing_replay.consumer import Consumer
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire
 from routing_replay.apps.synthetic import SyntheticEngine, expected_record, true_rows, workload

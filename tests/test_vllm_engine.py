@@ -16,7 +16,6 @@ import copy
 import os
 import random
 
-import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -26,8 +25,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
-from routing_replay.apps.vllm_harness import (inprocess_llm, run_requests, shutdown, tiny_model,  # noqa: E402
-                                                wait_records, worker_of)
+from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_model, wait_records,  # noqa: E402
+                                                worker_of)
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS")
 CHUNK = 256
