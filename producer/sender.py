@@ -459,9 +459,14 @@ class Sender:
             self.stats.spilled_bytes += e.nbytes
 
     def _encode_failed(self, kind: str, requests: int, e: Exception) -> None:
+        """Count a message the thread could not build; log it, the first 100 and every 1000th (a capture hook lost for
+        good under CUDA graphs fails every delta, one every 16 engine steps)."""
         self.stats.encode_errors += 1
-        log.warning("producer %s dropped a %s message of %d request(s) it could not encode (%d so far): %s: %s",
-                    self.cfg.producer_id, kind, requests, self.stats.encode_errors, type(e).__name__, str(e)[:200])
+        n = self.stats.encode_errors
+        if n <= 100 or n % 1000 == 0:
+            log.warning("producer %s dropped a %s message of %d request(s) it could not encode (%d so far%s): %s: %s",
+                        self.cfg.producer_id, kind, requests, n, "; logged: the first 100, then every 1000th"
+                        if n == 100 else "", type(e).__name__, str(e)[:200])
 
     def _note_lost(self, rid: Any, rng: list, seq: int, why: str | None = None) -> str:
         """Report positions `rng` of request `rid` lost in its finish, and `why` when it was not for lack of room

@@ -848,3 +848,28 @@ def test_out_pool_reuses_memory_only_when_nothing_refers_to_it():
         assert np.array_equal(got.reshape(n, 16, L, K), want_grouped)
         del got
     assert out_pool().reused >= before + 2
+
+
+def test_messages_the_thread_cannot_build_are_all_counted_and_logged_the_first_100_then_every_1000th(
+        fake_and_producer, caplog):
+    """A capture hook lost for good fails every delta: each is counted and its positions reported lost, but the log
+    keeps the first 100 lines and then one per 1000 (the count in each)."""
+    class Broken:
+        shape, dtype = (1, L, K), np.int16
+
+        def result(self):
+            raise RuntimeError("a capture hook was lost")
+
+        def release(self):
+            pass
+
+    caplog.set_level(logging.WARNING, logger="routing_replay.producer")
+    fake, p = fake_and_producer
+    p.open("a", prompt_len=1 << 12)
+    for s in range(1001):
+        p.publish_rows(["a"], [s], [1], Broken())
+    wait_for(lambda: p.stats.encode_errors == 1001, 30)
+    lines = [r.getMessage() for r in caplog.records if "could not encode" in r.getMessage()]
+    assert len(lines) == 101
+    assert "(100 so far; logged: the first 100, then every 1000th)" in lines[99]
+    assert "(1000 so far)" in lines[100]
