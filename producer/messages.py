@@ -447,10 +447,10 @@ def delta_rows_limit(row_bytes: int) -> int:
     return min(wire.MAX_ROWS_PER_DELTA, wire.MAX_MESSAGE_BYTES // row_bytes)
 
 
-def header_bound(ids: Sequence[str]) -> int:
-    """An upper bound on the header bytes of a delta's key list and start/count arrays (UTF-8: at most 4 bytes a
-    character)."""
-    return 4 * sum(map(len, ids)) + ENTRY_HEADER_BOUND * len(ids)
+def header_too_long(chars: int, entries: int) -> bool:
+    """Whether a delta's key list of `entries` ids of `chars` characters in all, with its start/count arrays, could
+    pass the header budget (UTF-8: at most 4 bytes a character)."""
+    return 4 * chars + ENTRY_HEADER_BOUND * entries > DELTA_HEADER_BUDGET
 
 
 def oversized(rows: int, ids: Sequence[str], max_rows: int) -> bool:
@@ -458,7 +458,7 @@ def oversized(rows: int, ids: Sequence[str], max_rows: int) -> bool:
     unless it has more than SAFE_ENTRIES entries."""
     n = len(ids)
     return rows > max_rows or (n > SAFE_ENTRIES and (n > wire.MAX_REQUESTS_PER_DELTA
-                                                     or header_bound(ids) > DELTA_HEADER_BUDGET))
+                                                     or header_too_long(sum(map(len, ids)), n)))
 
 
 def split_step(item: Step, max_rows: int, max_entries: int = wire.MAX_REQUESTS_PER_DELTA,

@@ -21,9 +21,8 @@ from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
                                               encode_announce, encode_step, encode_steps, escaped_id, lost_body,
-                                              step_rows, token_frames, with_lost, DELTA_HEADER_BUDGET,
-                                              ENTRY_HEADER_BOUND, SAFE_ENTRIES, delta_rows_limit, oversized,
-                                              split_step)
+                                              step_rows, token_frames, with_lost, SAFE_ENTRIES,
+                                              delta_rows_limit, header_too_long, oversized, split_step)
 from routing_replay.producer.replay import ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
@@ -295,7 +294,7 @@ class Sender:
                 if chars < 0:
                     chars = sum(sum(map(len, item.request_ids)) for item in batch)
                 more = sum(map(len, nxt.request_ids))
-                if 4 * (chars + more) + ENTRY_HEADER_BOUND * (entries + n) > DELTA_HEADER_BUDGET:
+                if header_too_long(chars + more, entries + n):
                     return batch, nxt
                 chars += more
             batch.append(nxt)
