@@ -30,7 +30,7 @@ import logging
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -74,6 +74,7 @@ class BrokerStats:
     links_lost: int = 0
     producers_lost: int = 0
     aborted_for_lost_producer: int = 0
+    refusals_out: int = 0            # `refused` messages to consumers: a refused delta's requests, per owner
     dropped_bad: int = 0             # data messages refused for good (bad header, body or payload): acked past,
                                      # answered with an `error` naming their seq
 
@@ -254,13 +255,13 @@ class Broker(ServiceThread):
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d links_lost=%d producers_lost=%d "
-                 "aborted_for_lost_producer=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
+                 "aborted_for_lost_producer=%d refusals_out=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
                  s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, len(self.ownership),
                  self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.links_lost,
-                 s.producers_lost, s.aborted_for_lost_producer, s.dropped_bad, sum(self.bad.values()),
+                 s.producers_lost, s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad, sum(self.bad.values()),
                  dict(self.bad) if self.bad else "")
 
     # ---- consumers ----------------------------------------------------------------------------------------------
@@ -424,7 +425,7 @@ class Broker(ServiceThread):
         except wire.ProtocolError as e:
             if tok.parts or tok.refused:
                 raise
-            self._drop_for_good(ps, h.kind, seq, e)
+            self._drop_for_good(ps, h.kind, seq, e, h.key if h.kind == "delta" else None)
         except Exception:
             if not tok.parts and not tok.refused:
                 self.intake.complete(ps, seq)     # refused for good: a resend would not make it valid
@@ -455,13 +456,17 @@ class Broker(ServiceThread):
         if ps is None:
             return False
         if self._admit(ps, env.seq):
-            self._drop_for_good(ps, env.kind, env.seq, e)
+            self._drop_for_good(ps, env.kind, env.seq, e, env.key if env.kind == "delta" else None)
         return True
 
-    def _drop_for_good(self, ps: ProducerIntake, kind: str, seq: int, e: wire.ProtocolError) -> None:
+    def _drop_for_good(self, ps: ProducerIntake, kind: str, seq: int, e: wire.ProtocolError,
+                       keys: Any = None) -> None:
         """Accept and drop an admitted data message that can never be valid: the ack frontier passes it once all
-        before it is acked (applied by nobody), and its producer hears which seq was refused and why."""
+        before it is acked (applied by nobody), and its producer hears which seq was refused and why. For a
+        delta whose key list reads (`keys`), the owners of the requests in it hear it too (_notify_refused)."""
         self.intake.complete(ps, seq)
+        if keys is not None:
+            self._notify_refused(ps, seq, keys, e.reason)
         self.bad[e.reason] += 1
         st = self.stats
         st.dropped_bad += 1
@@ -470,6 +475,23 @@ class Broker(ServiceThread):
             log.warning("broker dropped bad data producer=%s epoch=%d seq=%d kind=%s reason=%s dropped_bad=%d: %s",
                         ps.pid[:64], ps.epoch, seq, kind, e.reason, n, str(e)[:200])
         self._reply(ps.ident, "error", "", wire.refusal_body(wire.Refusal(f"{e.reason}: {e}", seq, ps.epoch)))
+
+    def _notify_refused(self, ps: ProducerIntake, seq: int, keys: Any, reason: str) -> None:
+        """A `refused` message to the owner of each request of a refused delta that has one, on its link in the
+        delta's place (before the request's finish): the record names the loss `broker_refused` even when the
+        producer learns of it too late to put it in the finish (it sent the finish already)."""
+        if not isinstance(keys, list):
+            return
+        owner = self.ownership.owner
+        by_link: dict = {}
+        for rid in keys[:wire.MAX_REQUESTS_PER_DELTA]:
+            link = owner.get(rid) if type(rid) is str else None
+            if link is not None and link.alive:
+                by_link.setdefault(link, {})[rid] = None
+        for link, rids in by_link.items():
+            self.stats.refusals_out += 1
+            self._send(link, wire.pack_header("refused", ps.pid, ps.epoch, seq, list(rids), {"reason": reason}), [],
+                       None)
 
     def _refuse_unknown(self, ident: bytes, pid: str, epoch: int) -> None:
         self.stats.refused_unknown += 1

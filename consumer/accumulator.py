@@ -325,7 +325,18 @@ class Accumulator:
         if kind == "abort":
             rid, reason, n = wire.parse_abort(h)
             return self._abort(rid, reason, n, now, key)
+        if kind == "refused":
+            self._refused(wire.parse_refused(h)[0])
+            return []
         raise wire.ProtocolError("unexpected_kind", f"consumer does not take {kind!r} messages")
+
+    def _refused(self, ids: list) -> None:
+        """The broker dropped a delta with rows of these requests (`refused`): each one held here names that
+        loss `broker_refused` if its record comes out incomplete (no request is made for an id not held)."""
+        for rid in ids:
+            st = self.requests.get(rid)
+            if st is not None and "broker_refused" not in st.notes:
+                st.notes.append("broker_refused")
 
     def _get(self, rid: str, now: float) -> _Request | None:
         st = self.requests.get(rid)

@@ -32,7 +32,7 @@ from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
 
-DATA_KINDS = frozenset({"open", "delta", "finish", "abort"})
+DATA_KINDS = frozenset({"open", "delta", "finish", "abort", "refused"})
 TRAINER_SNDHWM = 8             # records queued to one trainer connection; beyond it they stay in the store
 BURST_MAX_MSGS = 1000          # broker messages read in one go before acks and timers get their turn
 TICK_INTERVAL_S = 0.1          # grace periods, timeouts, fetch waiters, write backlog

@@ -43,6 +43,10 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
               (its `error` named the seq); both subsets of lost
               frame 1 (when n_output_tokens is sent): the output token ids, n_output_tokens int32 LE
     abort     key: request id                     {[reason = "abort"][, num_output]}             no frames
+    refused   broker -> consumer only; key: list of request ids   {reason}                        no frames
+              a delta that carried rows of these requests (the consumer's own) was accepted and dropped by the
+              broker (it could not take it); sent on the consumer's link in that delta's place, so it comes before
+              the requests' finishes; header producer, epoch and seq: the refused delta's (parse_refused)
 
 Control kinds, one frame (the header) each; key: the sender's id unless said:
     hello       producer -> broker      {unacked_from = 1}
@@ -92,7 +96,7 @@ ROW_DTYPE = np.dtype("<i2")
 TOKEN_DTYPE = np.dtype("<i4")
 
 KINDS = frozenset({
-    "open", "delta", "finish", "abort",
+    "open", "delta", "finish", "abort", "refused",
     "hello", "heartbeat", "bye", "ack", "error",
     "fetch", "record",
 })
@@ -507,6 +511,17 @@ def parse_abort(h: Header) -> tuple[str, str, int | None]:
     if n is not None:
         n = int_field(h.body, "num_output", 0, MAX_POSITION)
     return rid, reason, n
+
+
+def parse_refused(h: Header) -> tuple[list, str]:
+    """broker -> consumer `refused`: (the request ids, the broker's reason)."""
+    ids = h.key
+    if not isinstance(ids, list) or len(ids) > MAX_REQUESTS_PER_DELTA:
+        raise _bad("bad_field", f"refused key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
+    reason = h.body.get("reason", "")
+    if type(reason) is not str or len(reason) > 300:
+        raise _bad("bad_field", "refused reason must be a str of at most 300 characters")
+    return [check_request_id(r) for r in ids], reason
 
 
 def tokens_from_frame(frame, n: int, what: str) -> np.ndarray:

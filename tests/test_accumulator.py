@@ -187,6 +187,24 @@ def test_rows_the_producer_refused_are_named_apart_from_its_queue():
     np.testing.assert_array_equal(a.prompt_routed_experts[:2], expected(3, 4, 2, 0)[0][:2])
 
 
+def test_a_refused_message_names_the_loss_of_the_requests_it_lists_that_are_held_here():
+    """The broker's `refused` (a delta with rows of these requests was dropped there) comes before their finishes:
+    a held request whose record comes out incomplete says `broker_refused`; one that ends complete is unaffected,
+    and an id not held here makes no request."""
+    f = Feed(finish_grace_s=0.0)
+    for rid in ("a", "b"):
+        f.open(rid, 4)
+        f.delta([(rid, 0, rows(3, 0, 2))])
+    f._apply("refused", ["a", "b", "nobody"], {"reason": "out_of_range: test"})
+    f.delta([("b", 2, rows(3, 0, 5)[2:])])
+    for rid in ("a", "b"):
+        f.finish(rid, 2)
+    a, b = f.out["a"], f.out["b"]
+    assert (a.complete, a.missing, a.reason) == (False, [(2, 5)], "broker_refused")
+    assert (b.complete, b.missing, b.reason) == (True, [], "")
+    assert "nobody" not in f.acc.requests and set(f.out) == {"a", "b"}
+
+
 def test_rows_the_broker_refused_are_named_apart_from_the_producers_queue():
     """`broker_refused` (a subset of `lost`): rows of a delta the broker accepted and dropped (it could not take the
     message). The producer's own refusal names the record first when both overlap the missing rows."""

@@ -106,11 +106,15 @@ def test_rows_the_producer_refuses_reach_the_record_as_refused_and_rows_it_lost_
         assert (r.prompt_routed_experts[4:8] == -1).all()
 
 
-def test_rows_of_a_delta_the_broker_refuses_reach_the_record_as_broker_refused(monkeypatch):
+@pytest.mark.parametrize("finish_first", [False, True])
+def test_rows_of_a_delta_the_broker_refuses_reach_the_record_as_broker_refused(monkeypatch, finish_first):
     """A delta the broker accepts and drops (it could not take the message: here a broker that refuses b's second
     delta, as one with other limits would) is named in its `error` (refused_seq); the producer puts its positions
     in b's finish as lost and broker_refused, and the record says `broker_refused`, not `producer_queue_full`.
-    Real producer, broker and consumer (embedded); only the broker's payload check is replaced."""
+    With `finish_first` the finish goes before the producer hears of the refusal (as the vLLM plugin's finish goes
+    right behind the batch with its last rows): the broker's `refused` message to b's owner, in the delta's place
+    on its link, names it. Real producer, broker and consumer (embedded); only the broker's payload check is
+    replaced."""
     import routing_replay.broker.broker as broker_module
 
     real = broker_module.wire
@@ -135,7 +139,8 @@ def test_rows_of_a_delta_the_broker_refuses_reach_the_record_as_broker_refused(m
             for rid, seed in (("a", 1), ("b", 2)):
                 p.publish_rows([rid], [lo], [4], true_rows(seed, np.arange(lo, lo + 4), L, K, E))
             assert p.flush(10)
-        wait_until(lambda: p.stats.refused_by_broker == 1, 10)      # before b's finish: it carries the ranges
+        if not finish_first:            # b's finish carries the ranges; else the broker's `refused` names them
+            wait_until(lambda: p.stats.refused_by_broker == 1, 10)
         for rid in ("a", "b"):
             p.finish(rid, num_output_tokens=1)
         assert p.flush(10)

@@ -50,6 +50,12 @@ def test_open_finish_abort_round_trip():
                 wire.parse_finish(wire.decode_header(wire.pack_header(
                     "finish", "p", 0, 2, "r", {"num_output": 5, field: bad})))
     assert wire.parse_abort(wire.decode_header(wire.pack_header("abort", "p", 0, 3, "r", {}))) == ("r", "abort", None)
+    assert wire.parse_refused(wire.decode_header(wire.pack_header(
+        "refused", "p", 0, 4, ["r", "s"], {"reason": "out_of_range: x"}))) == (["r", "s"], "out_of_range: x")
+    for key, body, match in (("r", {}, "list of at most"), (["r", ""], {}, "bad_request_id|empty"),
+                             (["r"], {"reason": 7}, "reason must be a str")):
+        with pytest.raises(wire.ProtocolError, match=match):
+            wire.parse_refused(wire.decode_header(wire.pack_header("refused", "p", 0, 4, key, body)))
 
 
 def test_record_round_trip():
