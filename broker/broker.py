@@ -425,7 +425,7 @@ class Broker(ServiceThread):
         except wire.ProtocolError as e:
             if tok.parts or tok.refused:
                 raise
-            self._drop_for_good(ps, h.kind, seq, e, h.key if h.kind == "delta" else None)
+            self._drop_for_good(ps, h.kind, seq, e, h.key)
         except Exception:
             if not tok.parts and not tok.refused:
                 self.intake.complete(ps, seq)     # refused for good: a resend would not make it valid
@@ -456,17 +456,17 @@ class Broker(ServiceThread):
         if ps is None:
             return False
         if self._admit(ps, env.seq):
-            self._drop_for_good(ps, env.kind, env.seq, e, env.key if env.kind == "delta" else None)
+            self._drop_for_good(ps, env.kind, env.seq, e, env.key)
         return True
 
     def _drop_for_good(self, ps: ProducerIntake, kind: str, seq: int, e: wire.ProtocolError,
-                       keys: Any = None) -> None:
+                       key: Any = None) -> None:
         """Accept and drop an admitted data message that can never be valid: the ack frontier passes it once all
         before it is acked (applied by nobody), and its producer hears which seq was refused and why. For a
-        delta whose key list reads (`keys`), the owners of the requests in it hear it too (_notify_refused)."""
+        delta whose key list reads (`key`), the owners of the requests in it hear it too (_notify_refused)."""
         self.intake.complete(ps, seq)
-        if keys is not None:
-            self._notify_refused(ps, seq, keys, e.reason)
+        if kind == "delta":
+            self._notify_refused(ps, seq, key, e.reason)
         self.bad[e.reason] += 1
         st = self.stats
         st.dropped_bad += 1

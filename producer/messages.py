@@ -403,34 +403,38 @@ def kept_rows(rows: np.ndarray, counts: Sequence[int], keep: Sequence[bool]) -> 
     return np.concatenate(pieces, axis=0) if pieces else rows[:0]
 
 
-def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry) -> Encoded:
-    """Wait for deferred rows, cut out refused parts, and encode the delta (the deferred slot is released here,
-    whatever happens)."""
+def resolved_step(item: Step) -> Step:
+    """The step with its rows as an ndarray of its own to keep: deferred rows waited for and their slot released
+    here, whatever happens (copied out of it first, unless result() hands out an array of its own or cutting out
+    refused parts copied them already); refused parts cut out (keep None)."""
     rows = item.rows
-    release = None
-    owned = False           # result() hands out an array of its own: nothing to copy before the release
-    if not isinstance(rows, np.ndarray):
-        release = getattr(rows, "release", None)
-        owned = bool(getattr(rows, "owns_result", False))
+    if isinstance(rows, np.ndarray) and item.keep is None:
+        return item
+    release = None if isinstance(rows, np.ndarray) else getattr(rows, "release", None)
     try:
-        if release is not None or not isinstance(rows, np.ndarray):
+        if not isinstance(rows, np.ndarray):
             rows = rows.result()
+        rows = np.asarray(rows)
         ids, starts, counts = item.request_ids, item.starts, item.counts
-        copied = False
         if item.keep is not None:
-            rows = kept_rows(np.asarray(rows), counts, item.keep)
-            copied = True
-            ids = [x for x, k in zip(ids, item.keep) if k]
-            starts = [x for x, k in zip(starts, item.keep) if k]
-            counts = [x for x, k in zip(counts, item.keep) if k]
-        body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi)
-        head = wire.pack_header("delta", producer_id, epoch, seq, ids, body)
-        payload = memoryview(np.ascontiguousarray(rows)).cast("B")
-        if release is not None and not copied and not owned:
-            payload = bytes(payload)          # copy out of the ring slot before releasing it
+            rows = kept_rows(rows, counts, item.keep)
+            ids, starts, counts = ([x for x, k in zip(v, item.keep) if k] for v in (ids, starts, counts))
+        elif release is not None and not getattr(item.rows, "owns_result", False):
+            rows = rows.copy()          # out of the ring slot before it is released
     finally:
         if release is not None:
             release()
+    return Step(ids, starts, counts, rows)
+
+
+def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry) -> Encoded:
+    """Wait for deferred rows, cut out refused parts, and encode the delta (the deferred slot is released here,
+    whatever happens: resolved_step)."""
+    item = resolved_step(item)
+    ids, starts, counts = item.request_ids, item.starts, item.counts
+    body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi)
+    head = wire.pack_header("delta", producer_id, epoch, seq, ids, body)
+    payload = memoryview(np.ascontiguousarray(item.rows)).cast("B")
     parts = Parts("delta", ids, starts, counts)        # references: read only when the broker refuses the message
     return Encoded(parts, [head, payload], len(payload))
 
@@ -468,22 +472,8 @@ def split_step(item: Step, max_rows: int, max_entries: int = wire.MAX_REQUESTS_P
     first); refused parts are cut out. The entries are cut in order, a request's rows between two steps where
     they must be (positions are absolute: each part is a delta of its own). ValueError if the rows are not
     (sum(counts), ...)."""
-    rows = item.rows
-    release = None if isinstance(rows, np.ndarray) else getattr(rows, "release", None)
-    owned = release is not None and bool(getattr(rows, "owns_result", False))
-    try:
-        if not isinstance(rows, np.ndarray):
-            rows = rows.result()
-        rows = np.asarray(rows)
-        ids, starts, counts = item.request_ids, item.starts, item.counts
-        if item.keep is not None:
-            rows = kept_rows(rows, counts, item.keep)
-            ids, starts, counts = ([x for x, k in zip(v, item.keep) if k] for v in (ids, starts, counts))
-        elif release is not None and not owned:
-            rows = rows.copy()          # out of the ring slot before it is released
-    finally:
-        if release is not None:
-            release()
+    item = resolved_step(item)
+    ids, starts, counts, rows = item.request_ids, item.starts, item.counts, item.rows
     total = int(sum(counts))
     if rows.ndim != 3 or rows.shape[0] != total:
         raise ValueError(f"rows are {rows.shape}, the step's counts add up to {total} rows")
