@@ -71,11 +71,12 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                                         (Fetch, parse_fetch)
     record      consumer -> trainer     key: request id (encode_record, decode_record)
                 {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
-                 ...], reason, finish_reason, n_prompt_tokens, n_output_tokens[, num_prefix_filled = 0]}
-                 (token counts -1: not sent)
+                 ...], reason, finish_reason, n_prompt_tokens, n_output_tokens[, num_prefix_filled = 0]
+                 [, row_frames = [1, 1]]} (token counts -1: not sent)
                 frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
                 (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
-                int32 LE
+                int32 LE. A part over MAX_MESSAGE_BYTES goes as several frames of whole rows, each at most that
+                (row_frames: how many for the prompt rows, how many for the generation rows)
 
 Every decode path here validates against the named limits below before anything is allocated from an untrusted
 number, and raises ProtocolError(reason_key, message) for the caller to log, count and drop.
@@ -763,14 +764,28 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
     }
     if rec.num_prefix_filled:
         body["num_prefix_filled"] = int(rec.num_prefix_filled)
-    frames = [pack_header("record", producer, 0, seq, rec.request_id, body),
-              np.ascontiguousarray(rec.prompt_routed_experts, ROW_DTYPE),
-              np.ascontiguousarray(rec.routed_experts, ROW_DTYPE)]
+    prompt = _row_frames(rec.prompt_routed_experts, L * K * ROW_DTYPE.itemsize)
+    gen = _row_frames(rec.routed_experts, L * K * ROW_DTYPE.itemsize)
+    if len(prompt) > 1 or len(gen) > 1:
+        # a part over MAX_MESSAGE_BYTES goes as several frames: the trainer's socket drops a larger one
+        # (ZMQ_MAXMSGSIZE) and, with it, its connection (the record came back every retry and never arrived)
+        body["row_frames"] = [len(prompt), len(gen)]
+    frames = [pack_header("record", producer, 0, seq, rec.request_id, body), *prompt, *gen]
     if rec.prompt_token_ids is not None:
         frames.append(np.ascontiguousarray(rec.prompt_token_ids, TOKEN_DTYPE))
     if rec.output_token_ids is not None:
         frames.append(np.ascontiguousarray(rec.output_token_ids, TOKEN_DTYPE))
     return frames
+
+
+def _row_frames(rows: np.ndarray, row_bytes: int) -> list:
+    """A record part's rows as frames of at most MAX_MESSAGE_BYTES each (one frame, as before, when it fits);
+    views of one contiguous int16 array, no copy where the rows already are one."""
+    rows = np.ascontiguousarray(rows, ROW_DTYPE)
+    per = max(1, MAX_MESSAGE_BYTES // max(row_bytes, 1))
+    if len(rows) <= per:
+        return [rows]
+    return [rows[i:i + per] for i in range(0, len(rows), per)]
 
 
 def decode_record(h: Header, frames: Sequence) -> Record:
@@ -782,19 +797,36 @@ def decode_record(h: Header, frames: Sequence) -> Record:
     K = int_field(b, "top_k", 1, MAX_TOP_K)
     npt = int_field(b, "n_prompt_tokens", -1, MAX_POSITION, -1)
     nout = int_field(b, "n_output_tokens", -1, MAX_POSITION, -1)
-    want = 2 + (npt >= 0) + (nout >= 0)
+    split = b.get("row_frames", [1, 1])
+    if not (isinstance(split, list) and len(split) == 2 and all(type(x) is int and 1 <= x <= MAX_FRAMES
+                                                                 for x in split)):
+        raise _bad("bad_field", f"record row_frames {str(split)[:64]}: expected [prompt frames, generation frames]")
+    nfp, nfg = split
+    want = nfp + nfg + (npt >= 0) + (nout >= 0)
     if len(frames) != want:
         raise _bad("frame_count", f"record has {len(frames)} payload frames, expected {want}")
+    row_bytes = L * K * ROW_DTYPE.itemsize
 
-    def rows(f, n):
-        buf = f.buffer if hasattr(f, "buffer") else f
-        if len(buf) != n * L * K * 2:
-            raise _bad("size_mismatch", f"record rows frame has {len(buf)} bytes for ({n}, {L}, {K}) int16")
-        return np.frombuffer(buf, dtype=ROW_DTYPE).reshape(n, L, K).copy()
+    def rows(part, n, what):
+        """`part`: the frames of n rows; every frame holds whole rows, all of them n rows. One copy."""
+        bufs = [f.buffer if hasattr(f, "buffer") else f for f in part]
+        sizes = [len(memoryview(x).cast("B")) for x in bufs]
+        if sum(sizes) != n * row_bytes or any(sz % row_bytes for sz in sizes) or (len(bufs) > 1 and 0 in sizes):
+            raise _bad("size_mismatch", f"record {what} rows frames have {sizes[:8]} bytes for ({n}, {L}, {K}) "
+                                        f"int16")
+        if len(bufs) == 1:
+            return np.frombuffer(bufs[0], dtype=ROW_DTYPE).reshape(n, L, K).copy()
+        out = np.empty((n, L, K), dtype=ROW_DTYPE)
+        at = 0
+        for x, sz in zip(bufs, sizes):
+            k = sz // row_bytes
+            out[at:at + k] = np.frombuffer(x, dtype=ROW_DTYPE).reshape(k, L, K)
+            at += k
+        return out
 
-    prompt = rows(frames[0], P)
-    gen = rows(frames[1], G)
-    i = 2
+    prompt = rows(frames[:nfp], P, "prompt")
+    gen = rows(frames[nfp:nfp + nfg], G, "generation")
+    i = nfp + nfg
     pt = ot = None
     if npt >= 0:
         pt = tokens_from_frame(frames[i], npt, "prompt token")

@@ -222,6 +222,35 @@ def test_steps_whose_request_ids_outgrow_one_header_go_as_several_deltas_and_arr
         np.testing.assert_array_equal(r.prompt_routed_experts, rows[i:i + 1])
 
 
+def test_a_record_over_the_trainer_sockets_frame_limit_is_fetched_whole_and_exact():
+    """A record whose prompt rows pass MAX_MESSAGE_BYTES (1 GiB, the trainer socket's ZMQ_MAXMSGSIZE: 1.4M tokens
+    at Qwen3-30B-A3B's 768 bytes a token) goes in several frames. As one frame, the trainer's socket dropped it and
+    the connection with it on every retry, the fetch timed out, and the consumer, having sent it, no longer held it.
+    Real producer, broker, consumer and trainer client; a small record fetched alongside is exact too."""
+    Lq, Kq = 48, 8
+    n = wire.MAX_MESSAGE_BYTES // (Lq * Kq * 2) + 1000
+    rows = np.resize(np.arange(30011, dtype=np.int16), (n + 1, Lq, Kq))
+    with EmbeddedPipeline(serve="tcp://127.0.0.1:*", finish_grace_s=0) as pipe:
+        p = pipe.producer(num_layers=Lq, top_k=Kq, max_queue_bytes=2 << 30)
+        p.open("big", prompt_len=n + 1)
+        p.open("small", prompt_len=2)
+        assert p.publish_rows(["big", "small"], [0, 0], [n, 1], rows)
+        p.publish_rows(["big", "small"], [n, 1], [1, 1], rows[:2])
+        p.finish("big", num_output_tokens=1)
+        p.finish("small", num_output_tokens=1)
+        assert p.flush(60)
+        with TrainerClient(pipe.serve) as tc:
+            got = tc.fetch(["big", "small"], timeout_s=60)
+            assert tc.bad_replies == 0
+        p.close()
+    big, small = got["big"], got["small"]
+    assert (big.complete, big.missing, small.complete, small.missing) == (True, [], True, [])
+    assert big.prompt_routed_experts.shape == (n + 1, Lq, Kq)
+    assert np.array_equal(big.prompt_routed_experts[:n], rows[:n])
+    np.testing.assert_array_equal(big.prompt_routed_experts[n:], rows[:1])
+    np.testing.assert_array_equal(small.prompt_routed_experts, rows[[n, 1]])
+
+
 def test_producer_validates_shapes_at_the_caller():
     with EmbeddedPipeline() as pipe, pipe.producer(num_layers=L, top_k=K) as p:
         with pytest.raises(ValueError, match=r"rows must be \(n, 4, 2\) int16"):

@@ -69,6 +69,57 @@ def test_record_round_trip():
     assert back.missing == [(6, 8)] and back.output_token_ids is None
 
 
+def _split_record(rec, cuts_p, cuts_g):
+    """rec's frames with its prompt rows cut at rows `cuts_p` and its generation rows at `cuts_g` (row_frames
+    set): what encode_record sends for a part over MAX_MESSAGE_BYTES, at small sizes."""
+    head, p, g, *rest = wire.encode_record(rec, "c", 1)
+    h = msgpack.unpackb(head)
+    parts_p, parts_g = np.split(np.asarray(p), cuts_p), np.split(np.asarray(g), cuts_g)
+    h[6]["row_frames"] = [len(parts_p), len(parts_g)]
+    return h, [bytes(memoryview(np.ascontiguousarray(x))) for x in [*parts_p, *parts_g, *rest]]
+
+
+def test_record_rows_in_several_frames_decode_to_the_same_record():
+    rng = np.random.default_rng(1)
+    rec = wire.Record("r/2", rng.integers(-1, 8, (7, 3, 2)).astype(np.int16),
+                      rng.integers(-1, 8, (5, 3, 2)).astype(np.int16), 0, np.array([0, 1, 2], np.int32), True,
+                      [], "", "length", np.arange(7, dtype=np.int32), np.arange(5, dtype=np.int32))
+    h, frames = _split_record(rec, [2, 6], [1])
+    back = wire.decode_record(wire.decode_header(msgpack.packb(h)), frames)
+    assert back.equals(rec) and back.prompt_routed_experts.flags.owndata
+    # frames that do not hold whole rows, a count that does not match, an empty middle frame, a bad field
+    bad = [([2, 6], [1], lambda h, f: (h, [f[0][:-2], f[1] + f[0][-2:], *f[2:]]), "size_mismatch"),
+           ([2, 6], [1], lambda h, f: (h, f[:-1]), "frame_count"),
+           ([2, 2], [1], lambda h, f: (h, f), "size_mismatch"),
+           ([2, 6], [1], lambda h, f: ({**h, 6: {**h[6], "row_frames": [3]}}, f), "bad_field"),
+           ([2, 6], [1], lambda h, f: ({**h, 6: {**h[6], "row_frames": [0, 5]}}, f), "bad_field"),
+           ([2, 6], [1], lambda h, f: ({**h, 6: {**h[6], "row_frames": [3, 2.0]}}, f), "bad_field")]
+    for cp, cg, mutate, reason in bad:
+        h, frames = _split_record(rec, cp, cg)
+        h, frames = mutate(dict(enumerate(h)), frames)
+        with pytest.raises(wire.ProtocolError) as e:
+            wire.decode_record(wire.decode_header(msgpack.packb([h[i] for i in range(7)])), frames)
+        assert e.value.reason == reason, (cp, reason, str(e.value))
+
+
+def test_a_record_part_over_the_frame_limit_is_encoded_in_frames_under_it():
+    """Frames of at most MAX_MESSAGE_BYTES (each receiving socket's ZMQ_MAXMSGSIZE), views of the record's rows;
+    a record that fits is one frame per part, with no row_frames field, as before."""
+    L, K = 48, 8
+    per = wire.MAX_MESSAGE_BYTES // (L * K * 2)                 # 1,398,101 rows
+    prompt = np.resize(np.arange(30011, dtype=np.int16), (per + 5, L, K))
+    rec = wire.Record("big", prompt, prompt[:3], 0, np.arange(L, dtype=np.int32), True)
+    head, *frames = wire.encode_record(rec, "c", 0)
+    assert msgpack.unpackb(head)[6]["row_frames"] == [2, 1]
+    assert [len(f) for f in frames] == [per, 5, 3]
+    assert all(f.nbytes <= wire.MAX_MESSAGE_BYTES for f in frames) and np.shares_memory(frames[1], prompt)
+    back = wire.decode_record(wire.decode_header(head), [memoryview(f).cast("B") for f in frames])
+    assert back.equals(rec)
+    small = wire.Record("s", prompt[:per], prompt[:1], 0, np.arange(L, dtype=np.int32), True)
+    head, *frames = wire.encode_record(small, "c", 0)
+    assert "row_frames" not in msgpack.unpackb(head)[6] and [len(f) for f in frames] == [per, 1]
+
+
 @pytest.mark.parametrize("frame,reason", [
     (b"", "undecodable"),
     (b"\xc1\xff\x00garbage", "undecodable"),
