@@ -1108,11 +1108,18 @@ class WorkerCapture:
         if self._steady and self.tracked and not (so.scheduled_new_reqs or so.finished_req_ids
                                                   or so.preempted_req_ids or so.scheduled_spec_decode_tokens) \
                 and so.total_num_scheduled_tokens and not self.tracked.keys().isdisjoint(so.num_scheduled_tokens):
-            # a graph engine's step of the running batch after a step that went to the ring by reference
-            # (_ring_step): nothing opens, ends or waits for the store, a captured request runs; of the path
-            # below only the forward's count is left (the step's work is post_step's, on the same path)
+            # the running batch's step after one that went by reference: to the ring (_ring_step, a graph engine)
+            # or as the routers' tensors (_host_raw, CPU eager): nothing opens, ends or waits for the store, a
+            # captured request runs; of the path below only the forward's count is left and, eager, the hooks'
+            # count and list (a forward since the last post_step, one that raised or ran outside a step, may have
+            # left tensors there). Armed again by that post_step only
+            self._steady = False
             self.forwards += 1
             self.active = True
+            b = self.binding
+            if b.gate:
+                b.calls, b.min_rows = 0, so.total_num_scheduled_tokens
+                b.clear()
             if t0:
                 self._quiet = True
                 st.quiet_steps += 1
@@ -1583,6 +1590,7 @@ class WorkerCapture:
         batch.add_host(tensors, n * self.cache.top_k * tensors[0].dtype.itemsize, n, ids, cb, qb, dtypes,
                        self.forwards)
         self.stats.host_steps += 1
+        self._steady = True         # (post_step emptied the held list: the next pre_step may take its short path)
         self._stepped(batch, n, t0, w0)
 
     def _raw_layout(self, req_ids, qsl, computed) -> tuple:
