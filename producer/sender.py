@@ -34,6 +34,9 @@ _MAX_LATE_LOST = 1 << 12        # requests whose losses found in the thread wait
 # producer, broker and consumers are paid once per batch when the thread falls behind, as in the vLLM plugin's
 # 16-step batches.
 COALESCE_MAX_STEPS = 64
+# a replay buffer full again and again (consumers slower than the engine: every ack frees room for one more
+# message) writes one WARNING at its first episode, then at most one per this many seconds, with the count since
+FULL_LOG_EVERY_S = 10.0
 # ... and up to this many bytes of rows (Producer's coalesce_max_bytes default): bench/pipeline.py on an H200 host
 # pinned to 2 cores (docs/PERFORMANCE.md, session 37), 16 MiB against 4 MiB: decode +11 to +37 % tokens/s in 4
 # pairs, the plugin's 16-step message +9 %, prefill +7 % (one pair each); 1 MiB lost 15-38 %.
@@ -145,6 +148,10 @@ class Sender:
         self._last_progress = start
         self._timeout_s = self.cfg.resend_timeout_s
         self._full_since: float | None = None
+        self._full_logged: float | None = None     # when the last "replay buffer full" line went out
+        self._full_quiet = 0                        # episodes since that line, not logged
+        self._full_quiet_s = 0.0                    # and the seconds they lasted
+        self._full_loud = False                     # the current episode was logged (its end is logged too)
         self._stopping = False                      # the caller's close() sentinel was taken
         self._connections = 0
         self._auth_failures = 0
@@ -197,14 +204,11 @@ class Sender:
                 break
             if not self._replay.has_room():
                 if self._full_since is None:
-                    r = self._replay
                     self._full_since = now
                     self.stats.replay_full += 1
-                    log.warning("producer %s replay buffer full: unacked=%d replay_bytes=%d spilled_bytes=%d "
-                                "bounds=%d+%d episodes=%d; new steps wait in the queue (bound %d bytes) and are "
-                                "dropped beyond it, reported lost", self.cfg.producer_id, len(r), r.mem_bytes,
-                                r.spilled_bytes, self.cfg.replay_max_bytes, self.cfg.spill_max_bytes,
-                                self.stats.replay_full, self.cfg.max_queue_bytes)
+                    self._full_loud = self._full_logged is None or now - self._full_logged >= FULL_LOG_EVERY_S
+                    if self._full_loud:
+                        self._log_full(now)
                 break
             if stash is None:
                 try:
@@ -589,9 +593,23 @@ class Sender:
             self._last_progress = now
             self._timeout_s = self.cfg.resend_timeout_s
             if self._full_since is not None and self._replay.has_room():
-                log.info("producer %s replay buffer has room again after %.1fs: unacked=%d", self.cfg.producer_id,
-                         now - self._full_since, len(self._replay))
+                if self._full_loud:
+                    log.info("producer %s replay buffer has room again after %.3fs: unacked=%d",
+                             self.cfg.producer_id, now - self._full_since, len(self._replay))
+                else:
+                    self._full_quiet += 1
+                    self._full_quiet_s += now - self._full_since
                 self._full_since = None
+
+    def _log_full(self, now: float) -> None:
+        r = self._replay
+        log.warning("producer %s replay buffer full: unacked=%d replay_bytes=%d spilled_bytes=%d bounds=%d+%d "
+                    "episodes=%d (%d not logged since the last line, %.3fs full in them); new steps wait in the "
+                    "queue (bound %d bytes) and are dropped beyond it, reported lost", self.cfg.producer_id, len(r),
+                    r.mem_bytes, r.spilled_bytes, self.cfg.replay_max_bytes, self.cfg.spill_max_bytes,
+                    self.stats.replay_full, self._full_quiet, self._full_quiet_s, self.cfg.max_queue_bytes)
+        self._full_logged = now
+        self._full_quiet, self._full_quiet_s = 0, 0.0
 
     def _rewind(self, why: str, now: float) -> None:
         r = self._replay

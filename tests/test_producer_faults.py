@@ -873,3 +873,39 @@ def test_messages_the_thread_cannot_build_are_all_counted_and_logged_the_first_1
     assert len(lines) == 101
     assert "(100 so far; logged: the first 100, then every 1000th)" in lines[99]
     assert "(1000 so far)" in lines[100]
+
+
+@pytest.mark.parametrize("every_s", [None, 0.0])
+def test_a_replay_buffer_full_again_and_again_logs_its_first_episode_then_one_line_per_interval(every_s, caplog,
+                                                                                                monkeypatch):
+    """Consumers slower than the engine fill the replay buffer again at each message (every ack frees room for one
+    more): one WARNING per episode wrote dozens of lines a second. Now the first episode is logged, then at most one
+    line per FULL_LOG_EVERY_S (10 s) with the episodes since; a logged episode's end is logged too. Every episode
+    is still counted (stats.replay_full). `every_s` 0: every episode logged, as before. Real producer, broker and
+    consumer; every record exact."""
+    from routing_replay.apps.embedded import EmbeddedPipeline
+    from routing_replay.producer import sender
+    if every_s is not None:
+        monkeypatch.setattr(sender, "FULL_LOG_EVERY_S", every_s)
+    got = {}
+    with caplog.at_level(logging.INFO, logger="routing_replay.producer"):
+        with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
+            p = pipe.producer(num_layers=L, top_k=K, replay_max_bytes=1)    # full after each message
+            p.open("a", prompt_len=30)
+            for s in range(30):
+                assert p.publish_rows(["a"], [s], [1], rows(1, 100 * s)) and p.flush(10)
+            p.finish("a", num_output_tokens=1)
+            assert p.flush(10)
+            episodes = p.stats.replay_full
+            p.close()
+            assert pipe.wait_idle(10)
+    full = [r.getMessage() for r in caplog.records if "replay buffer full" in r.getMessage()]
+    room = [r.getMessage() for r in caplog.records if "has room again" in r.getMessage()]
+    assert episodes == 32                           # the open, 30 deltas, the finish: each filled it
+    if every_s is None:
+        assert len(full) == len(room) == 1 and "episodes=1 (0 not logged" in full[0]
+    else:
+        assert len(full) == len(room) == 32 and "episodes=32 (0 not logged" in full[-1]
+    r = got["a"]
+    assert (r.complete, r.missing) == (True, [])
+    np.testing.assert_array_equal(r.prompt_routed_experts, np.concatenate([rows(1, 100 * s) for s in range(30)]))
