@@ -448,7 +448,7 @@ SAFE_ENTRIES = DELTA_HEADER_BUDGET // (wire.MAX_REQUEST_ID_BYTES + ENTRY_HEADER_
 
 def delta_rows_limit(row_bytes: int) -> int:
     """The most rows one delta may carry: the wire's bound, and one frame's (a step's rows are one frame)."""
-    return min(wire.MAX_ROWS_PER_DELTA, wire.MAX_MESSAGE_BYTES // row_bytes)
+    return min(wire.MAX_ROWS_PER_DELTA, wire.MAX_PAYLOAD_FRAME_BYTES // row_bytes)
 
 
 def header_too_long(chars: int, entries: int) -> bool:

@@ -75,8 +75,8 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                  [, row_frames = [1, 1]]} (token counts -1: not sent)
                 frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
                 (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
-                int32 LE. A part over MAX_MESSAGE_BYTES goes as several frames of whole rows, each at most that
-                (row_frames: how many for the prompt rows, how many for the generation rows)
+                int32 LE. A part over MAX_PAYLOAD_FRAME_BYTES goes as several frames of whole rows, each at most
+                that (row_frames: how many for the prompt rows, how many for the generation rows)
 
 Every decode path here validates against the named limits below before anything is allocated from an untrusted
 number, and raises ProtocolError(reason_key, message) for the caller to log, count and drop.
@@ -105,6 +105,9 @@ KINDS = frozenset({
 # Limits on untrusted input. A message beyond any of them is refused before it allocates anything.
 MAX_HEADER_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 1 << 30          # ZMQ_MAXMSGSIZE on every receiving socket (per frame)
+# the largest payload frame this project sends (a delta's rows, a record part's): under CURVE a frame travels with
+# ~33 bytes more, which ZMQ_MAXMSGSIZE counts; a frame of 1 GiB less 32 bytes was dropped, with the connection
+MAX_PAYLOAD_FRAME_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 MAX_REQUEST_ID_BYTES = 1024          # UTF-8 bytes of a request id (the one definition; see check_request_id)
 MAX_PEER_ID_LEN = 256
 MAX_REQUESTS_PER_DELTA = 1 << 16
@@ -767,8 +770,9 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
     prompt = _row_frames(rec.prompt_routed_experts, L * K * ROW_DTYPE.itemsize)
     gen = _row_frames(rec.routed_experts, L * K * ROW_DTYPE.itemsize)
     if len(prompt) > 1 or len(gen) > 1:
-        # a part over MAX_MESSAGE_BYTES goes as several frames: the trainer's socket drops a larger one
-        # (ZMQ_MAXMSGSIZE) and, with it, its connection (the record came back every retry and never arrived)
+        # a part over MAX_PAYLOAD_FRAME_BYTES goes as several frames: the trainer's socket drops one over
+        # MAX_MESSAGE_BYTES (ZMQ_MAXMSGSIZE) and, with it, its connection (the record came back every retry and
+        # never arrived)
         body["row_frames"] = [len(prompt), len(gen)]
     frames = [pack_header("record", producer, 0, seq, rec.request_id, body), *prompt, *gen]
     if rec.prompt_token_ids is not None:
@@ -779,10 +783,10 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
 
 
 def _row_frames(rows: np.ndarray, row_bytes: int) -> list:
-    """A record part's rows as frames of at most MAX_MESSAGE_BYTES each (one frame, as before, when it fits);
-    views of one contiguous int16 array, no copy where the rows already are one."""
+    """A record part's rows as frames of at most MAX_PAYLOAD_FRAME_BYTES each (one frame, as before, when it
+    fits); views of one contiguous int16 array, no copy where the rows already are one."""
     rows = np.ascontiguousarray(rows, ROW_DTYPE)
-    per = max(1, MAX_MESSAGE_BYTES // max(row_bytes, 1))
+    per = MAX_PAYLOAD_FRAME_BYTES // row_bytes
     if len(rows) <= per:
         return [rows]
     return [rows[i:i + per] for i in range(0, len(rows), per)]

@@ -138,3 +138,39 @@ def test_only_allow_listed_peers_get_in_and_outsiders_never_reach_a_record(tmp_p
         rogue.stop()
         assert c.stop() == 0
         assert broker.stop() == 0
+
+
+def test_frames_near_the_size_limit_pass_under_curve_with_room_for_its_overhead(keys):
+    """CURVE sends each frame with ~33 bytes more, and ZMQ_MAXMSGSIZE (1 GiB) counts them: a frame of exactly
+    1 GiB was dropped with its connection, so the producer resent that delta forever and the record never came.
+    At 64 layers x top-8 (1,024-byte rows) the producer cut a 1,048,676-row step after 1,048,576 rows (1 GiB), and a
+    consumer would send such a record's prompt rows as one 1 GiB frame. Payload frames now stay 64 KiB under the
+    limit (wire.MAX_PAYLOAD_FRAME_BYTES). Real broker and consumer processes, CURVE on every hop; the trainer
+    fetches the record exact."""
+    k = {n: str(keys / f"{n}.key_secret") for n in ("broker", "consumer", "engine", "trainer")}
+    pub = {n: str(keys / f"{n}.key") for n in ("broker", "consumer")}
+    Lb, Kb = 64, 8
+    n = (1 << 30) // (Lb * Kb * 2) + 100
+    rows = np.resize(np.arange(30011, dtype=np.int16), (n, Lb, Kb))
+    broker, fe, be = start_broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "--curve-secret", k["broker"],
+                                  "--curve-allow", str(keys / "broker-allow"))
+    c = start_consumer(be, "--serve", "tcp://127.0.0.1:*", "--curve-secret", k["consumer"], "--broker-key",
+                       pub["broker"], "--curve-allow", str(keys / "consumer-allow"))
+    serve = c.wait_for(r"serve=(\S+)").group(1)
+    broker.wait_for("consumers=1")
+    try:
+        with Producer(fe, num_layers=Lb, top_k=Kb, curve_secret=k["engine"], server_key=pub["broker"],
+                      max_queue_bytes=2 << 30) as p:
+            p.open("long", prompt_len=n)
+            assert p.publish_rows(["long"], [0], [n], rows)
+            p.finish("long", num_output_tokens=1)
+            assert p.wait_acked(120), "the 1 GiB delta never got through"
+            assert p.stats.split_steps == 1 and p.stats.refused_by_broker == 0
+        with TrainerClient(serve, curve_secret=k["trainer"], server_key=pub["consumer"]) as t:
+            rec = t.fetch(["long"], timeout_s=120)["long"]
+            assert t.bad_replies == 0
+        assert (rec.complete, rec.missing, rec.prompt_routed_experts.shape) == (True, [], (n, Lb, Kb))
+        assert np.array_equal(rec.prompt_routed_experts, rows)
+    finally:
+        assert c.stop() == 0
+        assert broker.stop() == 0

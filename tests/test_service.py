@@ -228,7 +228,7 @@ def test_a_record_over_the_trainer_sockets_frame_limit_is_fetched_whole_and_exac
     the connection with it on every retry, the fetch timed out, and the consumer, having sent it, no longer held it.
     Real producer, broker, consumer and trainer client; a small record fetched alongside is exact too."""
     Lq, Kq = 48, 8
-    n = wire.MAX_MESSAGE_BYTES // (Lq * Kq * 2) + 1000
+    n = wire.MAX_MESSAGE_BYTES // (Lq * Kq * 2) + 1000         # over 1 GiB
     rows = np.resize(np.arange(30011, dtype=np.int16), (n + 1, Lq, Kq))
     with EmbeddedPipeline(serve="tcp://127.0.0.1:*", finish_grace_s=0) as pipe:
         p = pipe.producer(num_layers=Lq, top_k=Kq, max_queue_bytes=2 << 30)

@@ -71,7 +71,7 @@ def test_record_round_trip():
 
 def _split_record(rec, cuts_p, cuts_g):
     """rec's frames with its prompt rows cut at rows `cuts_p` and its generation rows at `cuts_g` (row_frames
-    set): what encode_record sends for a part over MAX_MESSAGE_BYTES, at small sizes."""
+    set): what encode_record sends for a part over MAX_PAYLOAD_FRAME_BYTES, at small sizes."""
     head, p, g, *rest = wire.encode_record(rec, "c", 1)
     h = msgpack.unpackb(head)
     parts_p, parts_g = np.split(np.asarray(p), cuts_p), np.split(np.asarray(g), cuts_g)
@@ -103,16 +103,16 @@ def test_record_rows_in_several_frames_decode_to_the_same_record():
 
 
 def test_a_record_part_over_the_frame_limit_is_encoded_in_frames_under_it():
-    """Frames of at most MAX_MESSAGE_BYTES (each receiving socket's ZMQ_MAXMSGSIZE), views of the record's rows;
-    a record that fits is one frame per part, with no row_frames field, as before."""
+    """Frames of at most MAX_PAYLOAD_FRAME_BYTES (each receiving socket's ZMQ_MAXMSGSIZE, less room for CURVE),
+    views of the record's rows; a record that fits is one frame per part, with no row_frames field, as before."""
     L, K = 48, 8
-    per = wire.MAX_MESSAGE_BYTES // (L * K * 2)                 # 1,398,101 rows
+    per = wire.MAX_PAYLOAD_FRAME_BYTES // (L * K * 2)           # 1,398,016 rows
     prompt = np.resize(np.arange(30011, dtype=np.int16), (per + 5, L, K))
     rec = wire.Record("big", prompt, prompt[:3], 0, np.arange(L, dtype=np.int32), True)
     head, *frames = wire.encode_record(rec, "c", 0)
     assert msgpack.unpackb(head)[6]["row_frames"] == [2, 1]
     assert [len(f) for f in frames] == [per, 5, 3]
-    assert all(f.nbytes <= wire.MAX_MESSAGE_BYTES for f in frames) and np.shares_memory(frames[1], prompt)
+    assert all(f.nbytes <= wire.MAX_PAYLOAD_FRAME_BYTES for f in frames) and np.shares_memory(frames[1], prompt)
     back = wire.decode_record(wire.decode_header(head), [memoryview(f).cast("B") for f in frames])
     assert back.equals(rec)
     small = wire.Record("s", prompt[:per], prompt[:1], 0, np.arange(L, dtype=np.int32), True)
