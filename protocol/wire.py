@@ -814,12 +814,10 @@ def decode_record(h: Header, frames: Sequence) -> Record:
     def rows(part, n, what):
         """`part`: the frames of n rows; every frame holds whole rows, all of them n rows. One copy."""
         bufs = [f.buffer if hasattr(f, "buffer") else f for f in part]
-        sizes = [len(memoryview(x).cast("B")) for x in bufs]
+        sizes = [memoryview(x).nbytes for x in bufs]
         if sum(sizes) != n * row_bytes or any(sz % row_bytes for sz in sizes) or (len(bufs) > 1 and 0 in sizes):
             raise _bad("size_mismatch", f"record {what} rows frames have {sizes[:8]} bytes for ({n}, {L}, {K}) "
                                         f"int16")
-        if len(bufs) == 1:
-            return np.frombuffer(bufs[0], dtype=ROW_DTYPE).reshape(n, L, K).copy()
         out = np.empty((n, L, K), dtype=ROW_DTYPE)
         at = 0
         for x, sz in zip(bufs, sizes):
