@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep records a trainer fetched this long, so a fetch can be repeated (0: not kept; records "
                         "in --npz-dir are served again from disk regardless)")
     p.add_argument("--fetched-retention-mb", type=NON_NEGATIVE, default=256, metavar="MIB",
-                   help="memory bound of the fetched records kept (MiB)")
+                   help="memory bound of the fetched records kept (MiB; the last one fetched is kept even above "
+                        "it; 0: none kept)")
     p.add_argument("--write-retry-max-s", type=float_above(0), default=2.0, metavar="S",
                    help="longest wait between retries of npz writes that failed (the wait doubles up to this)")
     p.add_argument("--keep-mb", type=NON_NEGATIVE, default=None, metavar="MIB",

@@ -78,7 +78,9 @@ class Retained(NamedTuple):
 
 class FetchedRecords:
     """Own records already sent to a trainer, for a time and byte bound, so a trainer that crashed after a fetch
-    can fetch them again. Oldest first out; nothing here is the only copy a trainer has not seen."""
+    can fetch them again. Oldest first out; nothing here is the only copy a trainer has not seen. The last record
+    fetched is kept even when it alone passes the byte bound (until the next one or its time runs out): a record
+    of a long sample is the one whose fetch is likeliest to fail on its way; max_bytes 0 keeps none."""
 
     def __init__(self, retention_s: float = 600.0, max_bytes: int = 256 << 20):
         self.retention_s = retention_s
@@ -97,14 +99,14 @@ class FetchedRecords:
         return None if got is None else got.record
 
     def put(self, rec: wire.Record, now: float) -> None:
-        if self.retention_s <= 0 or rec.nbytes > self.max_bytes:
+        if self.retention_s <= 0 or self.max_bytes <= 0:
             return
         old = self._recs.pop(rec.request_id, None)
         if old is not None:
             self.bytes -= old.record.nbytes
         self._recs[rec.request_id] = Retained(rec, now)
         self.bytes += rec.nbytes
-        while self.bytes > self.max_bytes:
+        while self.bytes > self.max_bytes and len(self._recs) > 1:
             self._pop_oldest()
 
     def expire(self, now: float) -> None:

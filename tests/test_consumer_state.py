@@ -60,6 +60,23 @@ def test_fetched_records_are_bounded_in_time_and_bytes():
     assert len(f) == 0 and f.bytes == 0
 
 
+def test_fetched_records_keep_the_last_one_even_above_the_byte_bound():
+    small, big = _rec("s").nbytes, _rec("big", n=64).nbytes
+    f = FetchedRecords(retention_s=10, max_bytes=2 * small)
+    assert big > 2 * small
+    f.put(_rec("s"), 0.0)
+    f.put(_rec("big", n=64), 1.0)               # alone above the bound: kept, what was before it goes
+    assert (list(f._recs), f.bytes, f.get("big").prompt_routed_experts.shape[0]) == (["big"], big, 64)
+    f.put(_rec("t"), 2.0)                       # the next one fetched: the large one goes
+    assert (list(f._recs), f.bytes) == (["t"], small)
+    f.put(_rec("big2", n=64), 3.0)
+    f.expire(13.5)                              # its time runs out as any other's
+    assert (len(f), f.bytes) == (0, 0)
+    none = FetchedRecords(retention_s=10, max_bytes=0)
+    none.put(_rec("s"), 0.0)
+    assert (len(none), none.bytes) == (0, 0)
+
+
 def test_trainer_service_answers_each_kind_of_fetch():
     w = Wire()
     opened = {"p"}

@@ -99,3 +99,26 @@ def test_restart_with_the_same_npz_dir_serves_the_old_records(tmp_path, shard_si
         # when the machine is slow: the client asks again for what is outstanding after 1 s, and a send that finds
         # the trainer's queue full is retried with another read (seen: 23)
         assert pipe.consumer.trainers.disk_reads >= 21 and len(pipe.consumer.trainers.fetched) == 0
+
+
+def test_a_record_above_the_retention_bytes_can_be_fetched_again():
+    # no npz dir: after its first fetch the record is only in the retention. A record larger than the whole byte
+    # bound used to be dropped once sent, so a trainer that crashed while receiving it waited out every later fetch
+    rid, n = "long-sample", 600
+    want = true_rows(5, np.arange(n), L, K, E)
+    with EmbeddedPipeline(None, serve="tcp://127.0.0.1:*", fetched_retention_bytes=n * L * K) as pipe, \
+            TrainerClient(pipe.serve) as t:
+        assert want.nbytes > pipe.consumer.trainers.fetched.max_bytes
+        p = pipe.producer(num_layers=L, top_k=K)
+        p.open(rid, prompt_len=n)
+        p.publish_rows([rid], [0], [n], want)
+        p.finish(rid, num_output_tokens=0)
+        assert p.flush(10)
+        first = t.fetch([rid], timeout_s=20)[rid]
+        again = t.fetch([rid], timeout_s=5)[rid]
+        for rec in (first, again):
+            assert rec.complete and np.array_equal(rec.prompt_routed_experts, want)
+            assert rec.routed_experts.shape == (0, L, K)
+        fetched = pipe.consumer.trainers.fetched
+        assert (len(fetched), fetched.bytes) == (1, want.nbytes)
+        p.close()
