@@ -71,6 +71,16 @@ def _cpu(pid: int) -> float:
 
 
 def rss_mb() -> float:
+    """This process's peak resident memory (MiB): VmHWM, its own memory's high-water mark. getrusage's ru_maxrss is
+    not that: a process started by a larger one (pytest, a bench parent holding workloads) inherits the parent's
+    peak across exec, and its growth then reads too small."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

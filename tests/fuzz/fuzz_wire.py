@@ -7,7 +7,10 @@ consumer Accumulator. Invariants checked on every input:
   * nothing but wire.ProtocolError is raised (any other exception is a crash that atheris reports);
   * the accumulator never holds more than its max_bytes;
   * every 200 inputs a well-formed request is streamed through the same Accumulator and its record must be
-    bit-exact: hostile messages never corrupt another request's record.
+    bit-exact: hostile messages never corrupt another request's record;
+  * every 1,000 inputs the process's resident memory is under MAX_RSS_BYTES (read from /proc/self/statm: libFuzzer's
+    own -rss_limit_mb reads the peak from getrusage, which a process started by a large one, such as pytest,
+    inherits across exec, so tests/test_fuzz.py turns that one off).
 
     python tests/fuzz/fuzz_wire.py -runs=200000          # bounded run, exit 0 when no invariant broke
     python tests/fuzz/fuzz_wire.py -max_total_time=600   # a longer campaign
@@ -16,6 +19,7 @@ Needs `pip install atheris` (the `fuzz` extra). tests/test_fuzz.py runs a short 
 installed; hypothesis covers the same ground without it.
 """
 
+import os
 import sys
 
 import atheris
@@ -30,6 +34,7 @@ with atheris.instrument_imports():
 L, K = 4, 2
 ROW = L * K * 2
 MAX_BYTES = 4 << 20
+MAX_RSS_BYTES = 1 << 30             # this process, instrumented modules included, runs at ~75 MB
 acc = Accumulator(finish_grace_s=0.0, max_bytes=MAX_BYTES, max_positions=1 << 12, max_record_bytes=1 << 22)
 counts = {"inputs": 0, "refused": 0, "accepted": 0, "good_checked": 0}
 now = [0.0]
@@ -96,6 +101,15 @@ def _good(i: int) -> None:
     counts["good_checked"] += 1
 
 
+def _rss_bytes() -> int | None:
+    """This process's resident memory now (Linux), else None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def TestOneInput(data: bytes) -> None:
     counts["inputs"] += 1
     now[0] += 0.001
@@ -115,6 +129,9 @@ def TestOneInput(data: bytes) -> None:
         _good(counts["inputs"] // 200)
         acc.poll(now[0] + 1e6)          # time out whatever the fuzzer left open, so memory stays bounded
         assert acc.bytes_held == 0, acc.bytes_held
+    if counts["inputs"] % 1000 == 0:
+        rss = _rss_bytes()
+        assert rss is None or rss <= MAX_RSS_BYTES, f"resident memory {rss} bytes, limit {MAX_RSS_BYTES}"
     if counts["inputs"] % 5000 == 0:    # libFuzzer exits without running Python's atexit: report as we go
         print(f"fuzz_wire: inputs={counts['inputs']} accepted={counts['accepted']} refused={counts['refused']} "
               f"good_records_checked={counts['good_checked']}", file=sys.stderr, flush=True)
