@@ -55,11 +55,11 @@ def _self_cpu() -> float:
 
 
 def _stat(path: str) -> tuple:
-    """(name, CPU seconds: user + system) from a /proc .../stat file."""
+    """(name, CPU seconds: user + system, minor page faults) from a /proc .../stat file."""
     with open(path) as f:
         head, rest = f.read().rsplit(")", 1)
     fields = rest.split()
-    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
 
 def _cpu(pid: int) -> float:
@@ -68,6 +68,34 @@ def _cpu(pid: int) -> float:
         return _stat(f"/proc/{pid}/stat")[1]
     except (OSError, IndexError, ValueError):
         return float("nan")
+
+
+def _faults(pid: int) -> int:
+    """Minor page faults of a child process so far (first touches of its memory), -1 when unreadable."""
+    try:
+        return _stat(f"/proc/{pid}/stat")[2]
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def fresh_page_us(mib: int = 32) -> float:
+    """What a first touch of fresh memory costs this machine now: µs per 4 KiB page (wall), over `mib` MiB mapped
+    and written once here. On a VM whose guest reports freed memory back to its host (virtio-balloon free page
+    reporting: this project's CPU machine) it moves 4-5x with how long ago the memory was freed (1.5 µs a page right
+    after, 5-7 after 5-20 s idle); every record byte a consumer holds is such a touch, the proxy chain's are not
+    (docs/PERFORMANCE.md, session 48)."""
+    import mmap
+    n = mib << 20
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+    try:
+        a = np.frombuffer(m, dtype=np.uint8)
+        t0 = time.perf_counter()
+        a[::mmap.PAGESIZE] = 1
+        dt = time.perf_counter() - t0
+        del a
+    finally:
+        m.close()
+    return dt * 1e6 / (n // mmap.PAGESIZE)
 
 
 def rss_mb() -> float:
@@ -409,7 +437,7 @@ def _thread_cpu() -> dict:
     out = {}
     for task in os.listdir("/proc/self/task"):
         try:
-            out[task] = _stat(f"/proc/self/task/{task}/stat")
+            out[task] = _stat(f"/proc/self/task/{task}/stat")[:2]
         except OSError:
             continue
     return out
@@ -507,11 +535,13 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     else:
         sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go, batches, told, got))
     sender.start()
-    go.put("go")
     if batches > 1:
-        _wait(told, "measure", 1, 900)
         go.put("go")
+        _wait(told, "measure", 1, 900)
+    page_us = fresh_page_us()               # (this machine's first-touch cost as the measured batch starts)
+    go.put("go")
     cpu0 = [_cpu(p.pid) for p in procs]
+    flt0 = [_faults(p.pid) for p in procs]
     if chain == "ours":
         sent = told.get(timeout=900)
         for _ in range(n_cons):
@@ -521,6 +551,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         done = _wait(q, "done", n_cons, 900)
         sent = told.get(timeout=60)
     cpu1 = [_cpu(p.pid) for p in procs]
+    flt1 = [_faults(p.pid) for p in procs]
     sender.join()
     if chain == "ours":
         stop.put("stop")
@@ -542,6 +573,12 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     res["cpu_s"] = {"sender": round(sent[-1], 2)}
     for role, a, b in zip(roles, cpu0, cpu1):
         res["cpu_s"].setdefault(role, []).append(round(b - a, 2))
+    # first touches in the measured batch (thousands of pages) and what one cost as it started: a consumer that
+    # holds records pays faults x page_us that a consumer which only counts bytes does not
+    res["page_us"] = round(page_us, 2)
+    res["faults_k"] = {}
+    for role, a, b in zip(roles, flt0, flt1):
+        res["faults_k"].setdefault(role, []).append(round((b - a) / 1e3, 1) if min(a, b) >= 0 else None)
     if chain == "ours":
         res["records"] = sum(d[1] for d in done)
         res["held_peak_mb"] = [round(d[4] / 1e6, 1) for d in done]
@@ -649,7 +686,8 @@ def main(argv=None) -> int:
                 print(f"{workload:8s} {chain:6s}" + (f" repeat {rep + 1}/{a.repeat}" if a.repeat > 1 else "")
                       + (f" batch {a.batches}/{a.batches}" if a.batches > 1 else "")
                       + f" tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
-                      f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']}"
+                      f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']} "
+                      f"page_us={r.get('page_us')} faults_k={r.get('faults_k')}"
                       + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
                          f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
                          if chain == "ours" else ""),

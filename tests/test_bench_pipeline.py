@@ -110,6 +110,21 @@ def test_a_real_prefill_n_run_delivers_a_record_per_request(tmp_path):
     (r,) = json.loads(out.read_text())
     assert (r["workload"], r["chain"], r["records"]) == ("prefill:2", "ours", 40)
     assert len(r["record_mb"]) == 2 and sum(r["record_mb"]) == pytest.approx(40 * 4096 * 768 / 1e6, abs=0.1)
+    # the first-touch cost as the batch started, and each process's first touches during it (thousands)
+    assert r["page_us"] > 0 and sorted(r["faults_k"]) == ["broker", "consumer"]
+    assert len(r["faults_k"]["broker"]) == 1 and len(r["faults_k"]["consumer"]) == 2
+    assert all(isinstance(x, float) and x >= 0 for xs in r["faults_k"].values() for x in xs), r["faults_k"]
+
+
+def test_proc_stat_fields_name_cpu_and_minor_faults(tmp_path):
+    import os
+    bench = load_script(SCRIPT, "bench_pipeline")
+    tick = os.sysconf("SC_CLK_TCK")
+    # /proc/PID/stat: pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+    line = f"4242 (zmq (io) 1) S 1 2 3 0 -1 4194560 123457 9 5 0 {3 * tick} {tick} 0 0 20 0 4 0\n"
+    (tmp_path / "stat").write_text(line)
+    assert bench._stat(str(tmp_path / "stat")) == ("zmq (io) 1", 4.0, 123457)
+    assert bench._faults(-1) == -1 and bench.fresh_page_us(1) > 0
 
 
 def test_bench_profile_all_writes_each_threads_python_profile(tmp_path):
