@@ -156,3 +156,15 @@ def test_bench_profile_all_writes_each_threads_python_profile(tmp_path):
     assert calls(main, "publish_rows") == 400                # --quick: 400 decode steps, one publish call each
     for c in consumers:
         assert calls(c, "_on_broker_message") > 0
+
+
+def test_page_touch_prints_one_line_per_wait_and_refuses_bad_arguments(capsys):
+    touch = load_script(SCRIPT.parent / "page_touch.py", "bench_page_touch")
+    assert touch.main(["--mib", "2", "--waits", "0,0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(ln.startswith("idle   0.0 s before: 2 MiB first touch") for ln in lines)
+    assert all(float(ln.split()[-2]) > 0 for ln in lines)           # µs per page
+    for bad in (["--waits", "x"], ["--mib", "0"], ["--waits", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            touch.main(bad)
+        assert e.value.code == 2
