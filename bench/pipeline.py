@@ -83,19 +83,13 @@ def fresh_page_us(mib: int = 32) -> float:
     and written once here. On a VM whose guest reports freed memory back to its host (virtio-balloon free page
     reporting: this project's CPU machine) it moves 4-5x with how long ago the memory was freed (1.5 µs a page right
     after, 5-7 after 5-20 s idle); every record byte a consumer holds is such a touch, the proxy chain's are not
-    (docs/PERFORMANCE.md, session 48)."""
+    (docs/PERFORMANCE.md, session 48). bench/page_touch.py's touch()."""
     import mmap
-    n = mib << 20
-    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
-    try:
-        a = np.frombuffer(m, dtype=np.uint8)
-        t0 = time.perf_counter()
-        a[::mmap.PAGESIZE] = 1
-        dt = time.perf_counter() - t0
-        del a
-    finally:
-        m.close()
-    return dt * 1e6 / (n // mmap.PAGESIZE)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.append(here)
+    from page_touch import touch
+    return touch(mib)[0] * 1e6 / ((mib << 20) // mmap.PAGESIZE)
 
 
 def rss_mb() -> float:
