@@ -71,6 +71,8 @@ class BrokerStats:
     acks_in: int = 0
     acks_out: int = 0
     link_resyncs: int = 0
+    notices_resent: int = 0          # the broker's own messages (refused, abort, reassigned open) sent again after
+                                     # a link resync: the consumer had dropped them after its gap
     links_lost: int = 0
     producers_lost: int = 0
     aborted_for_lost_producer: int = 0
@@ -254,13 +256,14 @@ class Broker(ServiceThread):
                  "open_requests=%d closing=%d consumers=%d "
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
-                 "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d links_lost=%d producers_lost=%d "
+                 "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d notices_resent=%d links_lost=%d "
+                 "producers_lost=%d "
                  "aborted_for_lost_producer=%d refusals_out=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
                  s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, len(self.ownership),
                  self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
-                 s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.links_lost,
+                 s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.notices_resent, s.links_lost,
                  s.producers_lost, s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad, sum(self.bad.values()),
                  dict(self.bad) if self.bad else "")
 
@@ -323,6 +326,9 @@ class Broker(ServiceThread):
         if ack.broker_epoch != self.epoch or ack.gen != link.gen:
             return                                  # for an earlier broker or link generation
         self.intake.parts_acked(link.sent, ack.upto)
+        notices = link.notices
+        while notices and notices[0][0] <= ack.upto:
+            notices.popleft()
         if ack.gap is not None:
             self._resync(link, ack.gap)
 
@@ -334,8 +340,14 @@ class Broker(ServiceThread):
         link.gen = self._gen
         link.lseq = 0
         self.stats.link_resyncs += 1
-        log.warning("broker link resync consumer=%s gap_at=%r unacked_parts=%d new_gen=%d producers_to_rewind=%d",
-                    link.name, gap, n, link.gen, len(affected))
+        # the broker's own messages the consumer dropped after its gap go first in the new generation: before any
+        # resent data, as each went before the data that followed it (a producer's rewind resends only its own)
+        notices, link.notices = link.notices, deque()
+        resent = sum(self._send(link, head, rest, None) for _, head, rest in notices)
+        self.stats.notices_resent += resent
+        log.warning("broker link resync consumer=%s gap_at=%r unacked_parts=%d new_gen=%d producers_to_rewind=%d "
+                    "notices_resent=%d notices_lost=%d", link.name, gap, n, link.gen, len(affected), resent,
+                    len(notices) - resent)
         for ps in affected:
             self._ask_rewind(ps, force=True)
 
@@ -620,11 +632,13 @@ class Broker(ServiceThread):
             self._unaccept(tok)
 
     def _send(self, link: ConsumerLink, head, rest, tok: InFlight | None) -> bool:
-        """Send one data message (header + payload frames) on a consumer link, numbered with the next lseq.
+        """Send one data message (header + payload frames) on a consumer link, numbered with the next lseq. With
+        `tok` None it is the broker's own (no producer resends it): kept in link.notices until acked.
 
         False if it could not be queued (the consumer is slow or gone); the lseq is then not used.
         """
         lseq = link.lseq + 1
+        head_in = head
         head = wire.with_link(head, (self.epoch, link.gen, lseq))
         try:
             send_frames(self._back, [link.cid, head, *rest], zmq.NOBLOCK)
@@ -646,6 +660,8 @@ class Broker(ServiceThread):
         sent.append((lseq, tok))
         if tok is not None:
             tok.parts += 1
+        else:
+            link.notices.append((lseq, head_in, rest))
         self.stats.msgs_out += 1
         if len(sent) > MAX_UNACKED_PER_LINK:
             self._link_lost(link, f"not_acking_{len(sent)}_parts")

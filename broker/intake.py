@@ -148,7 +148,7 @@ class ConsumerLink:
     """Own the broker's side of one consumer incarnation: its link generation, its lseq numbering and the parts
     sent on it that it has not acked."""
 
-    __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "alive", "last_seen", "name", "num")
+    __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "notices", "alive", "last_seen", "name", "num")
 
     def __init__(self, cid: bytes, epoch: int, gen: int, now: float, num: int = 0):
         self.cid = cid                      # its routing id on the backend socket
@@ -157,6 +157,9 @@ class ConsumerLink:
         self.gen = gen
         self.lseq = 0                       # the last lseq sent in this generation
         self.sent: deque = deque()          # (lseq, InFlight or None), lseq increasing
+        # the broker's own messages on this link not yet acked (`refused`, `abort`, a reassigned `open`), as
+        # (lseq, header without its link number, payload frames): no producer resends them, so a resync does
+        self.notices: deque = deque()
         self.alive = True
         self.last_seen = now
         self.name = cid.decode(errors="replace")

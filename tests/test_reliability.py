@@ -610,6 +610,70 @@ def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(t
         b.close()
 
 
+def test_a_link_resync_resends_the_brokers_own_messages_the_consumer_dropped(tmp_path):
+    """`refused` and `abort` are the broker's own messages: no producer's rewind sends them again. When a consumer
+    reports a gap, those it dropped (not acked) go first in the new link generation, in their order; those it acked
+    do not. Real broker; the producer and the consumer are sockets driven by hand."""
+    ctx = zmq.Context.instance()
+    b = Broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", context=ctx, heartbeat_interval_ms=5000,
+               ack_interval_ms=5).start()
+    prod = ctx.socket(zmq.DEALER)
+    cons = ctx.socket(zmq.DEALER)
+    cons.setsockopt(zmq.ROUTING_ID, b"c1")
+    for s in (prod, cons):
+        s.setsockopt(zmq.LINGER, 0)
+    prod.connect(b.frontend)
+    cons.connect(b.backend)
+
+    def data_in(n, deadline_s=5.0):
+        """The next n data messages on the consumer's socket: (kind, key, seq, link)."""
+        out, deadline = [], time.monotonic() + deadline_s
+        while len(out) < n and time.monotonic() < deadline:
+            if cons.poll(100):
+                h = wire.decode_header(cons.recv_multipart()[0])
+                if h.kind != "heartbeat":
+                    out.append((h.kind, h.key, h.seq, h.link))
+        return out
+
+    try:
+        cons.send(wire.pack_header("hello", "c1", 3, 1, "c1", {"broker": 0}))
+        wait_until(lambda: len(b._live) == 1, 5, "consumer joined")
+        prod.send(wire.pack_header("hello", "p", 7, 0, "p", {"unacked_from": 1}))
+        wait_until(lambda: "p" in b.intake.producers, 5, "producer said hello")
+        prod.send(_data("open", "a", 1, _open_body()))
+        prod.send(_data("open", "b", 2, _open_body()))
+        for seq, rid in ((3, "a"), (4, "b")):       # one row announced, half a row sent: refused for good
+            prod.send_multipart([_data("delta", [rid], seq, wire.delta_body([0], [1], L, K)), bytes(L * K)])
+        ep = b.epoch
+        got = data_in(4)
+        assert got == [("open", "a", 1, (ep, 1, 1)), ("open", "b", 2, (ep, 1, 2)),
+                       ("refused", ["a"], 3, (ep, 1, 3)), ("refused", ["b"], 4, (ep, 1, 4))]
+        prod.send(wire.pack_header("bye", "p", 7, 0, "p", {}))    # the producer leaves: a and b are aborted
+        aborts = data_in(2)                          # in the ownership table's order
+        first, second = sorted(aborts, key=lambda m: m[3])[0][1], sorted(aborts, key=lambda m: m[3])[1][1]
+        assert {first, second} == {"a", "b"}
+        assert aborts == [("abort", first, 0, (ep, 1, 5)), ("abort", second, 0, (ep, 1, 6))]
+        wait_until(lambda: b.stats.aborted_for_lost_producer == 2, 5, "aborts counted")   # (after the sends)
+        assert b.stats.refusals_out == 2
+        # the consumer applied lseq 1-3 and missed 4: refused [b] and both aborts go again, in generation 2
+        cons.send(wire.pack_header("ack", "c1", 3, 2, "c1", {"link": [ep, 1, 3], "gap": 4}))
+        got = data_in(3)
+        wait_until(lambda: b.stats.notices_resent == 3, 5, "resent counted")     # (after the sends)
+        assert got == [("refused", ["b"], 4, (ep, 2, 1)), ("abort", first, 0, (ep, 2, 2)),
+                       ("abort", second, 0, (ep, 2, 3))]
+        assert (b.stats.link_resyncs, b.stats.notices_resent) == (1, 3)
+        # acked: kept no longer, so a later resync sends nothing
+        cons.send(wire.pack_header("ack", "c1", 3, 3, "c1", {"link": [ep, 2, 3]}))
+        wait_until(lambda: b.stats.acks_in == 2, 5, "ack applied")
+        cons.send(wire.pack_header("ack", "c1", 3, 4, "c1", {"link": [ep, 2, 3], "gap": 4}))
+        wait_until(lambda: b.stats.link_resyncs == 2, 5, "second resync")
+        assert data_in(1, 0.5) == [] and b.stats.notices_resent == 3 and not b.links[b"c1"].notices
+    finally:
+        prod.close(0)
+        cons.close(0)
+        b.close()
+
+
 def test_producer_rewinds_for_a_new_broker_and_resends_in_seq_order(tmp_path):
     """A fake broker: the producer keeps what was not acked, and sends it again, hello first, to a new epoch."""
     ctx = zmq.Context.instance()
