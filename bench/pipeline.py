@@ -536,6 +536,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     go.put("go")
     cpu0 = [_cpu(p.pid) for p in procs]
     flt0 = [_faults(p.pid) for p in procs]
+    sflt0 = _faults(sender.pid)
     if chain == "ours":
         sent = told.get(timeout=900)
         for _ in range(n_cons):
@@ -546,6 +547,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         sent = told.get(timeout=60)
     cpu1 = [_cpu(p.pid) for p in procs]
     flt1 = [_faults(p.pid) for p in procs]
+    sflt1 = _faults(sender.pid)             # (a sender waits for its stop signal or has not been reaped yet)
     sender.join()
     if chain == "ours":
         stop.put("stop")
@@ -570,7 +572,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     # first touches in the measured batch (thousands of pages) and what one cost as it started: a consumer that
     # holds records pays faults x page_us that a consumer which only counts bytes does not
     res["page_us"] = round(page_us, 2)
-    res["faults_k"] = {}
+    res["faults_k"] = {"sender": round((sflt1 - sflt0) / 1e3, 1) if min(sflt0, sflt1) >= 0 else None}
     for role, a, b in zip(roles, flt0, flt1):
         res["faults_k"].setdefault(role, []).append(round((b - a) / 1e3, 1) if min(a, b) >= 0 else None)
     if chain == "ours":
