@@ -124,67 +124,26 @@ class _ThreadPipeline:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def micro(num_layers: int = 4, top_k: int = 2, reqs: int = 64, n: int = 5000) -> dict:
-    """Warm-cache cost of the plugin's engine-thread work for one decode step of `reqs` captured requests,
-    outside vLLM: the same calls on the same objects (RoutingCache, AsyncCopier, _StepBatch), synthetic layout."""
-    import numpy as np
-    import torch
+def micro(num_layers: int = 4, top_k: int = 2, reqs: int = 64, steps: int = 2000) -> dict:
+    """Warm-cache cost of the plugin's own engine-thread work for one decode step of `reqs` captured requests, outside
+    vLLM: the real WorkerCapture.pre_step/post_step and router hooks of an eager CPU engine, as
+    bench/worker_step_probe.py drives them (--eager --evict-mib 0; its producer publishes to an endpoint nobody
+    binds). Before session 49 this line timed a hand-written copy of an earlier post_step, which the worker no longer
+    runs. Returns µs per step: pre_step + post_step as called from outside (CPU), and the hooks."""
+    import logging
 
-    from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.engines.vllm_plugin.binding import CaptureBinding
-    from routing_replay.engines.vllm_plugin.worker import _StepBatch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from worker_step_probe import run
 
-    cache = RoutingCache(2048, num_layers, top_k)
-    copier = AsyncCopier(cache, num_slots=2)
-
-    class _L:
-        def __init__(self):
-            self.module, self.capture_fn = self, None
-
-        @property
-        def router(self):
-            return self
-
-        def set_capture_fn(self, fn):
-            self.capture_fn = fn
-
-    layers = [_L() for _ in range(num_layers)]
-    b = CaptureBinding(layers, cache.record, gate=True)
-    b.bind()
-    ids = [torch.randint(0, 8, (reqs, top_k), dtype=torch.int32) for _ in range(num_layers)]
-    tracked = {f"{i}-0123abcd": str(i) for i in range(reqs)}
-    req_ids = list(tracked)
-    qsl = np.arange(reqs + 1, dtype=np.int32)
-    computed = np.arange(reqs, dtype=np.int32) + 300
-    batch = _StepBatch()
-
-    def pre():
-        b.calls, b.min_rows = 0, reqs
-
-    def hooks():
-        for layer, x in zip(layers, ids):
-            layer.capture_fn(x)
-
-    def post():
-        assert b.calls == num_layers
-        keys = [tracked.get(r) for r in req_ids]
-        first, count = qsl[:-1], qsl[1:] - qsl[:-1]
-        counts = count.tolist()
-        segments = [(int(first[0]), sum(counts))]
-        p = copier.submit(segments)
-        batch.add(p, keys, computed.tolist(), counts)
-        if len(batch.parts) >= 16:
-            batch.take()[3].release()
-
-    tot = {"pre_step": 0, f"hooks x{num_layers}": 0, "post_step": 0}
-    for i in range(n + 200):
-        for name, f in zip(tot, (pre, hooks, post)):
-            t0 = time.perf_counter_ns()
-            f()
-            if i >= 200:
-                tot[name] += time.perf_counter_ns() - t0
-    out = {k: v / n / 1e3 for k, v in tot.items()}
-    return out
+    was = logging.root.manager.disable
+    logging.disable(logging.WARNING)            # (the producer reports that nobody listens)
+    try:
+        r = run("on", reqs, num_layers, top_k, steps, 0, "cpu", True)
+    finally:
+        logging.disable(was)
+    if not r["producer_drained"] or r["encode_errors"] or r["host_steps"] != r["active_steps"]:
+        raise RuntimeError(f"the warm-cache probe did not run the eager host path: {r}")
+    return {"pre_step + post_step": r["calls_us"], f"hooks x{num_layers}": r["hooks_us"]}
 
 
 def _run(a, npz_dir: Path, procs: list) -> int:
@@ -288,8 +247,8 @@ def _run(a, npz_dir: Path, procs: list) -> int:
     print(f"  records written: {records}")
     m = micro(a.num_layers)
     res["micro_us"] = m
-    print(f"  warm-cache microbenchmark of the same engine-thread work, 64 captured requests, {a.num_layers} MoE "
-          "layers: "
+    print(f"  warm-cache probe of the same engine-thread work (the real worker, bench/worker_step_probe.py --eager "
+          f"--evict-mib 0), 64 captured requests, {a.num_layers} MoE layers: "
           + ", ".join(f"{k} {v:.1f} us" for k, v in m.items()) + f"; total {sum(m.values()):.1f} us")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))

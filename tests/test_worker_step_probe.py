@@ -824,3 +824,13 @@ def test_a_batch_whose_raw_steps_do_not_resolve_is_dropped_and_the_producer_goes
         assert np.array_equal(rows, wrote[f]), f
     assert (r["ring_steps"], r["host_steps"]) == ((0, total) if eager else (total, 0))
     assert cap.producer.queued_bytes == 0 and cap.copier.in_flight_rows == 0
+
+
+def test_vllm_overhead_warm_line_times_the_real_worker_host_path():
+    """bench/vllm_overhead.py's warm-cache line runs the worker's own pre_step/post_step and hooks (the eager CPU
+    host path, every step by reference), not a copy of them: the probe it calls must have taken every step that way,
+    or it raises."""
+    ov = load_script(Path(__file__).resolve().parents[1] / "bench" / "vllm_overhead.py", "vllm_overhead")
+    m = ov.micro(num_layers=3, top_k=2, reqs=8, steps=40)
+    assert sorted(m) == ["hooks x3", "pre_step + post_step"]
+    assert all(v > 0 for v in m.values()), m
