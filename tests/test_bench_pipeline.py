@@ -170,3 +170,20 @@ def test_page_touch_prints_one_line_per_wait_and_refuses_bad_arguments(capsys):
         with pytest.raises(SystemExit) as e:
             touch.main(bad)
         assert e.value.code == 2
+
+
+def test_request_major_copy_ways_agree_with_the_producers_copy(capsys):
+    """bench/request_major_copy.py: every way it times gives the producer's request_major result (it exits 1 when
+    one differs), for a repeated payload and for distinct steps."""
+    rmc = load_script(SCRIPT.parent / "request_major_copy.py", "bench_request_major_copy")
+    assert rmc.main(["--requests", "6", "--steps", "3", "--destinations", "2", "--repeat", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("3 steps x 6 requests x 768 B") and len(lines) == 1 + 2 * 4
+    import numpy as np
+    order = np.array([1, 0, 2])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(3)
+    arrs = [np.arange(3 * 48 * 8, dtype=np.int16).reshape(3, 48, 8) + 1000 * s for s in range(2)]
+    out = np.empty((3, 2, 48, 8), np.int16)
+    rmc.ways(order, inverse)["producer (grouped by owner)"](arrs, out)
+    assert np.array_equal(out[0, 1], arrs[1][1]) and np.array_equal(out[1, 0], arrs[0][0])
