@@ -457,8 +457,9 @@ def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_pa
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     """WorkerCapture._take_step (binding.drain's target on an eager CPU engine): a captured step whose layers all
     hold tensors of one shape and integer dtype is kept as it is (HostRows later), nothing written to the cache;
-    mixed dtypes, a step that only writes the prefix store (fill) or one not captured go into the cache layer by
-    layer, and a tensor of the wrong shape is refused there, named."""
+    with a prefix store (fill) such a step is kept as it is and also written to the cache (the store's rows come
+    from there); mixed dtypes, a step that only writes the prefix store or one not captured go into the cache layer
+    by layer, and a tensor of the wrong shape is refused there, named."""
     from types import SimpleNamespace
 
     from routing_replay.capture import RoutingCache
@@ -474,12 +475,16 @@ def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step[0], uniform))
     assert cap._host_step[1] == 4 * 2 * 8                           # the bytes of one layer's tensor
     assert (cap.cache.step_rows(4) == -1).all()                     # nothing copied
-    for case in ("mixed", "fill", "not captured"):
+    for case in ("mixed", "fill", "store only", "not captured"):
         cap._host_step, cap.cache = None, RoutingCache(16, 3, 2)
-        cap.fill, cap.active = case == "fill", case != "not captured"
+        cap.fill, cap.active = case in ("fill", "store only"), case in ("mixed", "fill")
         held = [uniform[0], uniform[1].to(torch.int32), uniform[2]] if case == "mixed" else list(uniform)
         cap._take_step(held)
-        assert cap._host_step is None and held == [None] * 3, case
+        assert held == [None] * 3, case
+        if case == "fill":
+            assert all(a is b for a, b in zip(cap._host_step[0], uniform)) and cap._host_step[1] == 4 * 2 * 8
+        else:
+            assert cap._host_step is None, case
         assert cap.cache.step_rows(4).tolist() == [[[layer] * 2] * 4 for layer in range(3)], case
     cap.fill, cap.active, cap.cache = False, True, RoutingCache(16, 3, 2)
     cap._host_step = None

@@ -1613,15 +1613,23 @@ class WorkerCapture:
         tensor covering the step). A captured step's tensors are kept as they are for post_step (HostRows: nothing
         copied here) when every layer holds one of the same shape and integer dtype; otherwise, and for steps that
         only write the prefix store, each layer goes into the cache as before (RoutingCache.record, which also
-        refuses a tensor of the wrong shape, naming it)."""
-        if self.active and not self.fill:
+        refuses a tensor of the wrong shape, naming it). With a prefix store (fill) a captured step's layers go into
+        the cache for the store's write and are kept for post_step as well."""
+        if self.active:
             if sig is None:
                 sigs = {(t.shape, t.dtype) if t is not None else None for t in held}
                 sig = sigs.pop() if len(sigs) == 1 else None
             if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
                 # (tensors, bytes of one, checked)
-                self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize, True)
-                held[:] = [None] * len(held)
+                host = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize, True)
+                if self.fill:
+                    # the prefix store takes the step's rows from the cache (its flush): recorded there too; the
+                    # capture still goes by reference, not through a snapshot of the cache (copier.submit: 43 of
+                    # 193 us per step in bench/worker_step_probe.py --eager --mode fill)
+                    record_held(held, self.cache.record)
+                else:
+                    held[:] = [None] * len(held)
+                self._host_step = host
                 return
         record_held(held, self.cache.record)
 
