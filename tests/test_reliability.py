@@ -534,7 +534,8 @@ def test_consumer_applies_only_the_next_link_number_and_asks_for_a_resync_after_
         fake.close(0)
 
 
-def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(tmp_path):
+def _broker_with_hand_driven_peers(tmp_path):
+    """A real broker, a producer socket and a consumer socket (routing id c1) connected to it, driven by hand."""
     ctx = zmq.Context.instance()
     b = Broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", context=ctx, heartbeat_interval_ms=5000,
                ack_interval_ms=5).start()
@@ -545,6 +546,11 @@ def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(t
         s.setsockopt(zmq.LINGER, 0)
     prod.connect(b.frontend)
     cons.connect(b.backend)
+    return b, prod, cons
+
+
+def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(tmp_path):
+    b, prod, cons = _broker_with_hand_driven_peers(tmp_path)
 
     def recv(sock, kind, deadline_s=5.0):
         deadline = time.monotonic() + deadline_s
@@ -614,16 +620,7 @@ def test_a_link_resync_resends_the_brokers_own_messages_the_consumer_dropped(tmp
     """`refused` and `abort` are the broker's own messages: no producer's rewind sends them again. When a consumer
     reports a gap, those it dropped (not acked) go first in the new link generation, in their order; those it acked
     do not. Real broker; the producer and the consumer are sockets driven by hand."""
-    ctx = zmq.Context.instance()
-    b = Broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", context=ctx, heartbeat_interval_ms=5000,
-               ack_interval_ms=5).start()
-    prod = ctx.socket(zmq.DEALER)
-    cons = ctx.socket(zmq.DEALER)
-    cons.setsockopt(zmq.ROUTING_ID, b"c1")
-    for s in (prod, cons):
-        s.setsockopt(zmq.LINGER, 0)
-    prod.connect(b.frontend)
-    cons.connect(b.backend)
+    b, prod, cons = _broker_with_hand_driven_peers(tmp_path)
 
     def data_in(n, deadline_s=5.0):
         """The next n data messages on the consumer's socket: (kind, key, seq, link)."""
