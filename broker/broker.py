@@ -263,8 +263,8 @@ class Broker(ServiceThread):
                  self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
-                 s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.notices_resent, s.links_lost,
-                 s.producers_lost, s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad, sum(self.bad.values()),
+                 s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.notices_resent,
+                 s.links_lost, s.producers_lost, s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad, sum(self.bad.values()),
                  dict(self.bad) if self.bad else "")
 
     # ---- consumers ----------------------------------------------------------------------------------------------
@@ -343,7 +343,11 @@ class Broker(ServiceThread):
         # the broker's own messages the consumer dropped after its gap go first in the new generation: before any
         # resent data, as each went before the data that followed it (a producer's rewind resends only its own)
         notices, link.notices = link.notices, deque()
-        resent = sum(self._send(link, head, rest, None) for _, head, rest in notices)
+        resent = 0
+        for _, head, rest in notices:               # (stops at the first that cannot go: a slow or lost link)
+            if not link.alive or not self._send(link, head, rest, None):
+                break
+            resent += 1
         self.stats.notices_resent += resent
         log.warning("broker link resync consumer=%s gap_at=%r unacked_parts=%d new_gen=%d producers_to_rewind=%d "
                     "notices_resent=%d notices_lost=%d", link.name, gap, n, link.gen, len(affected), resent,
