@@ -132,7 +132,9 @@ def micro(num_layers: int = 4, top_k: int = 2, reqs: int = 64, steps: int = 2000
     runs. Returns µs per step: pre_step + post_step as called from outside (CPU), and the hooks."""
     import logging
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.append(here)
     from worker_step_probe import run
 
     was = logging.root.manager.disable

@@ -264,8 +264,8 @@ class Broker(ServiceThread):
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.notices_resent,
-                 s.links_lost, s.producers_lost, s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad, sum(self.bad.values()),
-                 dict(self.bad) if self.bad else "")
+                 s.links_lost, s.producers_lost, s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad,
+                 sum(self.bad.values()), dict(self.bad) if self.bad else "")
 
     # ---- consumers ----------------------------------------------------------------------------------------------
 

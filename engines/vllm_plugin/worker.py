@@ -1621,16 +1621,13 @@ class WorkerCapture:
                 sig = sigs.pop() if len(sigs) == 1 else None
             if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
                 # (tensors, bytes of one, checked)
-                host = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize, True)
-                if self.fill:
-                    # the prefix store takes the step's rows from the cache (its flush): recorded there too; the
-                    # capture still goes by reference, not through a snapshot of the cache (copier.submit: 43 of
-                    # 193 us per step in bench/worker_step_probe.py --eager --mode fill)
-                    record_held(held, self.cache.record)
-                else:
+                self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize, True)
+                if not self.fill:
                     held[:] = [None] * len(held)
-                self._host_step = host
-                return
+                    return
+                # the prefix store takes the step's rows from the cache (its flush): recorded there too; the capture
+                # still goes by reference, not through a snapshot of the cache (copier.submit: 43 of 193 us per
+                # step in bench/worker_step_probe.py --eager --mode fill)
         record_held(held, self.cache.record)
 
     def _cut_seen(self) -> None:
