@@ -25,6 +25,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
+from routing_replay.engines.vllm_plugin.worker import _batch_refs  # noqa: E402
 from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_model, wait_records,  # noqa: E402
                                                 worker_of)
 
@@ -127,6 +128,28 @@ def test_many_concurrent_requests(eng):
     assert st.host_steps - h0 == st.active_steps - a0 > 0
     one = [r for k, r in recs.items() if r.routed_experts.shape[0] == 1]
     assert one and all((r.routed_experts == -1).all() for r in one)      # max_tokens=1: never fed back
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_runners_batch_read_directly_or_through_its_properties_gives_the_same_records(eng, direct):
+    """An eager CPU step reads V1's InputBatch `_req_ids` and `req_id_to_index` itself where vLLM's `req_ids` and
+    `num_reqs` hand out just those (_batch_refs), else the two properties; under churn (requests of different
+    lengths finishing, the batch condensed and reordered) both ways give every record exact."""
+    rnd = random.Random(21)
+    cap = eng.cap
+    ib = worker_of(eng.llm).model_runner.input_batch
+    assert _batch_refs(ib) == (ib, True)            # vLLM 0.27-0.32: the properties hand out those two
+    cap._ib_refs = (ib, direct)                     # (the same InputBatch: kept as it is, not checked again)
+    lens = [rnd.randrange(3, 40) for _ in range(12)]
+    h0 = cap.stats.host_steps
+    try:
+        outs = eng.generate([_tokens(rnd, rnd.randrange(10, 90)) for _ in lens],
+                            [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens])
+        assert cap._ib_refs == (ib, direct)
+    finally:
+        cap._ib_refs = (None, False)
+    eng.check(outs)
+    assert cap.stats.host_steps - h0 >= max(lens)   # (a prefill step, then a decode step per token but the last)
 
 
 def test_trainer_fetches_from_the_embedded_consumer(eng):

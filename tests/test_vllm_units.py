@@ -454,6 +454,37 @@ def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_pa
     assert r["us_per_step"] > 0
 
 
+def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_those_attributes():
+    """_batch_refs: vLLM's own InputBatch hands out `_req_ids` through `req_ids` and counts `req_id_to_index` in
+    `num_reqs`, so the engine thread may read those two; a batch whose `req_ids` makes a new list, or that counts
+    otherwise, or lacks them, is read through its properties."""
+    import torch
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    from routing_replay.engines.vllm_plugin.worker import _batch_refs
+
+    kw = dict(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
+              vocab_size=100, block_sizes=[16], max_num_blocks_per_req=[4])
+
+    class Copying(InputBatch):
+        @property
+        def req_ids(self):
+            return list(self._req_ids)
+
+    class Counting(InputBatch):
+        @property
+        def num_reqs(self):
+            return len(self.req_id_to_index) + 1
+
+    class Other:
+        req_ids, num_reqs = ["a"], 1
+
+    ib = InputBatch(**kw)
+    assert _batch_refs(ib) == (ib, True)
+    for b in (Copying(**kw), Counting(**kw), Other()):
+        assert _batch_refs(b) == (b, False)
+
+
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     """WorkerCapture._take_step (binding.drain's target on an eager CPU engine): a captured step whose layers all
     hold tensors of one shape and integer dtype is kept as it is (HostRows later), nothing written to the cache;

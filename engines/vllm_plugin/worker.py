@@ -689,6 +689,19 @@ def step_layout(runner, kind: str, views: list | None = None):
     return (ids if len(ids) == n else ids[:n]), ib.query_start_loc_np[:n + 1], ib.num_computed_tokens_np[:n]
 
 
+def _batch_refs(ib) -> tuple:
+    """(V1's InputBatch, direct): direct when its `req_ids` property hands out its `_req_ids` list (changed in place,
+    never replaced) and its `num_reqs` counts its `req_id_to_index` (vLLM 0.25 to 0.33). The engine thread then reads
+    those two attributes itself each step: the properties are three Python frames of vLLM's module (`cast`
+    included), cold after every forward (this and the frames it saved: -11 us a captured step inside vLLM's CPU
+    build, docs/PERFORMANCE.md session 50). Checked again for each new InputBatch."""
+    try:
+        direct = ib.req_ids is ib._req_ids and type(ib._req_ids) is list and ib.num_reqs == len(ib.req_id_to_index)
+    except (AttributeError, TypeError):
+        direct = False
+    return ib, direct
+
+
 def _check_runner_supported(runner, kind: str, vc) -> None:
     """Refuse engine features whose batch layout the capture does not follow (never a wrong row)."""
     pc = vc.parallel_config
@@ -847,10 +860,11 @@ class WorkerCapture:
         # a graph engine's step of the running batch (_ring_step): the last step went to the step ring by
         # reference and left nothing for the next pre_step but counting its forward (pre_step's first branch)
         self._steady = False
-        self._ring_views = (-1, None, None, None, None, None)   # _ring_step: num_reqs, the runner's two arrays,
+        self._ring_views = (-1, None, None, None, None, None)   # _ring_step, _host_raw: num_reqs, the runner's arrays,
         #                                                         memoryviews of their step parts, dtypes
         self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
         self._raw_ids = None            # _raw_layout: the engine ids of the last step (a copy its steps share)
+        self._ib_refs = (None, False)   # _batch_refs of the runner's InputBatch (_host_raw, _ring_step)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -1524,8 +1538,13 @@ class WorkerCapture:
         big = nt > cache.slot_rows      # (a prefill chunk beyond the largest CUDA graph: copied whole, below)
         runner = self.runner
         ib = runner.input_batch
-        n = ib.num_reqs
-        ids = ib.req_ids                            # the runner's own list: read, never kept or modified
+        refs = self._ib_refs
+        if refs[0] is not ib:
+            refs = self._ib_refs = _batch_refs(ib)
+        if refs[1]:                                 # the runner's own list: read, never kept or modified
+            ids, n = ib._req_ids, len(ib.req_id_to_index)
+        else:
+            ids, n = ib.req_ids, ib.num_reqs
         if len(ids) != n:
             ids = ids[:n]
         q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
@@ -1578,14 +1597,36 @@ class WorkerCapture:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
         producer's thread as the runner laid it out (_StepBatch.add_host), which maps its ids to record keys,
         leaves out what is not captured and checks the tensors (_BatchedRows.resolve, HostRows). Here: the
-        tensors, the engine ids and the bytes of the runner's two layout arrays (_raw_layout). No array, no
-        per-request work, no torch call but one dtype read."""
-        layout = step_layout(self.runner, self.kind, self._views)
-        if layout is None:
-            if t0:
-                self._count_host(t0, w0)
-            return
-        ids, cb, qb, dtypes = self._raw_layout(*layout)
+        tensors, the engine ids and the bytes of the runner's two layout arrays (V1: read in this frame, as
+        _ring_step reads them; else step_layout, _raw_layout). No array, no per-request work, no torch call but one
+        dtype read."""
+        runner = self.runner
+        if self.kind != "v1":
+            layout = step_layout(runner, self.kind, self._views)
+            if layout is None:
+                if t0:
+                    self._count_host(t0, w0)
+                return
+            ids, cb, qb, dtypes = self._raw_layout(*layout)
+        else:                   # (step_layout and _raw_layout in this frame, as _ring_step reads them)
+            ib = runner.input_batch
+            refs = self._ib_refs
+            if refs[0] is not ib:
+                refs = self._ib_refs = _batch_refs(ib)
+            if refs[1]:
+                ids, k = ib._req_ids, len(ib.req_id_to_index)
+            else:
+                ids, k = ib.req_ids, ib.num_reqs
+            if len(ids) != k:
+                ids = ids[:k]
+            q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
+            rv = self._ring_views
+            if rv[0] != k or rv[1] is not q or rv[2] is not c:
+                rv = self._ring_views = (k, q, c, memoryview(q[:k + 1]), memoryview(c[:k]), (q.dtype, c.dtype))
+            last = self._raw_ids
+            if last != ids:
+                last = self._raw_ids = list(ids)
+            ids, cb, qb, dtypes = last, bytes(rv[4]), bytes(rv[3]), rv[5]
         batch = self.batch
         batch.add_host(tensors, n * self.cache.top_k * tensors[0].dtype.itemsize, n, ids, cb, qb, dtypes,
                        self.forwards)
