@@ -693,8 +693,8 @@ def _batch_refs(ib) -> tuple:
     """(V1's InputBatch, direct): direct when its `req_ids` property hands out its `_req_ids` list (changed in place,
     never replaced) and its `num_reqs` counts its `req_id_to_index` (vLLM 0.25 to 0.33). The engine thread then reads
     those two attributes itself each step: the properties are three Python frames of vLLM's module (`cast`
-    included), cold after every forward (this and the frames it saved: -11 us a captured step inside vLLM's CPU
-    build, docs/PERFORMANCE.md session 50). Checked again for each new InputBatch."""
+    included), cold after every forward (with the frames _read_batch saves: 4-10 us a captured step inside vLLM's
+    CPU build, docs/PERFORMANCE.md session 50). Checked again for each new InputBatch."""
     try:
         direct = ib.req_ids is ib._req_ids and type(ib._req_ids) is list and ib.num_reqs == len(ib.req_id_to_index)
     except (AttributeError, TypeError):
@@ -864,7 +864,7 @@ class WorkerCapture:
         #                                                         memoryviews of their step parts, dtypes
         self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
         self._raw_ids = None            # _raw_layout: the engine ids of the last step (a copy its steps share)
-        self._ib_refs = (None, False)   # _batch_refs of the runner's InputBatch (_host_raw, _ring_step)
+        self._ib_refs = (None, False)   # _batch_refs of the runner's InputBatch (_read_batch)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
@@ -1536,24 +1536,7 @@ class WorkerCapture:
         if off is None:
             return False
         big = nt > cache.slot_rows      # (a prefill chunk beyond the largest CUDA graph: copied whole, below)
-        runner = self.runner
-        ib = runner.input_batch
-        refs = self._ib_refs
-        if refs[0] is not ib:
-            refs = self._ib_refs = _batch_refs(ib)
-        if refs[1]:                                 # the runner's own list: read, never kept or modified
-            ids, n = ib._req_ids, len(ib.req_id_to_index)
-        else:
-            ids, n = ib.req_ids, ib.num_reqs
-        if len(ids) != n:
-            ids = ids[:n]
-        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
-        rv = self._ring_views
-        if rv[0] != n or rv[1] is not q or rv[2] is not c:
-            rv = self._ring_views = (n, q, c, memoryview(q[:n + 1]), memoryview(c[:n]), (q.dtype, c.dtype))
-        last = self._raw_ids
-        if last != ids:                             # (C speed: decode steps repeat the batch)
-            last = self._raw_ids = list(ids)
+        last, rv = self._read_batch()
         batch = self.batch
         st = self.stats
         if big:
@@ -1600,39 +1583,48 @@ class WorkerCapture:
         tensors, the engine ids and the bytes of the runner's two layout arrays (V1: read in this frame, as
         _ring_step reads them; else step_layout, _raw_layout). No array, no per-request work, no torch call but one
         dtype read."""
-        runner = self.runner
-        if self.kind != "v1":
-            layout = step_layout(runner, self.kind, self._views)
+        if self.kind == "v1":   # (as _ring_step reads it: one call, not step_layout and _raw_layout)
+            ids, rv = self._read_batch()
+            cb, qb, dtypes = bytes(rv[4]), bytes(rv[3]), rv[5]
+        else:
+            layout = step_layout(self.runner, self.kind, self._views)
             if layout is None:
                 if t0:
                     self._count_host(t0, w0)
                 return
             ids, cb, qb, dtypes = self._raw_layout(*layout)
-        else:                   # (step_layout and _raw_layout in this frame, as _ring_step reads them)
-            ib = runner.input_batch
-            refs = self._ib_refs
-            if refs[0] is not ib:
-                refs = self._ib_refs = _batch_refs(ib)
-            if refs[1]:
-                ids, k = ib._req_ids, len(ib.req_id_to_index)
-            else:
-                ids, k = ib.req_ids, ib.num_reqs
-            if len(ids) != k:
-                ids = ids[:k]
-            q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
-            rv = self._ring_views
-            if rv[0] != k or rv[1] is not q or rv[2] is not c:
-                rv = self._ring_views = (k, q, c, memoryview(q[:k + 1]), memoryview(c[:k]), (q.dtype, c.dtype))
-            last = self._raw_ids
-            if last != ids:
-                last = self._raw_ids = list(ids)
-            ids, cb, qb, dtypes = last, bytes(rv[4]), bytes(rv[3]), rv[5]
         batch = self.batch
         batch.add_host(tensors, n * self.cache.top_k * tensors[0].dtype.itemsize, n, ids, cb, qb, dtypes,
                        self.forwards)
         self.stats.host_steps += 1
         self._steady = True         # (post_step emptied the held list: the next pre_step may take its short path)
         self._stepped(batch, n, t0, w0)
+
+    def _read_batch(self) -> tuple:
+        """V1: the runner's batch as _ring_step and _host_raw hand it over: (its engine ids, the last step's copy while
+        the batch repeats them; (num_reqs, the runner's two layout arrays, memoryviews of their step parts, their
+        dtypes), kept while the runner keeps its arrays). `_req_ids` and `req_id_to_index` are read directly where
+        `_batch_refs` allows it (vLLM's properties are three cold frames a step). The runner's own list is read,
+        never kept or modified."""
+        runner = self.runner
+        ib = runner.input_batch
+        refs = self._ib_refs
+        if refs[0] is not ib:
+            refs = self._ib_refs = _batch_refs(ib)
+        if refs[1]:
+            ids, n = ib._req_ids, len(ib.req_id_to_index)
+        else:
+            ids, n = ib.req_ids, ib.num_reqs
+        if len(ids) != n:
+            ids = ids[:n]
+        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
+        rv = self._ring_views
+        if rv[0] != n or rv[1] is not q or rv[2] is not c:
+            rv = self._ring_views = (n, q, c, memoryview(q[:n + 1]), memoryview(c[:n]), (q.dtype, c.dtype))
+        last = self._raw_ids
+        if last != ids:                             # (C speed: decode steps repeat the batch)
+            last = self._raw_ids = list(ids)
+        return last, rv
 
     def _raw_layout(self, req_ids, qsl, computed) -> tuple:
         """A step's layout as it goes raw to the producer's thread: (engine ids, bytes of the computed positions,
