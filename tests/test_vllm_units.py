@@ -458,6 +458,8 @@ def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_t
     """_batch_refs: vLLM's own InputBatch hands out `_req_ids` through `req_ids` and counts `req_id_to_index` in
     `num_reqs`, so the engine thread may read those two; a batch whose `req_ids` makes a new list, or that counts
     otherwise, or lacks them, is read through its properties."""
+    import inspect
+
     import torch
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
@@ -465,6 +467,8 @@ def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_t
 
     kw = dict(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
               vocab_size=100, block_sizes=[16], max_num_blocks_per_req=[4])
+    if "kernel_block_sizes" in inspect.signature(InputBatch.__init__).parameters:     # (vLLM 0.27 to 0.31)
+        kw["kernel_block_sizes"] = [16]
 
     class Copying(InputBatch):
         @property
