@@ -860,7 +860,7 @@ class WorkerCapture:
         # a graph engine's step of the running batch (_ring_step): the last step went to the step ring by
         # reference and left nothing for the next pre_step but counting its forward (pre_step's first branch)
         self._steady = False
-        self._ring_views = (-1, None, None, None, None, None)   # _ring_step, _host_raw: num_reqs, the runner's arrays,
+        self._ring_views = (-1, None, None, None, None, None)   # _read_batch: num_reqs, the runner's two arrays,
         #                                                         memoryviews of their step parts, dtypes
         self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
         self._raw_ids = None            # _raw_layout: the engine ids of the last step (a copy its steps share)
@@ -1580,10 +1580,9 @@ class WorkerCapture:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
         producer's thread as the runner laid it out (_StepBatch.add_host), which maps its ids to record keys,
         leaves out what is not captured and checks the tensors (_BatchedRows.resolve, HostRows). Here: the
-        tensors, the engine ids and the bytes of the runner's two layout arrays (V1: read in this frame, as
-        _ring_step reads them; else step_layout, _raw_layout). No array, no per-request work, no torch call but one
-        dtype read."""
-        if self.kind == "v1":   # (as _ring_step reads it: one call, not step_layout and _raw_layout)
+        tensors, the engine ids and the bytes of the runner's two layout arrays (V1: _read_batch, as _ring_step;
+        else step_layout, _raw_layout). No array, no per-request work, no torch call but one dtype read."""
+        if self.kind == "v1":
             ids, rv = self._read_batch()
             cb, qb, dtypes = bytes(rv[4]), bytes(rv[3]), rv[5]
         else:
