@@ -20,7 +20,9 @@ WHEEL_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/wheel-venv-$
 WHEEL_DIR := build/wheel
 # what the wheel is made of: every top-level package folder (setup.py finds them the same way), setup.py, metadata
 PKG_DIRS := $(patsubst %/__init__.py,%,$(filter-out tests/__init__.py,$(wildcard */__init__.py)))
-PKG_SOURCES := $(shell find $(PKG_DIRS) -name '*.py' -not -path '*/__pycache__/*')
+PKG_SOURCES := $(shell find $(PKG_DIRS) \( -name '*.py' -o -name '*.c' \) -not -path '*/__pycache__/*')
+# the one C extension (setup.py, optional): `pip install -e .` builds it in place, again when its source changes
+NATIVE_SOURCES := $(wildcard */_*.c)
 # only the engine's environment goes in: test tools and the fuzzer stay in .venv
 WHEEL_VENV_SKIP := atheris|pytest|hypothesis|iniconfig|pluggy|sortedcontainers
 
@@ -51,7 +53,12 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-venv: $(VENV)/.installed
+# the C copy built in place again when its source is newer than the last editable install
+$(VENV)/.native: $(VENV)/.installed $(NATIVE_SOURCES)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(VENV)/.installed $(VENV)/.native
 
 $(WHEEL_VENV)/.deps: $(VENV)/.installed
 	rm -rf $(WHEEL_VENV)
@@ -80,7 +87,7 @@ $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps:
 	touch $@
 
 $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps setup.py pyproject.toml \
-		$(PKG_DIRS:%=%/__init__.py)
+		$(PKG_DIRS:%=%/__init__.py) $(NATIVE_SOURCES)
 	$(@D)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -6,6 +6,7 @@ Socket-free: `encode_announce`/`encode_step` turn a queue item into wire frames 
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -17,6 +18,13 @@ import numpy as np
 
 from routing_replay.protocol import wire
 from routing_replay.producer.replay import Parts
+
+try:                    # setup.py builds it where a C compiler and Python's headers are (optional: numpy otherwise)
+    from routing_replay.producer import _gather
+except ImportError:
+    _gather = None
+# ROUTING_REPLAY_NATIVE=0: the numpy copy even where the C one is built (benchmarks side by side, tests)
+NATIVE = _gather is not None and os.environ.get("ROUTING_REPLAY_NATIVE", "1") != "0"
 
 
 class Announce(NamedTuple):
@@ -264,18 +272,44 @@ def out_pool() -> OutPool:
     return p
 
 
-def request_major(arrays: list, inverse: np.ndarray | None = None) -> np.ndarray:
+def request_major(arrays: list, inverse: np.ndarray | None = None, native: bool | None = None) -> np.ndarray:
     """Steps of n rows each (one (n, L, K) array per step) as one new C-order array, request-major: request i's rows
     of every step in a row, then request i + 1's; with `inverse`, request i goes to place inverse[i]. One copy, into
-    memory of this thread's OutPool."""
-    n = arrays[0].shape[0]
-    out = out_pool().empty((n, len(arrays), *arrays[0].shape[1:]), arrays[0].dtype)
-    if inverse is None:
+    memory of this thread's OutPool: in C (_gather: one sequential pass, streaming stores, the GIL released) where
+    it is built and the steps are C-contiguous arrays of one shape and dtype, else numpy. `native`: force one
+    (tests, benchmarks); None: NATIVE."""
+    a0 = arrays[0]
+    n = a0.shape[0]
+    out = out_pool().empty((n, len(arrays), *a0.shape[1:]), a0.dtype)
+    if (NATIVE if native is None else native) and n and a0.itemsize and _same_contiguous(arrays):
+        order = _ARANGE[:n] if inverse is None and n <= len(_ARANGE) else _order_of(inverse, n)
+        _gather.gather_rows(out, arrays, order, a0.nbytes // n)
+    elif inverse is None:
         np.stack(arrays, axis=1, out=out)
     else:
         for s, a in enumerate(arrays):
             out[inverse, s] = a
-    return out.reshape(n * len(arrays), *arrays[0].shape[1:])
+    return out.reshape(n * len(arrays), *a0.shape[1:])
+
+
+_ARANGE = np.arange(4096, dtype=np.int64)
+_ARANGE.flags.writeable = False
+
+
+def _same_contiguous(arrays: list) -> bool:
+    a0 = arrays[0]
+    shape, dtype = a0.shape, a0.dtype
+    return all(type(a) is np.ndarray and a.flags.c_contiguous and a.shape == shape and a.dtype == dtype
+               for a in arrays)
+
+
+def _order_of(inverse: np.ndarray | None, n: int) -> np.ndarray:
+    """The source row of each place: order[inverse[i]] = i (int64), or 0..n-1 without `inverse`."""
+    if inverse is None:
+        return np.arange(n, dtype=np.int64)
+    order = np.empty(n, np.int64)
+    order[inverse] = np.arange(n, dtype=np.int64)
+    return order
 
 
 def merge_coalesced_steps(items: Sequence[Step], row_shape: tuple, hints: OwnerHints | None = None) -> Step | None:

@@ -17,6 +17,7 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
+from routing_replay.producer import messages
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
@@ -552,8 +553,8 @@ class Sender:
         if a is None:
             return
         if a.first:
-            log.info("producer %s: broker answered at %s in %d ms", self.cfg.producer_id, self.cfg.endpoint,
-                     round(a.after_s * 1000))
+            log.info("producer %s: broker answered at %s in %d ms copy=%s", self.cfg.producer_id, self.cfg.endpoint,
+                     round(a.after_s * 1000), "native" if messages.NATIVE else "numpy")
         else:
             log.info("producer %s: broker at %s answered again after %.1fs of silence: unacked=%d",
                      self.cfg.producer_id, self.cfg.endpoint, a.after_s, len(self._replay))

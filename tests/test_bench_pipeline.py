@@ -178,12 +178,23 @@ def test_request_major_copy_ways_agree_with_the_producers_copy(capsys):
     rmc = load_script(SCRIPT.parent / "request_major_copy.py", "bench_request_major_copy")
     assert rmc.main(["--requests", "6", "--steps", "3", "--destinations", "2", "--repeat", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("3 steps x 6 requests x 768 B") and len(lines) == 1 + 2 * 4
     import numpy as np
     order = np.array([1, 0, 2])
     inverse = np.empty_like(order)
     inverse[order] = np.arange(3)
     arrs = [np.arange(3 * 48 * 8, dtype=np.int16).reshape(3, 48, 8) + 1000 * s for s in range(2)]
-    out = np.empty((3, 2, 48, 8), np.int16)
-    rmc.ways(order, inverse)["producer (grouped by owner)"](arrs, out)
-    assert np.array_equal(out[0, 1], arrs[1][1]) and np.array_equal(out[1, 0], arrs[0][0])
+    ways = rmc.ways(order, inverse, {id(arrs): np.concatenate([a.reshape(-1) for a in arrs])})
+    names = ["producer numpy (grouped by owner)", "np.stack, no grouping", "gather into a temporary, then copy",
+             "take, then copy", "memcpy of the same bytes"]
+    if rmc._gather is not None:
+        names = ["producer C, streaming (grouped by owner)", "producer C, memcpy per row", *names]
+    assert list(ways) == names
+    built = rmc._gather is not None
+    assert lines[0].startswith("3 steps x 6 requests x 768 B") and len(lines) == 1 + (not built) + 2 * len(names)
+    for name in names[:-1]:
+        if name == "np.stack, no grouping":
+            continue
+        out = np.zeros((3, 2, 48, 8), np.int16)
+        ways[name](arrs, out)
+        assert np.array_equal(out[0, 1], arrs[1][1]) and np.array_equal(out[1, 0], arrs[0][0]), name
+        assert np.array_equal(out[2, 1], arrs[1][2]) and np.array_equal(out[0, 0], arrs[0][1]), name

@@ -321,7 +321,9 @@ def test_a_reachable_broker_gives_one_startup_line(ctx, tmp_path, caplog):
     try:
         wait_for(lambda: any("broker answered" in r.getMessage() for r in caplog.records))
         lines = [r.getMessage() for r in caplog.records if "broker answered" in r.getMessage()]
-        assert len(lines) == 1 and re.search(r"broker answered at ipc://\S+ in \d+ ms$", lines[0]), lines
+        assert len(lines) == 1 and re.search(r"broker answered at ipc://\S+ in \d+ ms copy=", lines[0]), lines
+        from routing_replay.producer import messages
+        assert lines[0].endswith(f" copy={'native' if messages.NATIVE else 'numpy'}"), lines
         assert lines[0].startswith(f"producer {p.producer_id}: ")
         assert not _silence_lines(caplog)
     finally:

@@ -76,7 +76,7 @@ def venv() -> Path:
     stamp = v / ".installed"
     if not stamp.is_file() or not (v / "bin" / "python").is_file():
         _unusable(f"no wheel environment at {v}")
-    sources = [*_expected_files().values(), REPO / "setup.py", REPO / "pyproject.toml"]
+    sources = [*_expected_files().values(), *REPO.glob("*/_*.c"), REPO / "setup.py", REPO / "pyproject.toml"]
     newer = [str(p.relative_to(REPO)) for p in sources if p.stat().st_mtime > stamp.stat().st_mtime]
     if newer:
         _unusable(f"the wheel environment {v} is older than {', '.join(sorted(newer)[:3])}")
@@ -117,6 +117,20 @@ def test_console_script_and_module_run(venv, outside):
 PROBE = r"""
 import importlib.metadata as md, importlib.util, json, site, sys
 import routing_replay, routing_replay.engines.vllm_plugin as plugin
+
+def native():
+    # the producer's C copy as installed: built, used, and equal to the numpy copy on a decode merge's shape
+    import numpy as np
+    from routing_replay.producer import messages
+    if messages._gather is None:
+        return {"built": False}
+    rng = np.random.default_rng(0)
+    arrs = [rng.integers(0, 128, (256, 48, 8)).astype(np.int16) for _ in range(16)]
+    inverse = rng.permutation(256)
+    same = bool(np.array_equal(messages.request_major(arrs, inverse, native=True),
+                               messages.request_major(arrs, inverse, native=False)))
+    return {"built": True, "file": messages._gather.__file__, "used": messages.NATIVE, "same": same}
+
 eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "routing_replay"]
 loaded = [e.load() for e in eps]
 dist = md.distribution("routing-replay")
@@ -128,6 +142,7 @@ print(json.dumps({
     "loaded": [f"{f.__module__}.{f.__qualname__}" for f in loaded], "same": all(f is plugin.register for f in loaded),
     "script": [[e.name, e.value] for e in dist.entry_points if e.group == "console_scripts"],
     "files": [str(f) for f in dist.files], "version": dist.version, "requires": dist.requires,
+    "native": native(),
 }))
 """
 
@@ -173,6 +188,23 @@ def test_entry_points_load(probe):
     assert probe["script"] == [["routing-replay", f"{ROOT}.apps.cli:main"]], probe["script"]
     assert sorted(r.split(">")[0].split("=")[0].strip() for r in probe["requires"] if "extra ==" not in r) == \
         ["msgpack", "numpy", "pyzmq"], probe["requires"]
+
+
+def test_the_wheel_carries_the_producers_c_copy(probe, venv):
+    """setup.py's one extension (producer/_gather.c) is in the wheel where the machine that built it could compile
+    it, installed under routing_replay/producer/, used by the producer, and equal to its numpy reference."""
+    import shutil
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not (shutil.which(cc) and (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()):
+        pytest.skip("no C compiler or Python.h on this machine: the wheel was built without producer/_gather.c")
+    n = probe["native"]
+    assert n["built"], "the wheel has no routing_replay/producer/_gather extension though a C toolchain is here"
+    where = Path(n["file"]).resolve()
+    assert str(venv.resolve()) in str(where) and where.parent.name == "producer" and where.name.startswith("_gather")
+    assert n["used"] and n["same"], n
+    assert [f for f in probe["files"] if f.startswith(f"{ROOT}/producer/_gather")], "not in the wheel's RECORD"
 
 
 ENGINE = r"""
