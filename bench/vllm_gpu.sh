@@ -39,6 +39,16 @@ m.entry_points(group='vllm.general_plugins')))" 2>/dev/null; then
   export PYTHONPATH="$PYTHONPATH:$HOME/rr-meta"
 fi
 
+# the producer's C copy (producer/_gather.c): built in place where the checkout is not installed; numpy otherwise
+if ! python3 -c "from routing_replay.producer import _gather" 2>/dev/null; then
+  if python3 setup.py -q build_ext --inplace > "$OUT/build_ext.txt" 2>&1; then
+    echo "producer/_gather.c built in place"
+  else
+    echo "producer/_gather.c not built ($OUT/build_ext.txt): the producer copies with numpy"
+  fi
+fi
+python3 -c "from routing_replay.producer import messages as m; print('producer copy', 'native' if m.NATIVE else 'numpy')" \
+  2>&1 | tee -a "$OUT/env.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/env.txt"
 python3 -c "import sys, torch, transformers, vllm; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'vllm', vllm.__version__)" 2>&1 \
