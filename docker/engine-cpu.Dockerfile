@@ -19,6 +19,9 @@ COPY consumer ./consumer
 COPY replay ./replay
 COPY engines ./engines
 COPY apps ./apps
+# a C compiler for the producer's C copy (producer/_gather.c); this stage only: the image takes the wheel alone
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip wheel --no-cache-dir --no-deps -w /dist .
 
 FROM ${PYTHON_IMAGE}

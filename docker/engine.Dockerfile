@@ -5,11 +5,11 @@
 #   docker build -f docker/engine.Dockerfile -t routing-replay-engine .
 # The plugin supports vLLM 0.32.x and 0.25.1 (engines/vllm_plugin/plugin.py); keep the tag in that set.
 # Stage `wheel` builds the wheel; the image installs only that wheel (no source tree in it), and the checks below
-# import what was installed.
-ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+# import what was installed. The wheel is built in vLLM's own image: it carries the producer's C copy
+# (producer/_gather.c, compiled with that image's compiler for its Python), so it is tagged for that interpreter.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
-FROM ${PYTHON_IMAGE} AS wheel
+FROM ${VLLM_IMAGE} AS wheel
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY setup.py pyproject.toml README.md ./
