@@ -22,7 +22,7 @@ WHEEL_DIR := build/wheel
 PKG_DIRS := $(patsubst %/__init__.py,%,$(filter-out tests/__init__.py,$(wildcard */__init__.py)))
 PKG_SOURCES := $(shell find $(PKG_DIRS) \( -name '*.py' -o -name '*.c' \) -not -path '*/__pycache__/*')
 # the one C extension (setup.py, optional): `pip install -e .` builds it in place, again when its source changes
-NATIVE_SOURCES := $(wildcard */_*.c)
+NATIVE_SOURCES := $(filter %.c,$(PKG_SOURCES))
 # only the engine's environment goes in: test tools and the fuzzer stay in .venv
 WHEEL_VENV_SKIP := atheris|pytest|hypothesis|iniconfig|pluggy|sortedcontainers
 

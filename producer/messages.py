@@ -282,18 +282,13 @@ def request_major(arrays: list, inverse: np.ndarray | None = None, native: bool 
     n = a0.shape[0]
     out = out_pool().empty((n, len(arrays), *a0.shape[1:]), a0.dtype)
     if (NATIVE if native is None else native) and n and a0.itemsize and _same_contiguous(arrays):
-        order = _ARANGE[:n] if inverse is None and n <= len(_ARANGE) else _order_of(inverse, n)
-        _gather.gather_rows(out, arrays, order, a0.nbytes // n)
+        _gather.gather_rows(out, arrays, _order_of(inverse, n), a0.nbytes // n)
     elif inverse is None:
         np.stack(arrays, axis=1, out=out)
     else:
         for s, a in enumerate(arrays):
             out[inverse, s] = a
     return out.reshape(n * len(arrays), *a0.shape[1:])
-
-
-_ARANGE = np.arange(4096, dtype=np.int64)
-_ARANGE.flags.writeable = False
 
 
 def _same_contiguous(arrays: list) -> bool:

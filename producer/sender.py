@@ -17,9 +17,8 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
-from routing_replay.producer import messages
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
-from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
+from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
                                               encode_announce, encode_step, encode_steps, escaped_id, lost_body,
                                               step_rows, token_frames, with_lost, SAFE_ENTRIES,
@@ -554,7 +553,7 @@ class Sender:
             return
         if a.first:
             log.info("producer %s: broker answered at %s in %d ms copy=%s", self.cfg.producer_id, self.cfg.endpoint,
-                     round(a.after_s * 1000), "native" if messages.NATIVE else "numpy")
+                     round(a.after_s * 1000), "native" if NATIVE else "numpy")
         else:
             log.info("producer %s: broker at %s answered again after %.1fs of silence: unacked=%d",
                      self.cfg.producer_id, self.cfg.endpoint, a.after_s, len(self._replay))

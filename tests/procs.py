@@ -159,3 +159,12 @@ def load_script(path, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def c_toolchain() -> bool:
+    """What setup.py needs to build its C extension (producer/_gather.c): a C compiler and Python.h."""
+    import shutil
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return bool(shutil.which(cc)) and os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h"))

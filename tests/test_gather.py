@@ -7,8 +7,6 @@ built it), the module must be there: a build that silently fell back to numpy fa
 from __future__ import annotations
 
 import os
-import shutil
-import sysconfig
 import threading
 import time
 
@@ -17,19 +15,14 @@ import pytest
 
 from routing_replay.producer import messages
 from routing_replay.producer.messages import request_major
+from tests.procs import c_toolchain
 
 _gather = messages._gather
 needs_c = pytest.mark.skipif(_gather is None, reason="producer/_gather.c is not built here (no C toolchain)")
 
 
-def toolchain() -> bool:
-    """What setup.py needs to build the extension: a C compiler and Python.h."""
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    return bool(shutil.which(cc)) and os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-
-
 def test_the_c_copy_is_built_where_it_can_be_and_the_producer_uses_it():
-    if not toolchain():
+    if not c_toolchain():
         pytest.skip("no C compiler or Python.h here: the producer copies with numpy")
     assert _gather is not None, "a C toolchain is here but producer/_gather.c was not built (`pip install -e .`)"
     assert messages.NATIVE == (os.environ.get("ROUTING_REPLAY_NATIVE", "1") != "0")

@@ -193,11 +193,9 @@ def test_entry_points_load(probe):
 def test_the_wheel_carries_the_producers_c_copy(probe, venv):
     """setup.py's one extension (producer/_gather.c) is in the wheel where the machine that built it could compile
     it, installed under routing_replay/producer/, used by the producer, and equal to its numpy reference."""
-    import shutil
-    import sysconfig
+    from tests.procs import c_toolchain
 
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if not (shutil.which(cc) and (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()):
+    if not c_toolchain():
         pytest.skip("no C compiler or Python.h on this machine: the wheel was built without producer/_gather.c")
     n = probe["native"]
     assert n["built"], "the wheel has no routing_replay/producer/_gather extension though a C toolchain is here"
