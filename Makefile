@@ -36,7 +36,7 @@ VLLM_ENVS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/vllm-envs
 VLLM_TEST_FILES := $(filter-out tests/test_vllm_gpu.py,$(wildcard tests/test_vllm_*.py))
 vllm_env = $(VLLM_ENVS)/$(1)-$(CHECKOUT_ID)
 
-.PHONY: venv wheel-venv run test test-gpu test-vllm-versions bench clean
+.PHONY: venv wheel-venv dist run test test-gpu test-vllm-versions bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -77,6 +77,15 @@ $(WHEEL_VENV)/.installed: $(WHEEL_VENV)/.deps $(PKG_SOURCES) setup.py pyproject.
 
 wheel-venv: $(WHEEL_VENV)/.installed
 
+# what a release uploads: the wheel (tagged for this interpreter: it carries the compiled producer copy) and the
+# sdist, which pip builds wherever no wheel fits, with or without a C compiler (tests/test_sdist.py installs it both
+# ways); both land in dist/
+dist: venv
+	rm -rf dist
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
+	$(BIN)/python -c "from setuptools import build_meta; build_meta.build_sdist('dist')"
+	ls -l dist
+
 $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps:
 	rm -rf $(@D)
 	$(PY) -m venv $(@D)
@@ -113,4 +122,4 @@ bench: venv
 	$(BIN)/python bench/pipeline.py
 
 clean:
-	rm -rf $(VENV) $(WHEEL_VENV) $(WHEEL_DIR) out .pytest_cache $(foreach v,$(VLLM_TEST_VERSIONS),$(call vllm_env,$(v)))
+	rm -rf $(VENV) $(WHEEL_VENV) $(WHEEL_DIR) dist out .pytest_cache $(foreach v,$(VLLM_TEST_VERSIONS),$(call vllm_env,$(v)))
