@@ -152,6 +152,44 @@ def test_the_runners_batch_read_directly_or_through_its_properties_gives_the_sam
     assert cap.stats.host_steps - h0 >= max(lens)   # (a prefill step, then a decode step per token but the last)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_steps_of_the_running_batch_enter_the_plugin_once_with_the_same_records(eng, skip):
+    """After an eager CPU step of the running batch (its router tensors handed over, _host_raw), a step that opens,
+    ends and preempts nothing skips pre_step: post_step does its work (_late_pre_step). Under churn (requests of
+    different lengths finishing, so pre_step runs again at each finish; new requests joining mid-way) every record
+    is exact either way; with the skip disarmed before every step (as if no step were of the running batch), none
+    is skipped."""
+    rnd = random.Random(22)
+    cap = eng.cap
+    st = cap.stats
+    lens = [rnd.randrange(3, 40) for _ in range(10)]
+    s0, p0 = st.steps, st.pre_skipped
+    e = eng.llm.llm_engine
+    prompts = [_tokens(rnd, rnd.randrange(10, 90)) for _ in lens]
+    sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
+    for i, (p, sp) in enumerate(zip(prompts[:6], sps[:6])):
+        e.add_request(f"once-{skip}-{i}", {"prompt_token_ids": p}, sp)
+    outs, steps = {}, 0
+    while e.has_unfinished_requests():
+        if not skip:
+            cap._host_next = False      # (the engine runs in this process: its next execute_model runs pre_step)
+        for out in e.step():
+            if out.finished:
+                outs[out.request_id] = out
+        steps += 1
+        if steps == 5:                  # four more join while the first six decode
+            for i, (p, sp) in enumerate(zip(prompts[6:], sps[6:]), 6):
+                e.add_request(f"once-{skip}-{i}", {"prompt_token_ids": p}, sp)
+    eng.check(list(outs.values()))
+    assert len(outs) == 10
+    skipped = st.pre_skipped - p0
+    if skip:
+        # decode steps that open or end nothing; at least the longest request's last steps alone
+        assert skipped >= max(lens) - sorted(lens)[-2] - 1 and skipped < st.steps - s0, (skipped, st.steps - s0)
+    else:
+        assert skipped == 0
+
+
 def test_trainer_fetches_from_the_embedded_consumer(eng):
     from routing_replay.consumer import TrainerClient
     rnd = random.Random(12)
@@ -196,15 +234,17 @@ def test_opted_out_requests_cost_no_copy_and_no_message(eng):
 
 
 def test_timing_counts_each_section_once_and_its_clocks_apart(eng):
-    """Benchmarks read WorkerStats.host_ns per step: pre_step is timed on every step, post_step only on steps that
-    publish rows (sentinel mode: nothing else to do), and the clocks' own cost is counted apart, inside it."""
+    """Benchmarks read WorkerStats.host_ns per step: pre_step is timed on every step it runs in (all but the steps of
+    the running batch after an eager CPU one, whose pre_step work post_step does: pre_skipped), post_step only on
+    steps that publish rows (sentinel mode: nothing else to do), and the clocks' own cost is counted apart, inside
+    it."""
     rnd = random.Random(13)
     st = eng.cap.stats
     eng.cap.timing = True
     try:
         def counters():
             return (st.steps, st.active_steps, st.rows, st.timed_sections, st.host_ns, st.clock_ns, st.host_wall_ns,
-                    st.clock_wall_ns)
+                    st.clock_wall_ns, st.pre_skipped)
 
         c0 = counters()
         eng.generate([_tokens(rnd, 40)], SamplingParams(max_tokens=10, extra_args={"return_routed_experts": False}))
@@ -216,11 +256,12 @@ def test_timing_counts_each_section_once_and_its_clocks_apart(eng):
     eng.check(out)
     d_out = [b - a for a, b in zip(c0, c1)]
     d_on = [b - a for a, b in zip(c1, c2)]
-    steps, active, rows, sections, host, clock, wall, clock_wall = d_out
-    assert steps >= 10 and (active, rows) == (0, 0) and sections == steps          # opted out: pre_step only
+    steps, active, rows, sections, host, clock, wall, clock_wall, skipped = d_out
+    assert steps >= 10 and (active, rows, skipped) == (0, 0, 0) and sections == steps      # opted out: pre_step only
     assert 0 < clock < host and 0 < clock_wall < wall
-    steps, active, rows, sections, host, clock, wall, clock_wall = d_on
-    assert (active, rows) == (10, 40 + 9) and sections == steps + active           # one prefill + 9 decode steps
+    steps, active, rows, sections, host, clock, wall, clock_wall, skipped = d_on
+    # one prefill + 9 decode steps; the 9 decode steps' pre_step work ran in their post_step (no section of its own)
+    assert (active, rows, skipped) == (10, 40 + 9, 9) and sections == steps + active - skipped
     assert 0 < clock < host and 0 < clock_wall < wall
 
 

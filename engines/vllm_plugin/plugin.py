@@ -7,7 +7,8 @@ without touching vLLM's files:
   vllm.v1.worker.gpu_worker.Worker (CPUWorker inherits it)
     load_model            after: bind the capture hooks, allocate the cache, start the producer (before
                           profiling and CUDA-graph capture, which come later in engine start-up)
-    execute_model         before/after: WorkerCapture.pre_step / post_step
+    execute_model         before/after: WorkerCapture.pre_step / post_step (pre_step's work in post_step for a
+                          step of the running batch after an eager CPU one: WorkerCapture._late_pre_step)
     compile_or_warm_up_model  around: the prefix store made (fill mode; before CUDA graphs are captured, so
                           they hold its write), capture paused (Model Runner V2 warms up with fake requests)
     reload_weights, wake_up, finish_weight_update
@@ -167,7 +168,13 @@ def _install_worker_hooks(cls) -> None:
         cap = self.__dict__.get(_ATTR)
         if cap is None:
             return orig_execute(self, scheduler_output, *args, **kwargs)
-        cap.pre_step(scheduler_output)
+        so = scheduler_output
+        # pre_step is left out after an eager CPU step of the running batch (_host_next) for a step that opens,
+        # ends, preempts and speculates nothing: post_step does its work (WorkerCapture._late_pre_step). Checked
+        # here, not in a method: entering the plugin is what this saves
+        if not cap._host_next or (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids
+                                  or so.scheduled_spec_decode_tokens):
+            cap.pre_step(so)
         out = orig_execute(self, scheduler_output, *args, **kwargs)
         cap.post_step(scheduler_output)
         return out

@@ -110,6 +110,7 @@ class WorkerStats:
     # of them (only while `timing`): quiet steps, where nothing opened, finished or was preempted (a steady decode
     # step: what one step of the batch costs, without the requests' opens and finishes)
     quiet_steps: int = 0
+    pre_skipped: int = 0            # steps whose pre_step work ran in post_step (WorkerCapture._late_pre_step)
     quiet_sections: int = 0
     quiet_host_ns: int = 0
     quiet_host_wall_ns: int = 0
@@ -860,6 +861,10 @@ class WorkerCapture:
         # a graph engine's step of the running batch (_ring_step): the last step went to the step ring by
         # reference and left nothing for the next pre_step but counting its forward (pre_step's first branch)
         self._steady = False
+        # an eager CPU step of the running batch went to the batch as its routers' tensors (_host_raw): the plugin's
+        # execute_model may leave pre_step out for the next step if it opens, ends and preempts nothing; post_step
+        # then does pre_step's work itself (_late_pre_step)
+        self._host_next = False
         self._ring_views = (-1, None, None, None, None, None)   # _read_batch: num_reqs, the runner's two arrays,
         #                                                         memoryviews of their step parts, dtypes
         self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
@@ -891,6 +896,7 @@ class WorkerCapture:
             raise RuntimeError(f"routing-replay: after {reason} the MoE layers are {ids} "
                                f"(top_k {layers[0].top_k if layers else None}); bound were {self.layer_ids} "
                                f"(top_k {self.cache.top_k})")
+        self._host_next = False                 # the next step's pre_step runs (it empties the new hooks' list)
         self.binding.layers = layers
         self.binding.bind()
         self.stats.rebinds += 1
@@ -1110,7 +1116,36 @@ class WorkerCapture:
 
     # ---- per step ----------------------------------------------------------------------------------------------
 
+    def _late_pre_step(self, so) -> None:
+        """pre_step's work, at post_step's start, for a step the plugin's execute_model left it out of: the last
+        step was an eager CPU step of the running batch handed over as its routers' tensors (_host_raw, which arms
+        `_host_next`) and this one opens, ends, preempts and speculates nothing (plugin.py). Then nothing pre_step
+        does has to precede the forward: the C hooks keep every layer's tensor whatever the binding says, in the
+        list the last post_step emptied. One entry into the plugin per step instead of two (inside vLLM's CPU
+        build each entry costs its cold cache lines; docs/PERFORMANCE.md, session 52). Here: pre_step's short
+        path where a captured request ran, else all of pre_step (which then lets go of nothing)."""
+        self._host_next = False
+        n = so.total_num_scheduled_tokens
+        tracked = self.tracked
+        if n and tracked and not tracked.keys().isdisjoint(so.num_scheduled_tokens):
+            self._steady = False
+            self.forwards += 1
+            self.active = True
+            st = self.stats
+            st.steps += 1
+            st.pre_skipped += 1
+            b = self.binding
+            b.calls, b.min_rows = 0, n
+            if self.timing:
+                self._quiet = True
+                st.quiet_steps += 1
+            return
+        self._steady = False            # pre_step's general path (no captured request runs: it lets go of nothing)
+        self.stats.pre_skipped += 1
+        self.pre_step(so)
+
     def pre_step(self, so) -> None:
+        self._host_next = False
         if self.warming:                # V2 start-up warm-up: fake requests, fake blocks; nothing to capture
             self.active = self.storing = False
             return
@@ -1373,6 +1408,8 @@ class WorkerCapture:
         self.stats.aborted += len(ends) - finished
 
     def post_step(self, so) -> None:
+        if self._host_next:
+            self._late_pre_step(so)
         active, storing = self.active, self.storing
         if not active and not storing:
             if self.store is not None:  # a step run outside the graphs whose last hook was lost ended without its
@@ -1597,6 +1634,7 @@ class WorkerCapture:
                        self.forwards)
         self.stats.host_steps += 1
         self._steady = True         # (post_step emptied the held list: the next pre_step may take its short path)
+        self._host_next = True      # (or the next step may leave pre_step out: _late_pre_step)
         self._stepped(batch, n, t0, w0)
 
     def _read_batch(self) -> tuple:
