@@ -61,13 +61,6 @@ def sdist(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def outside(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("outside")
-    assert REPO not in d.resolve().parents
-    return d
-
-
 def test_the_sdist_carries_every_source_and_nothing_built(sdist):
     with tarfile.open(sdist) as t:
         names = {m.name.split("/", 1)[1] for m in t.getmembers() if m.isfile()}

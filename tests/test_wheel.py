@@ -83,14 +83,6 @@ def venv() -> Path:
     return v
 
 
-@pytest.fixture(scope="module")
-def outside(tmp_path_factory) -> Path:
-    """A working directory outside the checkout."""
-    d = tmp_path_factory.mktemp("outside")
-    assert REPO not in d.resolve().parents
-    return d
-
-
 def _env(v: Path, **extra: str) -> dict:
     """The environment of a process of the wheel venv: PYTHONPATH and our own settings unset, its bin/ first."""
     env = {k: val for k, val in os.environ.items()
