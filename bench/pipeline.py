@@ -24,7 +24,8 @@ thread, and cProfile stats of its main thread, in DIR (BENCH_PROFILE=threads: th
 thread's Python).
 --batches N: each workload N times back to back as rollout batches (new request ids; each batch after the last
 one's records are out), the last one measured: N=2 is a long-running consumer's steady state, its record memory
-already faulted in (`--keep-mib`: the consumers' keep_bytes). Throughput, CPU and memory are the last batch's.
+already faulted in (`--keep-mib`: the consumers' keep_bytes). Throughput, CPU, memory and latency are the last
+batch's (`--workloads "" --batches 2`: the latency run alone, in a long-running consumer).
 --repeat N: each workload's chains N times, their order alternated, each repeat's ratios and their median printed.
 Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
        [--coalesce-bytes N] [--replay-mib N] [--batches N] [--keep-mib N] [--repeat N] [--profile DIR]
@@ -331,9 +332,11 @@ def consumer_proc(back, q, latency, stop, keep_bytes=None):
                     # every position an entry carries (a merged decode entry carries several steps)
                     starts = np.frombuffer(h[6]["start"], "<i4")
                     counts = np.frombuffer(h[6]["count"], "<i4")
+                    # (every arrival is kept: with --batches the same positions come once per batch, and
+                    # _latency takes each step's first arrival after the measured batch sent it)
                     for a, c in dict.fromkeys(zip(starts.tolist(), counts.tolist())):
                         for pos in range(a, a + c):
-                            recv_times.setdefault(pos, t)
+                            recv_times.setdefault(pos, []).append(t)
             state["held_peak"] = max(state["held_peak"], self.acc.bytes_held)
 
     def on_record(rec):
@@ -592,11 +595,14 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
 
 def _latency(send_times, recv_maps, n_steps):
     # decode workload: step i writes position i of every request; a delta may carry several steps (coalesced)
+    # each consumer's first arrival of step i at or after the measured batch sent it (an earlier batch's arrivals of
+    # the same position all precede it: a batch starts after the last one's records are out)
     per_step = {}
     for i in range(n_steps):
-        recv = [m[i] for m in recv_maps if i in m]
-        if len(recv) == len(recv_maps):
-            per_step[i] = (max(recv) - send_times[i]) * 1e3
+        sent = send_times[i]
+        recv = [next((t for t in m[i] if t >= sent), None) for m in recv_maps if i in m]
+        if len(recv) == len(recv_maps) and None not in recv:
+            per_step[i] = (max(recv) - sent) * 1e3
     lat = sorted(per_step.values())
     slowest = sorted(per_step, key=per_step.get, reverse=True)[:10]
     return {"n": len(lat), "p50_ms": round(statistics.median(lat), 3),
@@ -690,11 +696,13 @@ def main(argv=None) -> int:
                       flush=True)
     if not a.no_latency:
         lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes,
-                            replay_bytes=replay)
+                            replay_bytes=replay, batches=a.batches)
         results.append(lat)
         shown = {k: v for k, v in lat["latency"].items() if k != "per_step_ms"}
-        print(f"latency at 100k tokens/s offered (decode steps of 256): {shown} "
-              f"messages={lat['messages']} records={lat['records']}", flush=True)
+        print(f"latency at 100k tokens/s offered (decode steps of 256"
+              + (f", batch {a.batches}/{a.batches}" if a.batches > 1 else "") + f"): {shown} "
+              f"messages={lat['messages']} records={lat['records']} page_us={lat['page_us']} "
+              f"faults_k={lat['faults_k']}", flush=True)
     results.extend(ratios(results, workloads, a.repeat))
     for r in results:
         if r.get("summary"):

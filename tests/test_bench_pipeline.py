@@ -198,3 +198,37 @@ def test_request_major_copy_ways_agree_with_the_producers_copy(capsys):
         ways[name](arrs, out)
         assert np.array_equal(out[0, 1], arrs[1][1]) and np.array_equal(out[1, 0], arrs[0][0]), name
         assert np.array_equal(out[2, 1], arrs[1][2]) and np.array_equal(out[0, 0], arrs[0][1]), name
+
+
+def test_latency_takes_each_steps_first_arrival_after_the_measured_batch_sent_it():
+    """_latency with --batches 2: a consumer sees every position once per batch; a step's latency is the slowest
+    consumer's first arrival at or after its send time in the measured batch, never an earlier batch's arrival."""
+    bench = load_script(SCRIPT, "bench_pipeline")
+    send = {0: 10.0, 1: 10.5, 2: 11.0}
+    # consumer A: batch 1 at 1.x, batch 2 at 10.001, 10.502 (and again 10.9: a later message), 11.004
+    a = {0: [1.0, 10.001], 1: [1.5, 10.502, 10.9], 2: [2.0, 11.004]}
+    # consumer B: step 2 never arrived in the measured batch (only batch 1's)
+    b = {0: [1.1, 10.003], 1: [1.6, 10.501], 2: [2.1]}
+    lat = bench._latency(send, [a, b], 3)
+    assert lat["n"] == 2
+    assert lat["per_step_ms"] == [3.0, 2.0, -1.0]
+    assert lat["slowest"] == [(0, 3.0), (1, 2.0)]
+    assert (lat["p50_ms"], lat["max_ms"]) == (2.5, 3.0)
+
+
+def test_a_real_latency_run_measures_the_second_batch(tmp_path):
+    """bench/pipeline.py --workloads "" --quick --batches 2, really run: the latency run alone, its second batch
+    measured (200 decode steps of 256 requests, each batch's records delivered), every step timed."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "", "--quick", "--batches", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (r,) = json.loads(out.read_text())
+    assert (r["workload"], r["chain"], r["batches"], r["records"]) == ("decode", "ours", 2, 512)
+    lat = r["latency"]
+    assert lat["n"] == 200 and len(lat["per_step_ms"]) == 200
+    assert all(0 < x < 60_000 for x in lat["per_step_ms"]), lat["per_step_ms"]
+    assert "latency at 100k tokens/s offered (decode steps of 256, batch 2/2)" in p.stdout
