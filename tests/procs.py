@@ -161,6 +161,14 @@ def load_script(path, name: str):
     return mod
 
 
+def package_dirs() -> dict:
+    """Checkout folder of each installed package, by name: routing_replay/ itself and every top-level folder with an
+    __init__.py but tests/ (setup.py finds them the same way)."""
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    return {p.parent.name: p.parent for p in repo.glob("*/__init__.py") if p.parent.name != "tests"}
+
+
 def c_toolchain() -> bool:
     """What setup.py needs to build its C extension (producer/_gather.c): a C compiler and Python.h."""
     import shutil

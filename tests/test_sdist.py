@@ -2,7 +2,7 @@
 Python, another platform; the wheel is tagged for the interpreter that built it since it carries the producer's C
 copy, producer/_gather.c).
 
-The sdist is made by setuptools' own PEP 517 hook, the one `python -m build --sdist` and `make sdist` call, and
+The sdist is made by setuptools' own PEP 517 hook, the one `python -m build --sdist` and `make dist` call, and
 installed by pip outside the checkout twice:
 
   * with this machine's C toolchain: the C copy is compiled into the install, the producer uses it, and it equals
@@ -12,8 +12,9 @@ installed by pip outside the checkout twice:
 
 Each install then runs `python -m routing_replay synth` from outside the checkout, its interpreter started without
 `site` (-S: no .pth file runs, so this checkout's editable install cannot answer for a module the install lacks)
-and with only the install and this interpreter's site-packages (numpy, pyzmq, msgpack) on PYTHONPATH: a producer, an embedded broker and consumer, real sockets, every record checked (exit 0), and the
-producer's first line names the copy it runs (`copy=native` or `copy=numpy`).
+and with only the install and this interpreter's site-packages (numpy, pyzmq, msgpack) on PYTHONPATH: a producer,
+an embedded broker and consumer, real sockets, every record checked (exit 0), and the producer's first line names
+the copy it runs (`copy=native` or `copy=numpy`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import c_toolchain
+from tests.procs import c_toolchain, package_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +41,7 @@ def _package_sources() -> set:
     """Every file the installed package is built from, relative to the checkout: each package folder's modules
     (routing_replay/ and every top-level folder with an __init__.py but tests/) and C sources."""
     out = set()
-    for init in REPO.glob("*/__init__.py"):
-        folder = init.parent
-        if folder.name == "tests":
-            continue
+    for folder in package_dirs().values():
         for f in [*folder.rglob("*.py"), *folder.rglob("*.c")]:
             if "__pycache__" not in f.parts:
                 out.add(f.relative_to(REPO).as_posix())
@@ -84,7 +82,9 @@ inverse = rng.permutation(256)
 want = messages.request_major(arrs, inverse, native=False)
 same = None if messages._gather is None else bool(np.array_equal(messages.request_major(arrs, inverse, native=True),
                                                                   want))
-print(json.dumps({"file": routing_replay.__file__, "editable": [repr(f) for f in sys.meta_path if "editable" in repr(f)], "native": getattr(messages._gather, "__file__", None),
+print(json.dumps({"file": routing_replay.__file__,
+                  "editable": [repr(f) for f in sys.meta_path if "editable" in repr(f)],
+                  "native": getattr(messages._gather, "__file__", None),
                   "used": messages.NATIVE and messages._gather is not None, "same": same}))
 """
 
@@ -92,7 +92,8 @@ print(json.dumps({"file": routing_replay.__file__, "editable": [repr(f) for f in
 def _install(sdist: Path, target: Path, outside: Path, **env: str) -> tuple[dict, str]:
     """pip-install the sdist into `target` (no dependencies: this interpreter has them), then probe it and run
     `routing_replay synth` from `outside` with only `target` on PYTHONPATH. Returns (probe, synth's output)."""
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CC") and not k.startswith("ROUTING_REPLAY_")}
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "CC") and not k.startswith("ROUTING_REPLAY_")}
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--no-compile", "--target", str(target), str(sdist)],
                        cwd=outside, env={**base, **env}, capture_output=True, text=True, timeout=600)
@@ -107,8 +108,9 @@ def _install(sdist: Path, target: Path, outside: Path, **env: str) -> tuple[dict
     probe = json.loads(p.stdout.strip().splitlines()[-1])
     assert Path(probe["file"]).resolve() == (target / ROOT / "__init__.py").resolve(), probe["file"]
     assert not probe["editable"], probe
-    s = subprocess.run([sys.executable, "-S", "-m", ROOT, "synth", "--requests", "12", "--npz-dir", str(target.parent / "npz"),
-                        "--log-level", "info"], cwd=outside, env=run_env, capture_output=True, text=True, timeout=300)
+    s = subprocess.run([sys.executable, "-S", "-m", ROOT, "synth", "--requests", "12",
+                        "--npz-dir", str(target.parent / "npz"), "--log-level", "info"],
+                       cwd=outside, env=run_env, capture_output=True, text=True, timeout=300)
     out = s.stdout + s.stderr
     assert s.returncode == 0, f"synth from the sdist's install exited {s.returncode}:\n{out[-3000:]}"
     assert "requests=12 " in out and " wrong_or_missing=0 " in out, out[-2000:]

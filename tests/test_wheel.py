@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.procs import package_dirs
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,15 +50,10 @@ def wheel_venv() -> Path:
     return cache / "routing-replay" / f"wheel-venv-{hashlib.sha256(str(REPO).encode()).hexdigest()[:12]}"
 
 
-def _package_dirs() -> dict[str, Path]:
-    """Checkout folder of each installed package: routing_replay/ itself and every top-level package folder."""
-    return {p.parent.name: p.parent for p in REPO.glob("*/__init__.py") if p.parent.name != "tests"}
-
-
 def _expected_files() -> dict[str, Path]:
     """Installed path (routing_replay/...) -> checkout file, for every module the wheel must carry."""
     out = {}
-    for name, folder in _package_dirs().items():
+    for name, folder in package_dirs().items():
         prefix = ROOT if name == ROOT else f"{ROOT}/{name}"
         for f in folder.rglob("*.py"):
             if "__pycache__" not in f.parts:
