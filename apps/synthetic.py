@@ -96,6 +96,8 @@ class SyntheticEngine:
     steps: int = 0
     rows_published: int = 0
     log_every_s: float = 0.0
+    open_many: bool = True           # a step's new requests in one Producer.open_many (as the vLLM plugin); False:
+                                     # one Producer.open each
     finished: list = field(default_factory=list)
     aborted: list = field(default_factory=list)
 
@@ -107,11 +109,18 @@ class SyntheticEngine:
         step = 0
         t_log = time.monotonic()
         while waiting or running:
+            opens = []
             while waiting and len(running) < self.max_running and waiting[0].arrive_step <= step:
                 s = waiting.pop(0)
-                producer.open(s.request_id, prompt_len=s.prompt_len, num_cached_tokens=s.num_cached,
-                              prompt_token_ids=s.prompt_tokens())
+                opens.append((s.request_id, s.prompt_len, s.num_cached, s.prompt_tokens(), False))
                 running.append(_Live(s, computed=s.num_cached))
+            if self.open_many and opens:
+                failed = producer.open_many(opens)
+                if failed:
+                    raise failed[0][1]
+            else:
+                for rid, P, C, tokens, _ in opens:
+                    producer.open(rid, prompt_len=P, num_cached_tokens=C, prompt_token_ids=tokens)
             budget = self.token_budget
             ids, starts, counts, parts = [], [], [], []
             for r in running:

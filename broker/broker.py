@@ -35,14 +35,14 @@ from typing import Any, NamedTuple
 import zmq
 
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
-from routing_replay.broker.ownership import OpenMsg, Ownership
+from routing_replay.broker.ownership import OpenMsg, OpensEntry, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
 from routing_replay.protocol import memory, security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
 
 log = logging.getLogger("routing_replay.broker")
 
-DATA_KINDS = frozenset({"delta", "open", "finish", "abort"})
+DATA_KINDS = frozenset({"delta", "open", "opens", "finish", "abort"})
 MAX_CONSUMERS = 1024
 MAX_UNACKED_PER_LINK = 1 << 20       # parts sent to one consumer and not acked; beyond it the link is dropped
 MAX_FRONTEND_BURST = 10_000          # frontend messages handled before the loop looks at the backend again
@@ -58,6 +58,8 @@ class BrokerStats:
     deltas_split: int = 0
     split_gathered: int = 0           # owners' shares of split deltas that had to be gathered (copied) from runs
     requests_opened: int = 0
+    opens_in: int = 0                 # `opens` messages (several requests' opens in one)
+    opens_unbatched: int = 0          # their entries sent as `open`s (to consumers that do not take `opens`)
     requests_closed: int = 0
     reassigned: int = 0
     owner_hints_out: int = 0          # request -> owner group hints sent to producers (on their acks)
@@ -253,13 +255,14 @@ class Broker(ServiceThread):
     def log_stats(self) -> None:
         s = self.stats
         log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d split_gathered=%d owner_hints_out=%d "
-                 "open_requests=%d closing=%d consumers=%d "
+                 "opens_in=%d opens_unbatched=%d requests_opened=%d open_requests=%d closing=%d consumers=%d "
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d notices_resent=%d links_lost=%d "
                  "producers_lost=%d "
                  "aborted_for_lost_producer=%d refusals_out=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
-                 s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, len(self.ownership),
+                 s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, s.opens_in, s.opens_unbatched,
+                 s.requests_opened, len(self.ownership),
                  self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
@@ -320,6 +323,7 @@ class Broker(ServiceThread):
             log.info("broker consumer joined id=%s epoch=%d gen=%d consumers=%d restart_grace=%s", link.name,
                      h.epoch, link.gen, len(self._live), self._hold_all and bool(self._live))
         link.last_seen = now
+        link.takes_opens = wire.FEATURE_OPENS in wire.parse_takes(h)
 
     def _on_ack(self, link: ConsumerLink, ack: wire.LinkAck) -> None:
         self.stats.acks_in += 1
@@ -528,7 +532,7 @@ class Broker(ServiceThread):
                      h.epoch, u, len(self.intake))
         elif outcome is Hello.RECONNECTED:
             log.info("broker producer reconnected id=%s", h.producer[:64])
-        self._reply(ident, "heartbeat", h.producer, {"consumers": len(self._live)})
+        self._reply(ident, "heartbeat", h.producer, {"consumers": len(self._live), "takes": wire.TAKES})
 
     def _ask_rewind(self, ps: ProducerIntake, force: bool = False) -> None:
         """Ask a producer to resend everything it has not had acked (once per gap, again after a while)."""
@@ -573,6 +577,8 @@ class Broker(ServiceThread):
     def _route(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         if h.kind == "delta":
             self._route_delta(h, frames, tok, ps)
+        elif h.kind == "opens":
+            self._route_opens(h, frames, tok, ps)
         else:
             self._route_request(h, frames, tok, ps)
 
@@ -607,6 +613,46 @@ class Broker(ServiceThread):
             ps.hints_due.pop(rid, None)
         if not self._send(owner, frames[1].buffer, frames[2:], tok):
             self._unaccept(tok)
+
+    def _route_opens(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
+        """Several requests' opens: each entry owned and kept as an `open` would be; each owner gets its entries
+        in one `opens` (the message as received when they all have one owner), or as `open`s if it does not take
+        `opens`."""
+        o, tokens = wire.parse_opens(h, frames[2:])
+        if self._hold_all:
+            return self._hold(h, frames, tok, ps)
+        self.stats.opens_in += 1
+        self.stats.requests_opened += len(o.request_ids)
+        opened = self.ownership.opened
+        by_owner: dict = {}
+        for i, rid in enumerate(o.request_ids):
+            link = self._owner_of(rid, ps)
+            opened(rid, ps, OpensEntry(h, o, tokens, i))
+            idx = by_owner.get(link)
+            if idx is None:
+                by_owner[link] = [i]
+            else:
+                idx.append(i)
+        if len(by_owner) == 1 and next(iter(by_owner)).takes_opens:
+            ok = self._send(next(iter(by_owner)), frames[1].buffer, frames[2:], tok)     # as received
+        else:
+            ok = all(self._send_opens(link, h, o, tokens, idx, tok) for link, idx in by_owner.items())
+        if not ok:
+            self._unaccept(tok)
+
+    def _send_opens(self, link: ConsumerLink, h: wire.Header, o: wire.Opens, tokens, idx: list,
+                    tok: InFlight) -> bool:
+        """Entries `idx` of an opens to `link`: one `opens`, or one `open` each if it does not take `opens`."""
+        if link.takes_opens:
+            head, *rest = wire.subset_opens(h, o, tokens, idx)
+            return self._send(link, head, rest, tok)
+        self.stats.opens_unbatched += len(idx)
+        for i in idx:
+            e = o.open_at(i)
+            head = wire.pack_header("open", h.producer, h.epoch, h.seq, e.request_id, wire.open_body(e))
+            if not self._send(link, head, o.token_frames(i, tokens), tok):
+                return False
+        return True
 
     def _route_delta(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         d = wire.parse_delta(h)

@@ -45,13 +45,32 @@ class OpenMsg(NamedTuple):
         return wire.pack_header(h.kind, h.producer, h.epoch, h.seq, h.key, dict(h.body, reassigned=True))
 
 
+class OpensEntry(NamedTuple):
+    """One request's entry of an `opens` message (the message shared by its entries), kept to send a new owner
+    that request's open alone."""
+
+    header: wire.Header
+    opens: wire.Opens
+    tokens: Any               # the message's token ids (int32 array) or None
+    index: int
+
+    def reassigned_head(self) -> bytes:
+        h = self.header
+        o = self.opens.open_at(self.index)
+        return wire.pack_header("open", h.producer, h.epoch, h.seq, o.request_id, wire.open_body(o, True))
+
+    @property
+    def frames(self) -> list:
+        return self.opens.token_frames(self.index, self.tokens)
+
+
 class Owner(NamedTuple):
     """The link that owns a request; when its earlier owner was lost, `reassigned` and the open message to send the
     new owner first (None if the request's open was never seen)."""
 
     link: Any
     reassigned: bool = False
-    reopen: OpenMsg | None = None
+    reopen: OpenMsg | OpensEntry | None = None
 
 
 class Owners(NamedTuple):

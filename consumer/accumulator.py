@@ -58,6 +58,18 @@ class AccumulatorStats:
     materialized: int = 0       # adopted rows copied into the arena after all (another message touched them)
 
 
+class OpensRefused(wire.ProtocolError):
+    """Entries of an `opens` this consumer refused (the message's other entries were applied): `failed` holds
+    (request id, ProtocolError) of each, `request_ids` their ids."""
+
+    def __init__(self, failed: list):
+        first = failed[0][1]
+        super().__init__(first.reason, f"{len(failed)} of an opens' entries refused; the first, {failed[0][0][:64]!r}: "
+                         f"{first}")
+        self.failed = failed
+        self.request_ids = [rid for rid, _ in failed]
+
+
 class _Ending(NamedTuple):
     """How a request ended, as its finish, abort or timeout said: what `_build` turns into a Record."""
 
@@ -320,6 +332,9 @@ class Accumulator:
             if self._open(o, frames, now, key) and h.body.get("reassigned"):
                 self.mark(o.request_id, "consumer_lost", now)
             return []
+        if kind == "opens":
+            self._opens(*wire.parse_opens(h, frames), now, key)
+            return []
         if kind == "finish":
             return self._finish(wire.parse_finish(h), frames, now, key)
         if kind == "abort":
@@ -358,11 +373,26 @@ class Accumulator:
         """True if `new` (producer, epoch, seq) is a re-send of something at or before `key` (same producer)."""
         return key is not None and key[0] == new[0] and key[1] == new[1] and new[2] <= key[2]
 
-    def _open(self, o: wire.Open, frames: list, now: float, key: tuple) -> bool:
-        """Apply an open; False if it was a re-sent open of a request already closed (counted, ignored)."""
+    def _opens(self, o: wire.Opens, tokens: np.ndarray | None, now: float, key: tuple) -> None:
+        """Apply the entries of an `opens` one by one, as their `open`s would be; an entry this consumer refuses
+        (too large, a shape that differs from its rows so far) leaves the others applied: OpensRefused names
+        it (and the message's other refused entries)."""
+        failed = []
+        for i, rid in enumerate(o.request_ids):
+            t = o.tokens_of(i, tokens)
+            try:
+                self._open(o.open_at(i), (), now, key, None if t is None else t.copy())
+            except wire.ProtocolError as e:
+                failed.append((rid, e))
+        if failed:
+            raise OpensRefused(failed)
+
+    def _open(self, o: wire.Open, frames: list | tuple, now: float, key: tuple,
+              tokens: np.ndarray | None = None) -> bool:
+        """Apply an open; False if it was a re-sent open of a request already closed (counted, ignored). `tokens`:
+        its prompt token ids, taken out of an `opens` already (else they are read from `frames`)."""
         self._check_size(o.request_id, o.prompt_len, o.num_layers, o.top_k, "open")
-        tokens = None
-        if o.n_prompt_tokens:
+        if o.n_prompt_tokens and tokens is None:
             if len(frames) != 1:
                 raise wire.ProtocolError("frame_count", f"open announces {o.n_prompt_tokens} prompt tokens "
                                          f"but has {len(frames)} payload frames")

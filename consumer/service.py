@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator
+from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator, OpensRefused
 from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
@@ -32,7 +32,7 @@ from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
 
-DATA_KINDS = frozenset({"open", "delta", "finish", "abort", "refused"})
+DATA_KINDS = frozenset({"open", "opens", "delta", "finish", "abort", "refused"})
 TRAINER_SNDHWM = 8             # records queued to one trainer connection; beyond it they stay in the store
 BURST_MAX_MSGS = 1000          # broker messages read in one go before acks and timers get their turn
 TICK_INTERVAL_S = 0.1          # grace periods, timeouts, fetch waiters, write backlog
@@ -121,6 +121,10 @@ class Consumer(ServiceThread):
 
     All sockets are created and used by the thread that calls `run()` (or the one `start()` makes).
     """
+
+    # the optional data kinds it tells the broker it takes (wire.TAKES); without "opens" the broker sends it the
+    # entries of an opens as open messages (what a consumer of an earlier version gets)
+    takes: list = wire.TAKES
 
     def __init__(self, connect: str, *, consumer_id: str | None = None, npz_dir: str | None = None,
                  shard_size: int = 0, serve: str | None = None, context: zmq.Context | None = None,
@@ -317,7 +321,7 @@ class Consumer(ServiceThread):
             self._update_intake()
             timers.tick = now + TICK_INTERVAL_S
         if now >= timers.heartbeat:
-            self._send_ctl(dealer, "heartbeat", {"broker": self.link.bepoch})
+            self._send_ctl(dealer, "heartbeat", {"broker": self.link.bepoch, "takes": self.takes})
             timers.heartbeat = now + self.heartbeat_interval_s
         if self.progress is not None and self.writer is not None:
             self.progress.maybe(self.writer.records, self.writer.rows, self.writer.bytes, self.acc.in_flight)
@@ -350,7 +354,7 @@ class Consumer(ServiceThread):
     def _send_ctl(self, sock: zmq.Socket, kind: str, body: dict | None = None) -> None:
         self._seq += 1
         if body is None:
-            body = {"broker": self.link.bepoch} if kind == "hello" else {}
+            body = {"broker": self.link.bepoch, "takes": self.takes} if kind == "hello" else {}
         try:
             sock.send_multipart([wire.pack_header(kind, self.consumer_id, self.epoch, self._seq, self.consumer_id,
                                                   body)], zmq.NOBLOCK)
@@ -417,6 +421,11 @@ class Consumer(ServiceThread):
                 return
             taken = True
             recs = self.acc.apply(h, frames[1:], now)
+        except OpensRefused as e:         # entries of an opens: each counted as the open it stands for
+            for rid, err in e.failed:
+                self._count_bad(err.reason, err)
+            self._mark_damaged(e.request_ids, e.reason, h.link)
+            return
         except wire.ProtocolError as e:
             self._count_bad(e.reason, e)
             if taken:

@@ -422,6 +422,31 @@ def encode_announce(item: Announce, producer_id: str, epoch: int, seq: int) -> E
     return Encoded(Parts(item.kind, (item.request_id,)), [head, *extra], 0)
 
 
+def encode_opens(items: list, producer_id: str, epoch: int, seq: int) -> Encoded:
+    """Several requests' open Announces (distinct ids, token ids already int32 arrays, one producer's geometry) as
+    one `opens` message."""
+    first = items[0].body
+    L, K, layer_ids = first["num_layers"], first["top_k"], first["layer_ids"]
+    ids, P, C, NT, filled, toks = [], [], [], [], [], []
+    for it in items:
+        b = it.body
+        if b["num_layers"] != L or b["top_k"] != K or b["layer_ids"] != layer_ids:
+            raise ValueError(f"opens of one message must share num_layers, top_k and layer_ids; "
+                             f"{escaped_id(it.request_id)} differs")
+        ids.append(it.request_id)
+        P.append(b["prompt_len"])
+        C.append(b["num_cached"])
+        filled.append(b.get("prefix_filled", False))
+        t = it.frames[0] if it.frames else None
+        NT.append(0 if t is None else len(t))
+        if t is not None and len(t):
+            toks.append(t)
+    body = wire.opens_body(P, C, L, K, layer_ids, NT if any(NT) else None, filled)
+    head = wire.pack_header("opens", producer_id, epoch, seq, ids, body)
+    extra = [memoryview(np.concatenate(toks).astype(wire.TOKEN_DTYPE, copy=False)).cast("B")] if toks else []
+    return Encoded(Parts("opens", ids), [head, *extra], 0)
+
+
 def kept_rows(rows: np.ndarray, counts: Sequence[int], keep: Sequence[bool]) -> np.ndarray:
     """The rows of the kept request parts, in order (one copy)."""
     pieces, at = [], 0

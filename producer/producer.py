@@ -52,6 +52,8 @@ class ProducerStats:
     owner_hints: int = 0        # request -> owner group hints received (the broker's acks; messages.OwnerHints)
     merged_steps: int = 0       # publish_rows steps that queued up and went out merged (messages.merge_coalesced_steps)
     split_steps: int = 0        # steps too large for one delta, sent as several (messages.split_step)
+    opens_msgs: int = 0         # `opens` messages: several requests' opens in one (open_many, or open() calls
+                                # queued one behind the other), when the broker takes them
 
 
 def _positions(values: Any, name: str) -> Any:

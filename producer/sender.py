@@ -20,7 +20,7 @@ from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
-                                              encode_announce, encode_step, encode_steps, escaped_id, lost_body,
+                                              encode_announce, encode_opens, encode_step, encode_steps, escaped_id, lost_body,
                                               step_rows, token_frames, with_lost, SAFE_ENTRIES,
                                               delta_rows_limit, header_too_long, oversized, split_step)
 from routing_replay.producer.replay import ReplayBuffer
@@ -89,6 +89,7 @@ class Sender:
         self.failure: BaseException | None = None
         self.hints = OwnerHints()            # owner groups from the broker's acks (this thread only)
         self._max_rows = delta_rows_limit(cfg.row_bytes)     # the most rows one delta may carry
+        self.broker_takes_opens = False      # the broker's replies say it takes `opens` (else opens go one by one)
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"rr-producer-{cfg.producer_id}", daemon=True)
 
@@ -224,10 +225,19 @@ class Sender:
                 self._stopping = True
             elif type(item) is Announces:           # Producer.open_many / end_many: built here, in order
                 built = item.build(item.items)      # (an item it cannot build is logged, counted, left out)
-                for a in built:
-                    self._intake(a)
+                if self.broker_takes_opens and len(built) > 1 and all(a.kind == "open" for a in built):
+                    self._intake_opens(built)
+                else:
+                    for a in built:
+                        self._intake(a)
                 for _ in range(len(item.items) - len(built)):
                     self._ledger.taken(0)
+            elif type(item) is Announce and item.kind == "open" and self.broker_takes_opens:
+                batch, stash = self._more_opens(item)
+                if len(batch) == 1:
+                    self._intake(item)
+                else:
+                    self._intake_opens(batch)
             elif isinstance(item, Step):
                 batch, stash = self._more_steps(item)
                 if len(batch) == 1:
@@ -266,6 +276,70 @@ class Sender:
         if cut:
             self._ledger.shrunk(cut * self.cfg.row_bytes)
         return step
+
+    def _more_opens(self, first: Announce) -> tuple[list, Any]:
+        """`first` and the single opens queued right behind it (Producer.open called in a loop), up to one
+        `opens` message's worth; the first other item taken is returned to be handled next."""
+        batch = [first]
+        while len(batch) < wire.MAX_OPENS_PER_MESSAGE:
+            try:
+                nxt = self._q.get_nowait()
+            except queue.Empty:
+                return batch, None
+            if type(nxt) is not Announce or nxt.kind != "open":
+                return batch, nxt
+            batch.append(nxt)
+        return batch, None
+
+    def _intake_opens(self, items: list) -> None:
+        """Several requests' opens into the replay buffer as `opens` messages (each ends its queue item's count):
+        at most MAX_OPENS_PER_MESSAGE entries and OPENS_ID_CHARS characters of ids each, a request id at most once
+        in one (a second open of an id starts the next message)."""
+        chunk: list = []
+        ids: set = set()
+        chars = 0
+        try:
+            for item in items:
+                item, bad = token_frames(item)
+                if bad is not None:
+                    self.stats.token_ids_dropped += 1
+                    log.warning("producer %s sends the open of request %s without its token ids (%s); "
+                                "token_ids_dropped=%d", self.cfg.producer_id, escaped_id(item.request_id), bad,
+                                self.stats.token_ids_dropped)
+                n = len(item.request_id)
+                if chunk and (item.request_id in ids or len(chunk) >= wire.MAX_OPENS_PER_MESSAGE
+                              or chars + n > wire.OPENS_ID_CHARS):
+                    self._keep_opens(chunk)
+                    chunk, ids, chars = [], set(), 0
+                chunk.append(item)
+                ids.add(item.request_id)
+                chars += n
+            if chunk:
+                self._keep_opens(chunk)
+        finally:
+            for _ in items:
+                self._ledger.taken(0)
+
+    def _keep_opens(self, chunk: list) -> None:
+        if len(chunk) == 1:
+            item = chunk[0]
+            try:
+                enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
+            except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
+                self._book.refuse(item.request_id)
+                self._encode_failed("open", 1, e)
+                return
+            self._keep(enc)
+            return
+        try:
+            enc = encode_opens(chunk, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
+        except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
+            for item in chunk:
+                self._book.refuse(item.request_id)
+            self._encode_failed("opens", len(chunk), e)
+            return
+        self.stats.opens_msgs += 1
+        self._keep(enc)
 
     def _more_steps(self, first: Step) -> tuple[list, Any]:
         """`first` and the steps queued right behind it that fit one message (COALESCE_*); the first item taken
@@ -648,6 +722,12 @@ class Sender:
             self._book.refuse(p.request_ids[0])
             log.warning("producer %s: broker refused seq=%d kind=open request=%s; its later parts are dropped: %s",
                         self.cfg.producer_id, r.seq, escaped_id(p.request_ids[0]), r.reason)
+        elif p.kind == "opens":
+            for rid in p.request_ids:
+                self._book.refuse(rid)
+            log.warning("producer %s: broker refused seq=%d kind=opens requests=%d (the first %s); their later parts "
+                        "are dropped: %s", self.cfg.producer_id, r.seq, len(p.request_ids),
+                        escaped_id(p.request_ids[0]), r.reason)
         else:
             log.warning("producer %s: broker refused seq=%d kind=%s request=%s: %s", self.cfg.producer_id, r.seq,
                         p.kind, escaped_id(p.request_ids[0]), r.reason)
@@ -671,6 +751,7 @@ class Sender:
                     self.stats.broker_epochs += 1
                 if h.kind == "heartbeat":
                     self._broker_consumers = wire.parse_broker_hello(h) if "consumers" in h.body else None
+                    self.broker_takes_opens = wire.FEATURE_OPENS in wire.parse_takes(h)
                 elif h.kind == "ack":
                     if h.body.get("epoch") != self.cfg.epoch:
                         continue

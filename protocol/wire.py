@@ -28,6 +28,16 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
                                                   prefix_filled: the producer sends rows [0, num_cached) too (from
                                                   its prefix store); reassigned: added by the broker only
               frame 1 (when n_prompt_tokens is sent): the prompt token ids, n_prompt_tokens int32 LE
+    opens     key: list of request ids (distinct), the opens of several requests in one message: each entry is
+              what an `open` of that request would say. Sent only to a peer that takes it (FEATURE_OPENS in its
+              hello/heartbeat: broker -> producer reply, consumer -> broker); a peer that does not gets `open`s
+              {prompt_len: bin, num_cached: bin, num_layers, top_k[, layer_ids = range(num_layers)]
+               [, n_prompt_tokens: bin][, prefix_filled: bin]}
+              prompt_len, num_cached, n_prompt_tokens: int32 LE arrays, one entry per request id (n_prompt_tokens
+              absent: none sent); prefix_filled: one byte per request id, 0 or 1 (absent: all 0); num_layers,
+              top_k and layer_ids are every entry's
+              frame 1 (when any n_prompt_tokens entry is > 0): the prompt token ids of every entry, in key order,
+              sum(n_prompt_tokens) int32 LE
     delta     key: list of request ids
               {start: bin, count: bin, num_layers, top_k[, layer_lo = 0, layer_hi = num_layers]}
               start, count: int32 LE arrays as msgpack bin, one entry per request id; layer_lo and layer_hi
@@ -53,9 +63,10 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                 consumer -> broker      {broker = 0}
                 trainer -> consumer     {[subscribe: prefix]}   without subscribe: no subscription
     heartbeat   producer -> broker      {unacked_from = 1}
-                broker -> producer      {consumers = 0}   the reply to each producer hello/heartbeat; key: the
-                                                          producer id
-                consumer -> broker      {broker = 0}
+                broker -> producer      {consumers = 0[, takes = []]}   the reply to each producer hello/heartbeat;
+                                                          key: the producer id; takes: the optional data kinds it
+                                                          takes (FEATURE_OPENS)
+                consumer -> broker      {broker = 0[, takes = []]}   (hello too)
     bye         producer -> broker, consumer -> broker, trainer -> consumer: {}
     ack         broker -> producer      key: the producer id; {epoch, upto[, rewind][, expect][, hello]
                                         [, owners]} (ProducerAck, producer_ack_body, parse_producer_ack); upto = -1:
@@ -97,10 +108,18 @@ ROW_DTYPE = np.dtype("<i2")
 TOKEN_DTYPE = np.dtype("<i4")
 
 KINDS = frozenset({
-    "open", "delta", "finish", "abort", "refused",
+    "open", "opens", "delta", "finish", "abort", "refused",
     "hello", "heartbeat", "bye", "ack", "error",
     "fetch", "record",
 })
+
+# A data kind a peer takes only when it says so (`takes` in its hello/heartbeat body): peers of this protocol
+# version that do not say so get the same opens as `open` messages.
+FEATURE_OPENS = "opens"
+MAX_OPENS_PER_MESSAGE = 4096         # what a producer puts in one `opens` (a receiver takes up to
+                                     # MAX_REQUESTS_PER_DELTA)
+OPENS_ID_CHARS = 1 << 20             # and at most this many characters of request ids (the header stays far
+                                     # below MAX_HEADER_BYTES)
 
 # Limits on untrusted input. A message beyond any of them is refused before it allocates anything.
 MAX_HEADER_BYTES = 4 << 20
@@ -348,15 +367,7 @@ def _int32_array(v: Any, name: str, n: int, lo: int, hi: int) -> np.ndarray:
 
 
 def parse_delta(h: Header) -> Delta:
-    ids = h.key
-    if not isinstance(ids, list) or len(ids) > MAX_REQUESTS_PER_DELTA:
-        raise _bad("bad_field", f"delta key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
-    try:
-        "".join(ids)                      # C-speed check that every id is a str (lengths: the unpack limit)
-    except TypeError:
-        raise _bad("bad_request_id", "delta key holds a request id that is not a str") from None
-    if "" in ids:
-        raise _bad("bad_request_id", "empty request id in delta key")
+    ids = _id_list(h.key, "delta")
     b = h.body
     n = len(ids)
     starts = _int32_array(b.get("start"), "start", n, 0, MAX_POSITION)
@@ -462,6 +473,139 @@ def parse_open(h: Header) -> Open:
     if type(filled) is not bool:
         raise _bad("bad_field", f"prefix_filled must be a bool, got {type(filled).__name__}")
     return Open(rid, P, C, L, K, ids, nt, filled)
+
+
+@dataclass(slots=True)
+class Opens:
+    """A validated `opens` header: entry i is the open of request_ids[i] (open_at(i))."""
+
+    request_ids: list
+    prompt_len: np.ndarray    # int32, one per request
+    num_cached: np.ndarray    # int32
+    n_prompt_tokens: np.ndarray | None   # int32 (None: no token ids sent)
+    prefix_filled: np.ndarray | None     # bool (None: all False)
+    num_layers: int
+    top_k: int
+    layer_ids: list
+    token_offsets: np.ndarray | None     # int64, len + 1: entry i's ids are tokens[off[i]:off[i + 1]]
+
+    def open_at(self, i: int) -> Open:
+        return Open(self.request_ids[i], int(self.prompt_len[i]), int(self.num_cached[i]), self.num_layers,
+                    self.top_k, self.layer_ids,
+                    0 if self.n_prompt_tokens is None else int(self.n_prompt_tokens[i]),
+                    False if self.prefix_filled is None else bool(self.prefix_filled[i]))
+
+    @property
+    def n_tokens(self) -> int:
+        return 0 if self.token_offsets is None else int(self.token_offsets[-1])
+
+    def token_frames(self, i: int, tokens: np.ndarray | None) -> list:
+        """Entry i's payload frames as an `open` of its own: its token ids as bytes, or none."""
+        t = self.tokens_of(i, tokens)
+        return [] if t is None else [memoryview(t).cast("B")]
+
+    def tokens_of(self, i: int, tokens: np.ndarray | None) -> np.ndarray | None:
+        """Entry i's prompt token ids out of the message's token array (None when it sent none)."""
+        if self.n_prompt_tokens is None or tokens is None or not self.n_prompt_tokens[i]:
+            return None
+        return tokens[self.token_offsets[i]:self.token_offsets[i + 1]]
+
+
+def _id_list(ids: Any, kind: str) -> list:
+    """A data message's key as a list of request ids: at most MAX_REQUESTS_PER_DELTA non-empty str."""
+    if not isinstance(ids, list) or len(ids) > MAX_REQUESTS_PER_DELTA:
+        raise _bad("bad_field", f"{kind} key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
+    try:
+        "".join(ids)                      # C-speed check that every id is a str (lengths: the unpack limit)
+    except TypeError:
+        raise _bad("bad_request_id", f"{kind} key holds a request id that is not a str") from None
+    if "" in ids:
+        raise _bad("bad_request_id", f"empty request id in {kind} key")
+    return ids
+
+
+def parse_opens(h: Header, frames: Sequence = ()) -> tuple[Opens, np.ndarray | None]:
+    """An `opens` header and its payload frames: (the entries, every entry's token ids as one int32 array or
+    None). Raises ProtocolError for anything one `open` of an entry would be refused for, and for a repeated
+    request id or a payload that does not match the counts: the whole message then."""
+    ids = _id_list(h.key, "opens")
+    if len(set(ids)) != len(ids):
+        raise _bad("bad_field", "opens key repeats a request id")
+    b = h.body
+    n = len(ids)
+    P = _int32_array(b.get("prompt_len"), "prompt_len", n, 0, MAX_POSITION)
+    C = _int32_array(b.get("num_cached"), "num_cached", n, 0, MAX_POSITION)
+    if n and bool((C > P).any()):
+        i = int(np.argmax(C > P))
+        raise _bad("bad_field", f"num_cached={int(C[i])} exceeds prompt_len={int(P[i])} for {ids[i][:64]!r}")
+    L = int_field(b, "num_layers", 1, MAX_LAYERS)
+    K = int_field(b, "top_k", 1, MAX_TOP_K)
+    layer_ids = _layer_ids(b, L)
+    NT = offsets = None
+    if b.get("n_prompt_tokens") is not None:
+        NT = _int32_array(b["n_prompt_tokens"], "n_prompt_tokens", n, 0, MAX_POSITION)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(NT, out=offsets[1:])
+    filled = None
+    if b.get("prefix_filled") is not None:
+        raw = b["prefix_filled"]
+        if not isinstance(raw, bytes) or len(raw) != n:
+            raise _bad("bad_field", f"prefix_filled must be {n} bytes (msgpack bin), one per request id")
+        u = np.frombuffer(raw, np.uint8)
+        if n and int(u.max()) > 1:
+            raise _bad("bad_field", "prefix_filled bytes must be 0 or 1")
+        filled = u.astype(bool)
+    total = 0 if offsets is None else int(offsets[-1])
+    if len(frames) != (1 if total else 0):
+        raise _bad("frame_count", f"opens announces {total} prompt tokens but has {len(frames)} payload frames")
+    tokens = tokens_from_frame(frames[0], total, "prompt token") if total else None
+    return Opens(ids, P, C, NT, filled, L, K, layer_ids, offsets), tokens
+
+
+def opens_body(prompt_len: Sequence[int], num_cached: Sequence[int], num_layers: int, top_k: int,
+               layer_ids: Sequence[int] | None = None, n_prompt_tokens: Sequence[int] | None = None,
+               prefix_filled: Sequence[bool] | None = None) -> dict:
+    """The body of an `opens` (entries in key order); layer_ids None: range(num_layers)."""
+    body = {"prompt_len": _i32_bytes(prompt_len), "num_cached": _i32_bytes(num_cached), "num_layers": num_layers,
+            "top_k": top_k}
+    if layer_ids is not None:
+        body["layer_ids"] = list(layer_ids)
+    if n_prompt_tokens is not None:
+        body["n_prompt_tokens"] = _i32_bytes(n_prompt_tokens)
+    if prefix_filled is not None and any(prefix_filled):
+        body["prefix_filled"] = bytes(bytearray(1 if x else 0 for x in prefix_filled))
+    return body
+
+
+def open_body(o: Open, reassigned: bool = False) -> dict:
+    """The body of one `open` saying what `o` says (an `opens` entry sent as an `open`)."""
+    body = {"prompt_len": o.prompt_len, "num_cached": o.num_cached, "num_layers": o.num_layers, "top_k": o.top_k,
+            "layer_ids": o.layer_ids}
+    if o.n_prompt_tokens:
+        body["n_prompt_tokens"] = o.n_prompt_tokens
+    if o.prefix_filled:
+        body["prefix_filled"] = True
+    if reassigned:
+        body["reassigned"] = True
+    return body
+
+
+def subset_opens(h: Header, o: Opens, tokens: np.ndarray | None, idx: Sequence[int],
+                 link: Sequence[int] | None = None) -> list:
+    """[header, payload frames...] of an `opens` holding entries `idx` of `o` (in that order), same sender and seq
+    (the broker's split by owner)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    nt = None if o.n_prompt_tokens is None else o.n_prompt_tokens[idx]
+    body = opens_body(o.prompt_len[idx], o.num_cached[idx], o.num_layers, o.top_k, o.layer_ids, nt,
+                      None if o.prefix_filled is None else o.prefix_filled[idx])
+    if "layer_ids" not in h.body:
+        del body["layer_ids"]
+    ids = [o.request_ids[i] for i in idx.tolist()]
+    out = [pack_header("opens", h.producer, h.epoch, h.seq, ids, body, link)]
+    if nt is not None and int(nt.sum()):
+        off = o.token_offsets
+        out.append(memoryview(np.concatenate([tokens[off[i]:off[i + 1]] for i in idx.tolist()])).cast("B"))
+    return out
 
 
 @dataclass(slots=True)
@@ -637,6 +781,19 @@ def parse_producer_hello(h: Header) -> int:
 def parse_consumer_hello(h: Header) -> int:
     """consumer -> broker `hello`/`heartbeat`: the last broker epoch it got data from (0: none)."""
     return int_field(h.body, "broker", 0, _U63, 0)
+
+
+def parse_takes(h: Header) -> frozenset:
+    """The optional data kinds a peer's hello/heartbeat (or the broker's reply) says it takes (`takes`)."""
+    raw = h.body.get("takes")
+    if raw is None:
+        return frozenset()
+    if not isinstance(raw, list) or len(raw) > 64 or not all(type(x) is str for x in raw):
+        raise _bad("bad_field", "takes must be a list of at most 64 str")
+    return frozenset(raw)
+
+
+TAKES = [FEATURE_OPENS]        # what this version takes (sent in its hello/heartbeat bodies)
 
 
 def parse_broker_hello(h: Header) -> int:

@@ -37,7 +37,9 @@ VALUE = st.recursive(SCALAR, lambda c: st.one_of(st.lists(c, max_size=5),
 KINDS = st.sampled_from(sorted(wire.KINDS) + ["", "warp", "DELTA"])
 BODY_KEYS = ["prompt_len", "num_cached", "num_layers", "top_k", "layer_ids", "n_prompt_tokens", "start", "count",
              "layer_lo", "layer_hi", "num_output", "reason", "lost", "n_output_tokens", "timeout_ms", "subscribe",
-             "unacked_from", "link", "gap", "epoch", "upto", "rewind", "reassigned"]
+             "unacked_from", "link", "gap", "epoch", "upto", "rewind", "reassigned", "prefix_filled", "takes"]
+BIN_KEYS = ("start", "count", "prompt_len", "num_cached", "n_prompt_tokens", "prefix_filled")   # (int32 arrays in
+                                                                                                # a delta or opens)
 
 
 @st.composite
@@ -45,7 +47,7 @@ def bodies(draw):
     """Bodies with the field names the decoders look for and hostile values (huge numbers, wrong types)."""
     body = {}
     for k in draw(st.lists(st.sampled_from(BODY_KEYS), max_size=8, unique=True)):
-        if k in ("start", "count") and draw(st.booleans()):
+        if k in BIN_KEYS and draw(st.booleans()):
             n = draw(st.integers(0, 4))
             vals = draw(st.lists(BIG, min_size=n, max_size=n))
             body[k] = np.array([v % 2**32 for v in vals], dtype="<u4").view("<i4").tobytes()
@@ -94,11 +96,18 @@ def test_every_parser_raises_only_protocol_errors_and_never_allocates_from_claim
         h = wire.decode_header(frame)
     except wire.ProtocolError:
         return
-    for parse in (wire.parse_delta, wire.parse_open, wire.parse_finish, wire.parse_abort):
+    for parse in (wire.parse_delta, wire.parse_open, wire.parse_finish, wire.parse_abort, wire.parse_opens,
+                  wire.parse_takes):
         try:
-            out = parse(h)
+            out = parse(h, payload) if parse is wire.parse_opens else parse(h)
         except wire.ProtocolError:
             continue
+        if parse is wire.parse_opens:
+            o, tokens = out
+            assert len(o.request_ids) <= wire.MAX_REQUESTS_PER_DELTA
+            assert (0 if tokens is None else len(tokens)) * 4 == sum(len(f) for f in payload)
+            for i in range(len(o.request_ids)):
+                o.open_at(i)
         if parse is wire.parse_delta:
             assert out.total_rows <= wire.MAX_ROWS_PER_DELTA and len(out.request_ids) <= wire.MAX_REQUESTS_PER_DELTA
             try:

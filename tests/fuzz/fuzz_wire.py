@@ -43,6 +43,7 @@ TEMPLATES = [
     ["open", "p", 1, 1, "f-a", {"prompt_len": 6, "num_cached": 2, "num_layers": L, "top_k": K,
                                 "layer_ids": list(range(L))}],
     ["delta", "p", 1, 2, ["f-a", "f-b"], wire.delta_body([0, 3], [3, 2], L, K)],
+    ["opens", "p", 1, 1, ["f-c", "f-d"], wire.opens_body([4, 5], [0, 2], L, K, list(range(L)), None, [False, True])],
     # batched steps (a producer's coalesced queue, the vLLM plugin's 16-step batches): ids repeat, in position order
     ["delta", "p", 1, 2, ["f-a", "f-b", "f-a", "f-b", "f-a"], wire.delta_body([0, 3, 3, 5, 4], [3, 2, 1, 1, 1], L, K)],
     ["finish", "p", 1, 3, "f-a", {"num_output": 2, "reason": "stop", "prompt_len": 6, "num_cached": 2}],
@@ -70,7 +71,7 @@ def _message(data: bytes) -> tuple[bytes, list]:
             t[fdp.ConsumeIntInRange(0, len(t) - 1)] = value
         else:
             body = t[6]
-            names = sorted(body) + ["layer_lo", "layer_hi", "lost", "reassigned", "n_prompt_tokens"]
+            names = sorted(body) + ["layer_lo", "layer_hi", "lost", "reassigned", "n_prompt_tokens", "prefix_filled"]
             body[names[fdp.ConsumeIntInRange(0, len(names) - 1)]] = value
         try:
             head = msgpack.packb(t, use_bin_type=True)

@@ -1,0 +1,349 @@
+"""`opens`: several requests' opens in one message, producer -> broker -> consumer, and the peers that do not take it.
+
+The wire layout and its checks; the broker's split by owner on real sockets (an `opens` to a consumer that takes it,
+`open`s to one that does not, the message as received when one owner has every entry, a new owner's `open` after a
+consumer loss); the consumer applying entries one by one; and real processes end to end, records compared bit for
+bit with the synthetic engine's reference, with a broker or a consumer that does not take `opens`.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import zmq
+
+from routing_replay.apps.synthetic import SyntheticEngine, expected_record, workload
+from routing_replay.broker import Broker
+from routing_replay.consumer import Consumer
+from routing_replay.consumer.accumulator import Accumulator, OpensRefused
+from routing_replay.producer import Producer
+from routing_replay.protocol import wire
+from tests.procs import start_broker, start_consumer, wait_until
+from tests.test_broker import _ack, ids_for, recv
+
+L, K, E = 4, 2, 16
+
+
+# ---- wire ---------------------------------------------------------------------------------------------------------
+
+def _opens(ids, P, C, tokens=None, filled=None, seq=1, layer_ids=None, frames=None):
+    nt = None if tokens is None else [len(t) for t in tokens]
+    head = wire.pack_header("opens", "p", 3, seq, ids, wire.opens_body(P, C, L, K, layer_ids, nt, filled))
+    if frames is None:
+        frames = [] if not nt or not sum(nt) else [np.concatenate([np.asarray(t, np.int32) for t in tokens]).tobytes()]
+    return [head, *frames]
+
+
+def test_an_opens_entry_reads_as_the_open_of_its_request():
+    toks = [[5, 6, 7], [], [9]]
+    head, *frames = _opens(["a", "b", "c"], [3, 10, 1], [0, 4, 1], toks, [False, True, False], layer_ids=[1, 3, 5, 7])
+    o, tokens = wire.parse_opens(wire.decode_header(head), frames)
+    assert [o.open_at(i) for i in range(3)] == [
+        wire.Open("a", 3, 0, L, K, [1, 3, 5, 7], 3, False),
+        wire.Open("b", 10, 4, L, K, [1, 3, 5, 7], 0, True),
+        wire.Open("c", 1, 1, L, K, [1, 3, 5, 7], 1, False)]
+    assert o.tokens_of(0, tokens).tolist() == [5, 6, 7] and o.tokens_of(1, tokens) is None
+    assert o.tokens_of(2, tokens).tolist() == [9]
+    # the same entry as an open: wire.open_body, read back by parse_open
+    one = wire.decode_header(wire.pack_header("open", "p", 3, 1, "b", wire.open_body(o.open_at(1), True)))
+    assert wire.parse_open(one) == o.open_at(1) and one.body["reassigned"] is True
+    # a subset in another order (the broker's share for one owner)
+    sub_head, *sub_frames = wire.subset_opens(wire.decode_header(head), o, tokens, [2, 0])
+    s, st = wire.parse_opens(wire.decode_header(sub_head), sub_frames)
+    assert s.request_ids == ["c", "a"] and st.tolist() == [9, 5, 6, 7]
+    assert [s.open_at(i) for i in range(2)] == [o.open_at(2), o.open_at(0)]
+    # no token ids at all: no frame, no n_prompt_tokens
+    head, *frames = _opens(["x", "y"], [1, 2], [0, 0])
+    o, tokens = wire.parse_opens(wire.decode_header(head), frames)
+    assert frames == [] and tokens is None and o.open_at(1) == wire.Open("y", 2, 0, L, K, [0, 1, 2, 3], 0, False)
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("repeated-id", "bad_field"),
+    ("cached-over-prompt", "bad_field"),
+    ("short-array", "bad_field"),
+    ("token-frame-short", "size_mismatch"),
+    ("token-frame-missing", "frame_count"),
+    ("frame-without-tokens", "frame_count"),
+    ("filled-not-0-1", "bad_field"),
+    ("id-not-str", "bad_request_id"),
+])
+def test_a_malformed_opens_is_refused_with_a_reason(case, reason):
+    ids, P, C, toks = ["a", "b"], [4, 4], [0, 2], [[1, 2], [3]]
+    frames = None
+    if case == "repeated-id":
+        ids = ["a", "a"]
+    elif case == "cached-over-prompt":
+        C = [0, 5]
+    elif case == "token-frame-short":
+        frames = [np.array([1, 2], np.int32).tobytes()]
+    elif case == "token-frame-missing":
+        frames = []
+    elif case == "frame-without-tokens":
+        toks, frames = None, [b"\0\0\0\0"]
+    head, *frames = _opens(ids, P, C, toks, frames=frames)
+    h = wire.decode_header(head)
+    if case == "short-array":
+        h.body["prompt_len"] = h.body["prompt_len"][:4]
+    elif case == "filled-not-0-1":
+        h.body["prefix_filled"] = b"\x00\x02"
+    elif case == "id-not-str":
+        h.key = ["a", 7]
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.parse_opens(h, frames)
+    assert e.value.reason == reason
+
+
+# ---- broker, on real sockets --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def net():
+    """A broker, c1 that takes `opens`, c2 that does not (a consumer of an earlier version), a producer socket."""
+    ctx = zmq.Context()
+    b = Broker("inproc://of", "inproc://ob", context=ctx, heartbeat_interval_ms=100_000).start()
+    socks = []
+
+    def dealer(ep, ident=None):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if ident:
+            s.setsockopt(zmq.ROUTING_ID, ident)
+        s.connect(ep)
+        socks.append(s)
+        return s
+
+    consumers = {}
+    for cid, body in ((b"c1", {"takes": ["opens"]}), (b"c2", {})):
+        s = dealer("inproc://ob", cid)
+        s.send(wire.pack_header("hello", cid.decode(), 0, 0, cid.decode(), body))
+        consumers[cid] = s
+    prod = dealer("inproc://of")
+    prod.send(wire.pack_header("hello", "p", 3, 0, "p", {}))
+    h, _ = recv(prod)
+    assert h.kind == "heartbeat" and wire.parse_takes(h) == {"opens"}      # the broker says it takes them
+    wait_until(lambda: len(b._live) == 2, 5, "two consumers")
+    yield b, prod, consumers, dealer
+    for s in socks:
+        s.close(0)
+    b.close()
+    ctx.term()
+
+
+def _link_ack(sock, cid, h):
+    sock.send(wire.pack_header("ack", cid, 0, 0, "", wire.link_ack_body(wire.LinkAck(*h.link))))
+
+
+def test_the_broker_sends_each_owner_its_entries_as_opens_or_as_open_messages(net):
+    b, prod, consumers, _ = net
+    a_ids, b_ids = ids_for(b"c1", 3, "a"), ids_for(b"c2", 3, "b")
+    ids = [x for pair in zip(a_ids, b_ids) for x in pair]
+    P = [10 + i for i in range(6)]
+    C = [0, 3, 0, 0, 5, 1]
+    toks = [list(range(100 * i, 100 * i + i)) for i in range(6)]         # entry 0 has none
+    filled = [False, False, False, True, False, False]
+    prod.send_multipart(_opens(ids, P, C, toks, filled))
+    want = {rid: (wire.Open(rid, P[i], C[i], L, K, [0, 1, 2, 3], len(toks[i]), filled[i]), toks[i])
+            for i, rid in enumerate(ids)}
+    h, frames = recv(consumers[b"c1"])                        # one opens with c1's three entries, in key order
+    assert h.kind == "opens" and h.key == a_ids and h.seq == 1
+    o, t = wire.parse_opens(h, frames)
+    assert [(o.open_at(i), (o.tokens_of(i, t) if o.tokens_of(i, t) is not None else np.zeros(0)).tolist())
+            for i in range(3)] == [want[r] for r in a_ids]
+    for rid in b_ids:                                         # c2: one open per entry
+        h, frames = recv(consumers[b"c2"])
+        assert (h.kind, h.key, h.seq) == ("open", rid, 1)
+        assert wire.parse_open(h) == want[rid][0] and "reassigned" not in h.body
+        assert [np.frombuffer(f, np.int32).tolist() for f in frames] == ([want[rid][1]] if want[rid][1] else [])
+    assert not consumers[b"c2"].poll(50)
+    assert (b.stats.opens_in, b.stats.opens_unbatched, b.stats.requests_opened) == (1, 3, 6)
+    assert {r: b.ownership.owner[r].cid for r in ids} == {**{r: b"c1" for r in a_ids}, **{r: b"c2" for r in b_ids}}
+    # the producer's seq is acked once both owners acked their parts (c2: the last of its three opens)
+    _link_ack(consumers[b"c1"], "c1", wire.decode_header(b"\x98" + wire.pack_header(
+        "opens", "p", 3, 1, [], {})[1:] + wire._LINK_PACKER.pack([b.epoch, b.links[b"c1"].gen, 1])))
+    _link_ack(consumers[b"c2"], "c2", h)
+    assert _ack(prod) == (1, False)
+
+
+def test_opens_all_for_one_owner_that_takes_them_goes_as_received(net):
+    b, prod, consumers, _ = net
+    ids = ids_for(b"c1", 4, "s")
+    msg = _opens(ids, [3, 3, 3, 3], [0, 0, 1, 0], [[1], [2, 3], [], [4]])
+    prod.send_multipart(msg)
+    h, frames = recv(consumers[b"c1"])
+    assert h.kind == "opens" and h.key == ids and frames == msg[1:]
+    assert wire.pack_header(h.kind, h.producer, h.epoch, h.seq, h.key, h.body) == msg[0]
+    assert b.stats.opens_unbatched == 0 and not consumers[b"c2"].poll(50)
+
+
+def test_a_malformed_opens_is_refused_whole_and_the_stream_goes_on(net):
+    b, prod, consumers, _ = net
+    ids = ids_for(b"c1", 2, "m") + ids_for(b"c2", 2, "n")
+    prod.send_multipart(_opens(ids, [4] * 4, [0, 0, 9, 0]))           # num_cached > prompt_len in one entry
+    while True:
+        h, _ = recv(prod)
+        if h.kind == "error":
+            break
+    r = wire.parse_refusal(h)
+    assert (r.seq, r.epoch) == (1, 3) and r.reason.startswith("bad_field")
+    assert not consumers[b"c1"].poll(50) and not consumers[b"c2"].poll(10) and len(b.ownership) == 0
+    prod.send_multipart(_opens(ids, [4] * 4, [0, 0, 1, 0], seq=2))    # the next seq is taken
+    h, _ = recv(consumers[b"c1"])
+    assert (h.kind, h.key, h.seq) == ("opens", ids[:2], 2)
+    assert b.stats.dropped_bad == 1 and b.stats.opens_in == 1
+
+
+def test_a_new_owner_gets_a_batch_opened_requests_entry_as_an_open_marked_reassigned(net):
+    b, prod, consumers, dealer = net
+    rid = ids_for(b"c1", 1, "r")[0]
+    other = ids_for(b"c2", 1, "o")[0]
+    prod.send_multipart(_opens([rid, other], [6, 2], [2, 0], [[7, 8, 9, 10, 11, 12], [1, 2]]))
+    h, _ = recv(consumers[b"c1"])
+    assert (h.kind, h.key) == ("opens", [rid])
+    _link_ack(consumers[b"c1"], "c1", h)
+    h, _ = recv(consumers[b"c2"])
+    _link_ack(consumers[b"c2"], "c2", h)
+    assert _ack(prod) == (1, False)                           # both applied: nothing to resend
+    consumers[b"c1"].send(wire.pack_header("bye", "c1", 0, 0, "c1", {}))
+    wait_until(lambda: len(b._live) == 1, 5, "c1 lost")
+    rows = np.arange(4 * L * K, dtype=np.int16).reshape(4, L, K)
+    prod.send_multipart([wire.pack_header("delta", "p", 3, 2, [rid], wire.delta_body([2], [4], L, K)), rows.tobytes()])
+    h1, f1 = recv(consumers[b"c2"])
+    h2, f2 = recv(consumers[b"c2"])
+    assert (h1.kind, h1.key) == ("open", rid)
+    assert h1.body == {"prompt_len": 6, "num_cached": 2, "num_layers": L, "top_k": K, "layer_ids": [0, 1, 2, 3],
+                       "n_prompt_tokens": 6, "reassigned": True}
+    assert np.frombuffer(f1[0], np.int32).tolist() == [7, 8, 9, 10, 11, 12]
+    assert (h2.kind, h2.key) == ("delta", [rid]) and f2[0] == rows.tobytes()
+    assert b.stats.reassigned == 1
+
+
+# ---- consumer -------------------------------------------------------------------------------------------------------
+
+def test_the_consumer_applies_each_entry_and_refuses_only_the_one_over_its_limits():
+    acc = Accumulator(finish_grace_s=0.0)
+    acc.max_positions = 100
+    toks = [[1, 2, 3], [4], [5, 6]]
+    head, *frames = _opens(["a", "big", "c"], [3, 500, 2], [0, 0, 1], toks)
+    with pytest.raises(OpensRefused) as e:
+        acc.apply(wire.decode_header(head), frames, 0.0)
+    assert e.value.request_ids == ["big"] and e.value.reason == "too_large"
+    assert set(acc.requests) == {"a", "c"} and acc.stats.opened == 2
+    rows = np.arange(5 * L * K, dtype=np.int16).reshape(5, L, K)
+    acc.apply(wire.decode_header(wire.pack_header("delta", "p", 3, 2, ["a", "c"], wire.delta_body([0, 1], [3, 2], L, K))),
+              [rows.tobytes()], 0.0)
+    recs = []
+    for i, (rid, g) in enumerate((("a", 1), ("c", 2))):          # (the last output token is never fed: -1)
+        h = wire.decode_header(wire.pack_header("finish", "p", 3, 3 + i, rid, {"num_output": g}))
+        recs += acc.apply(h, [], 1.0)
+    got = {r.request_id: r for r in recs}
+    assert set(got) == {"a", "c"}
+    assert got["a"].complete and got["a"].prompt_routed_experts.tolist() == rows[:3].tolist()
+    assert got["a"].prompt_token_ids.tolist() == [1, 2, 3]
+    assert got["c"].complete and got["c"].prompt_routed_experts[1:].tolist() == rows[3:4].tolist()
+    assert (got["c"].prompt_routed_experts[0] == -1).all() and got["c"].prompt_token_ids.tolist() == [5, 6]
+    assert got["c"].routed_experts[:1].tolist() == rows[4:5].tolist() and (got["c"].routed_experts[1] == -1).all()
+    assert got["a"].routed_experts.shape == (1, L, K) and (got["a"].routed_experts == -1).all()
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------------
+
+def _synth(endpoint, specs, open_many, context=None):
+    """The synthetic engine's requests through a real Producer: a step's new requests in one open_many (the vLLM
+    plugin's call) or open() each; returns the producer's stats."""
+    eng = SyntheticEngine(num_layers=L, top_k=K, num_experts=E, open_many=open_many)
+    with Producer(endpoint, num_layers=L, top_k=K, context=context) as p:
+        p.open("warm-up", prompt_len=1)             # the broker's first reply (and what it takes) comes first
+        p.abort("warm-up")
+        assert p.wait_acked(30)
+        eng.run(p, specs, seed=0)
+        assert p.flush(30) and p.stats.dropped_msgs == 0
+        return p.stats
+
+
+def _exact(specs, recs):
+    """Every finished request's record equals the reference bit for bit (rows and token ids); aborted: flagged."""
+    for s in specs:
+        r = recs[s.request_id]
+        if s.abort_at is not None:
+            assert not r.complete and r.reason == "abort", s.request_id
+        else:
+            assert r.equals(expected_record(s, L, K, E)), s.request_id
+            assert r.prompt_token_ids.tolist() == s.prompt_tokens().tolist()
+
+
+def _specs(prefix):
+    return [s for s in workload(48, seed=9, prefix=prefix)]
+
+
+@pytest.mark.parametrize("open_many", [True, False], ids=["open_many", "open-in-a-loop"])
+def test_processes_end_to_end_with_opens_give_exact_records(tmp_path, open_many):
+    from routing_replay.consumer import load_records
+    broker, fe, be = start_broker()
+    d1, d2 = tmp_path / "c1", tmp_path / "c2"
+    cs = [start_consumer(be, "--npz-dir", str(d), "--consumer-id", d.name) for d in (d1, d2)]
+    broker.wait_for(r"consumers=2")
+    try:
+        specs = _specs("e2e")
+        st = _synth(fe, specs, open_many)
+        assert st.opens_msgs > 0                    # several opens went as one message
+        wait_until(lambda: sum(1 for d in (d1, d2) for f in d.glob("*.npz") if not f.name.startswith("."))
+                   >= len(specs) + 1, 30, "records")
+        recs = {**load_records(d1), **load_records(d2)}
+        _exact(specs, recs)
+        assert len(list(d1.glob("e2e*.npz"))) > 5 and len(list(d2.glob("e2e*.npz"))) > 5
+    finally:
+        for p in cs + [broker]:
+            assert p.stop() == 0
+    assert any(m and int(m.group(1)) > 0 for m in
+               (__import__("re").search(r" opens_in=(\d+)", x) for x in broker.lines))
+
+
+class _OldConsumer(Consumer):
+    takes: list = []                                # a consumer of an earlier version: says nothing of opens
+    kinds: set = set()
+
+    def _on_broker_message(self, frames, now):
+        self.kinds.add(wire.decode_header(frames[0].buffer).kind)     # what it was sent
+        super()._on_broker_message(frames, now)
+
+
+class _OldBroker(Broker):
+    def _reply(self, ident, kind, key, body):       # a broker of an earlier version: replies without `takes`
+        body = {k: v for k, v in body.items() if k != "takes"}
+        return super()._reply(ident, kind, key, body)
+
+
+@pytest.mark.parametrize("old", ["consumer", "broker"])
+def test_a_peer_that_does_not_take_opens_gets_open_messages_and_the_records_are_exact(old):
+    ctx = zmq.Context()
+    b = (_OldBroker if old == "broker" else Broker)("inproc://e2f", "inproc://e2b", context=ctx).start()
+    got = {}
+    cons = [(_OldConsumer if old == "consumer" and i == 0 else Consumer)(
+        "inproc://e2b", context=ctx, consumer_id=f"k{i}", on_record=lambda r: got.__setitem__(r.request_id, r))
+        for i in range(2)]
+    for c in cons:
+        c.start()
+    try:
+        wait_until(lambda: len(b._live) == 2, 10, "two consumers")
+        specs = _specs(f"old-{old}")
+        st = _synth("inproc://e2f", specs, True, ctx)
+        wait_until(lambda: len(got) >= len(specs) + 1, 30, "records")
+        _exact(specs, got)
+        if old == "broker":
+            assert st.opens_msgs == 0 and b.stats.opens_in == 0     # one open per request
+        else:
+            assert st.opens_msgs > 0 and b.stats.opens_in > 0 and b.stats.opens_unbatched > 0
+            mine = sum(1 for rid in [s.request_id for s in specs] + ["warm-up"] if _owner_name(rid) == "k0")
+            assert 0 < b.stats.opens_unbatched <= mine and cons[0].acc.stats.opened == mine
+            assert "open" in _OldConsumer.kinds and "opens" not in _OldConsumer.kinds
+        assert not any(sum(c.bad.values()) for c in cons)          # nobody got a message it could not read
+    finally:
+        for c in cons:
+            c.close()
+        b.close()
+        ctx.term()
+
+
+def _owner_name(rid):
+    from routing_replay.broker.ownership import rendezvous
+    return rendezvous(rid.encode(), [b"k0", b"k1"]).decode()
