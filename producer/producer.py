@@ -279,7 +279,8 @@ class Producer:
     def open_many(self, opens: Sequence[tuple], ids_checked: bool = False,
                   tokens_frozen: bool = False) -> list[tuple[int, Exception]]:
         """`open` for several requests in one call: one lock and one queue item for all of them, their messages
-        built on the producer's thread (an engine hands over a step's new requests so).
+        built on the producer's thread (an engine hands over a step's new requests so), as one `opens` message
+        when the broker takes it (opens queued one behind the other by `open` go so too).
 
         Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with
         int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem (the
