@@ -20,7 +20,8 @@ from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
-                                              encode_announce, encode_opens, encode_step, encode_steps, escaped_id, lost_body,
+                                              encode_announce, encode_opens, encode_step, encode_steps, escaped_id,
+                                              lost_body,
                                               step_rows, token_frames, with_lost, SAFE_ENTRIES,
                                               delta_rows_limit, header_too_long, oversized, split_step)
 from routing_replay.producer.replay import ReplayBuffer

@@ -9,10 +9,12 @@ from routing_replay.broker.ownership import rendezvous as _hrw
 from routing_replay.protocol import wire
 
 
-@pytest.fixture
-def net():
+def broker_net(front: str, back: str, hellos: dict):
+    """A broker on inproc `front`/`back` (started), a consumer DEALER per {consumer id: hello body}, a producer DEALER
+    that said hello as "p" epoch 3. Yields (broker, producer socket, {consumer id: socket}, dealer()), then closes
+    everything."""
     ctx = zmq.Context()
-    b = Broker("inproc://f", "inproc://b", context=ctx, heartbeat_interval_ms=100_000).start()
+    b = Broker(front, back, context=ctx, heartbeat_interval_ms=100_000).start()
     socks = []
 
     def dealer(ep, ident=None):
@@ -25,22 +27,30 @@ def net():
         return s
 
     consumers = {}
-    for cid in (b"c1", b"c2"):
-        s = dealer("inproc://b", cid)
-        s.send(wire.pack_header("hello", cid.decode(), 0, 0, cid.decode(), {}))
+    for cid, body in hellos.items():
+        s = dealer(back, cid)
+        s.send(wire.pack_header("hello", cid.decode(), 0, 0, cid.decode(), body))
         consumers[cid] = s
-    prod = dealer("inproc://f")
+    prod = dealer(front)
     prod.send(wire.pack_header("hello", "p", 3, 0, "p", {}))     # a producer announces its epoch first
     deadline = 200
-    while (len(b._live) < 2 or "p" not in b.producers) and deadline:
-        consumers[b"c1"].poll(10)
+    while (len(b._live) < len(hellos) or "p" not in b.producers) and deadline:
+        consumers[next(iter(consumers))].poll(10)
         deadline -= 1
-    assert len(b._live) == 2
-    yield b, prod, consumers
-    for s in socks:
-        s.close(0)
-    b.close()
-    ctx.term()
+    assert len(b._live) == len(hellos)
+    try:
+        yield b, prod, consumers, dealer
+    finally:
+        for s in socks:
+            s.close(0)
+        b.close()
+        ctx.term()
+
+
+@pytest.fixture
+def net():
+    for b, prod, consumers, _ in broker_net("inproc://f", "inproc://b", {b"c1": {}, b"c2": {}}):
+        yield b, prod, consumers
 
 
 def recv(sock):

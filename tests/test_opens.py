@@ -6,7 +6,6 @@ consumer loss); the consumer applying entries one by one; and real processes end
 bit with the synthetic engine's reference, with a broker or a consumer that does not take `opens`.
 """
 
-import logging
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from routing_replay.consumer.accumulator import Accumulator, OpensRefused
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire
 from tests.procs import start_broker, start_consumer, wait_until
-from tests.test_broker import _ack, ids_for, recv
+from tests.test_broker import _ack, broker_net, ids_for, recv
 
 L, K, E = 4, 2, 16
 
@@ -99,34 +98,11 @@ def test_a_malformed_opens_is_refused_with_a_reason(case, reason):
 @pytest.fixture
 def net():
     """A broker, c1 that takes `opens`, c2 that does not (a consumer of an earlier version), a producer socket."""
-    ctx = zmq.Context()
-    b = Broker("inproc://of", "inproc://ob", context=ctx, heartbeat_interval_ms=100_000).start()
-    socks = []
-
-    def dealer(ep, ident=None):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if ident:
-            s.setsockopt(zmq.ROUTING_ID, ident)
-        s.connect(ep)
-        socks.append(s)
-        return s
-
-    consumers = {}
-    for cid, body in ((b"c1", {"takes": ["opens"]}), (b"c2", {})):
-        s = dealer("inproc://ob", cid)
-        s.send(wire.pack_header("hello", cid.decode(), 0, 0, cid.decode(), body))
-        consumers[cid] = s
-    prod = dealer("inproc://of")
-    prod.send(wire.pack_header("hello", "p", 3, 0, "p", {}))
-    h, _ = recv(prod)
-    assert h.kind == "heartbeat" and wire.parse_takes(h) == {"opens"}      # the broker says it takes them
-    wait_until(lambda: len(b._live) == 2, 5, "two consumers")
-    yield b, prod, consumers, dealer
-    for s in socks:
-        s.close(0)
-    b.close()
-    ctx.term()
+    for b, prod, consumers, dealer in broker_net("inproc://of", "inproc://ob", {b"c1": {"takes": ["opens"]},
+                                                                               b"c2": {}}):
+        h, _ = recv(prod)
+        assert h.kind == "heartbeat" and wire.parse_takes(h) == {"opens"}      # the broker says it takes them
+        yield b, prod, consumers, dealer
 
 
 def _link_ack(sock, cid, h):
@@ -229,8 +205,8 @@ def test_the_consumer_applies_each_entry_and_refuses_only_the_one_over_its_limit
     assert e.value.request_ids == ["big"] and e.value.reason == "too_large"
     assert set(acc.requests) == {"a", "c"} and acc.stats.opened == 2
     rows = np.arange(5 * L * K, dtype=np.int16).reshape(5, L, K)
-    acc.apply(wire.decode_header(wire.pack_header("delta", "p", 3, 2, ["a", "c"], wire.delta_body([0, 1], [3, 2], L, K))),
-              [rows.tobytes()], 0.0)
+    delta = wire.pack_header("delta", "p", 3, 2, ["a", "c"], wire.delta_body([0, 1], [3, 2], L, K))
+    acc.apply(wire.decode_header(delta), [rows.tobytes()], 0.0)
     recs = []
     for i, (rid, g) in enumerate((("a", 1), ("c", 2))):          # (the last output token is never fed: -1)
         h = wire.decode_header(wire.pack_header("finish", "p", 3, 3 + i, rid, {"num_output": g}))
