@@ -97,9 +97,20 @@ class SyntheticEngine:
     rows_published: int = 0
     log_every_s: float = 0.0
     open_many: bool = True           # a step's new requests in one Producer.open_many (as the vLLM plugin); False:
-                                     # one Producer.open each
+                                     # one Producer.open each (finishes are one call each: the producer's thread
+                                     # puts those queued one behind the other in one message anyway)
     finished: list = field(default_factory=list)
     aborted: list = field(default_factory=list)
+
+    def _end(self, producer, ends: list) -> None:
+        """A step's finishes (with the prompt length and cache hits, so a consumer that missed the open can still
+        build the record) and aborts."""
+        for kind, rid, n, why, s in ends:
+            if kind == "abort":
+                producer.abort(rid)
+            else:
+                producer.finish(rid, num_output_tokens=n, finish_reason=why, prompt_len=s.prompt_len,
+                                num_cached_tokens=s.num_cached, output_token_ids=s.output_tokens())
 
     def run(self, producer, specs: list[RequestSpec], seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
@@ -161,10 +172,11 @@ class SyntheticEngine:
             self.steps += 1
             step += 1
             still = []
+            ends = []
             for r in running:
                 s = r.spec
                 if s.abort_at is not None and r.computed >= s.abort_at:
-                    producer.abort(s.request_id)
+                    ends.append(("abort", s.request_id, None, "abort", None))
                     self.aborted.append(s.request_id)
                     continue
                 if s.preempt_at is not None and r.first_pass and r.computed >= s.preempt_at:
@@ -174,13 +186,12 @@ class SyntheticEngine:
                     continue
                 if r.computed >= s.prompt_len + s.num_output - 1:    # the last output token is never fed
                     if self.send_finish:
-                        producer.finish(s.request_id, num_output_tokens=s.num_output, finish_reason="stop",
-                                        prompt_len=s.prompt_len, num_cached_tokens=s.num_cached,
-                                        output_token_ids=s.output_tokens())
+                        ends.append(("finish", s.request_id, s.num_output, "stop", s))
                     self.finished.append(s.request_id)
                     continue
                 still.append(r)
             running = still
+            self._end(producer, ends)
             if not ids and waiting and not running:
                 step = max(step, waiting[0].arrive_step)
             if self.log_every_s and time.monotonic() - t_log >= self.log_every_s:

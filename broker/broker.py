@@ -42,7 +42,7 @@ from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, se
 
 log = logging.getLogger("routing_replay.broker")
 
-DATA_KINDS = frozenset({"delta", "open", "opens", "finish", "abort"})
+DATA_KINDS = frozenset({"delta", "open", "opens", "finish", "finishes", "abort"})
 MAX_CONSUMERS = 1024
 MAX_UNACKED_PER_LINK = 1 << 20       # parts sent to one consumer and not acked; beyond it the link is dropped
 MAX_FRONTEND_BURST = 10_000          # frontend messages handled before the loop looks at the backend again
@@ -60,6 +60,8 @@ class BrokerStats:
     requests_opened: int = 0
     opens_in: int = 0                 # `opens` messages (several requests' opens in one)
     opens_unbatched: int = 0          # their entries sent as `open`s (to consumers that do not take `opens`)
+    finishes_in: int = 0              # `finishes` messages (several requests' finishes in one)
+    finishes_unbatched: int = 0       # their entries sent as `finish`es (to consumers that do not take `finishes`)
     requests_closed: int = 0
     reassigned: int = 0
     owner_hints_out: int = 0          # request -> owner group hints sent to producers (on their acks)
@@ -255,14 +257,15 @@ class Broker(ServiceThread):
     def log_stats(self) -> None:
         s = self.stats
         log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d split_gathered=%d owner_hints_out=%d "
-                 "opens_in=%d opens_unbatched=%d requests_opened=%d open_requests=%d closing=%d consumers=%d "
+                 "opens_in=%d opens_unbatched=%d finishes_in=%d finishes_unbatched=%d requests_opened=%d "
+                 "requests_closed=%d open_requests=%d closing=%d consumers=%d "
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d notices_resent=%d links_lost=%d "
                  "producers_lost=%d "
                  "aborted_for_lost_producer=%d refusals_out=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
                  s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, s.opens_in, s.opens_unbatched,
-                 s.requests_opened, len(self.ownership),
+                 s.finishes_in, s.finishes_unbatched, s.requests_opened, s.requests_closed, len(self.ownership),
                  self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
@@ -323,7 +326,9 @@ class Broker(ServiceThread):
             log.info("broker consumer joined id=%s epoch=%d gen=%d consumers=%d restart_grace=%s", link.name,
                      h.epoch, link.gen, len(self._live), self._hold_all and bool(self._live))
         link.last_seen = now
-        link.takes_opens = wire.FEATURE_OPENS in wire.parse_takes(h)
+        takes = wire.parse_takes(h)
+        link.takes_opens = wire.FEATURE_OPENS in takes
+        link.takes_finishes = wire.FEATURE_FINISHES in takes
 
     def _on_ack(self, link: ConsumerLink, ack: wire.LinkAck) -> None:
         self.stats.acks_in += 1
@@ -579,6 +584,8 @@ class Broker(ServiceThread):
             self._route_delta(h, frames, tok, ps)
         elif h.kind == "opens":
             self._route_opens(h, frames, tok, ps)
+        elif h.kind == "finishes":
+            self._route_finishes(h, frames, tok, ps)
         else:
             self._route_request(h, frames, tok, ps)
 
@@ -651,6 +658,47 @@ class Broker(ServiceThread):
             e = o.open_at(i)
             head = wire.pack_header("open", h.producer, h.epoch, h.seq, e.request_id, wire.open_body(e))
             if not self._send(link, head, o.token_frames(i, tokens), tok):
+                return False
+        return True
+
+    def _route_finishes(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
+        """Several requests' finishes: each entry closes its request as a `finish` would; each owner gets its
+        entries in one `finishes` (the message as received when they all have one owner), or as `finish`es if it
+        does not take `finishes`."""
+        f, tokens = wire.parse_finishes(h, frames[2:])
+        if self._hold_all:
+            return self._hold(h, frames, tok, ps)
+        self.stats.finishes_in += 1
+        self.stats.requests_closed += len(f.request_ids)
+        close, hint_of, hints_due = self.ownership.close, ps.hint_of, ps.hints_due
+        by_owner: dict = {}
+        for i, rid in enumerate(f.request_ids):
+            link = self._owner_of(rid)
+            close(rid, ps, tok.seq)                 # kept as closing until this seq is acked
+            hint_of.pop(rid, None)
+            hints_due.pop(rid, None)
+            idx = by_owner.get(link)
+            if idx is None:
+                by_owner[link] = [i]
+            else:
+                idx.append(i)
+        if len(by_owner) == 1 and next(iter(by_owner)).takes_finishes:
+            ok = self._send(next(iter(by_owner)), frames[1].buffer, frames[2:], tok)     # as received
+        else:
+            ok = all(self._send_finishes(link, h, f, tokens, idx, tok) for link, idx in by_owner.items())
+        if not ok:
+            self._unaccept(tok)
+
+    def _send_finishes(self, link: ConsumerLink, h: wire.Header, f: wire.Finishes, tokens, idx: list,
+                       tok: InFlight) -> bool:
+        """Entries `idx` of a finishes to `link`: one `finishes`, or one `finish` each if it does not take them."""
+        if link.takes_finishes:
+            head, *rest = wire.subset_finishes(h, f, tokens, idx)
+            return self._send(link, head, rest, tok)
+        self.stats.finishes_unbatched += len(idx)
+        for i in idx:
+            head = wire.pack_header("finish", h.producer, h.epoch, h.seq, f.request_ids[i], f.bodies[i])
+            if not self._send(link, head, f.token_frames(i, tokens), tok):
                 return False
         return True
 

@@ -148,7 +148,8 @@ class ConsumerLink:
     """Own the broker's side of one consumer incarnation: its link generation, its lseq numbering and the parts
     sent on it that it has not acked."""
 
-    __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "notices", "alive", "last_seen", "name", "num", "takes_opens")
+    __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "notices", "alive", "last_seen", "name", "num", "takes_opens",
+                 "takes_finishes")
 
     def __init__(self, cid: bytes, epoch: int, gen: int, now: float, num: int = 0):
         self.cid = cid                      # its routing id on the backend socket
@@ -164,6 +165,7 @@ class ConsumerLink:
         self.last_seen = now
         self.name = cid.decode(errors="replace")
         self.takes_opens = False            # it said it takes `opens` (else it gets their entries as `open`s)
+        self.takes_finishes = False         # and `finishes` (else `finish`es)
 
     def __repr__(self) -> str:
         return f"ConsumerLink({self.name!r}, epoch={self.epoch}, gen={self.gen}, lseq={self.lseq}, " \

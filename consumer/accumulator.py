@@ -58,14 +58,16 @@ class AccumulatorStats:
     materialized: int = 0       # adopted rows copied into the arena after all (another message touched them)
 
 
-class OpensRefused(wire.ProtocolError):
-    """Entries of an `opens` this consumer refused (the message's other entries were applied): `failed` holds
-    (request id, ProtocolError) of each, `request_ids` their ids."""
+class EntriesRefused(wire.ProtocolError):
+    """Entries of an `opens` or `finishes` this consumer refused (the message's other entries were applied):
+    `failed` holds (request id, ProtocolError) of each, `request_ids` their ids. `records`: what the applied
+    entries let out."""
 
-    def __init__(self, failed: list):
+    def __init__(self, kind: str, failed: list, records: list = ()):
         first = failed[0][1]
-        super().__init__(first.reason, f"{len(failed)} of an opens' entries refused; the first, {failed[0][0][:64]!r}: "
-                         f"{first}")
+        super().__init__(first.reason, f"{len(failed)} of a {kind} message's entries refused; the first, "
+                         f"{failed[0][0][:64]!r}: {first}")
+        self.records = list(records)
         self.failed = failed
         self.request_ids = [rid for rid, _ in failed]
 
@@ -335,6 +337,8 @@ class Accumulator:
         if kind == "opens":
             self._opens(*wire.parse_opens(h, frames), now, key)
             return []
+        if kind == "finishes":
+            return self._finishes(*wire.parse_finishes(h, frames), now, key)
         if kind == "finish":
             return self._finish(wire.parse_finish(h), frames, now, key)
         if kind == "abort":
@@ -385,7 +389,20 @@ class Accumulator:
             except wire.ProtocolError as e:
                 failed.append((rid, e))
         if failed:
-            raise OpensRefused(failed)
+            raise EntriesRefused("opens", failed)
+
+    def _finishes(self, f: wire.Finishes, tokens: np.ndarray | None, now: float, key: tuple) -> list[wire.Record]:
+        """Apply the entries of a `finishes` one by one, as their `finish`es would be (EntriesRefused names those
+        this consumer refuses, with the records the others let out)."""
+        out, failed = [], []
+        for i, fin in enumerate(f.finishes):
+            try:
+                out += self._finish(fin, f.token_frames(i, tokens), now, key)
+            except wire.ProtocolError as e:
+                failed.append((fin.request_id, e))
+        if failed:
+            raise EntriesRefused("finishes", failed, out)
+        return out
 
     def _open(self, o: wire.Open, frames: list | tuple, now: float, key: tuple,
               tokens: np.ndarray | None = None) -> bool:

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator, OpensRefused
+from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator, EntriesRefused
 from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
@@ -32,7 +32,7 @@ from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
 
-DATA_KINDS = frozenset({"open", "opens", "delta", "finish", "abort", "refused"})
+DATA_KINDS = frozenset({"open", "opens", "delta", "finish", "finishes", "abort", "refused"})
 TRAINER_SNDHWM = 8             # records queued to one trainer connection; beyond it they stay in the store
 BURST_MAX_MSGS = 1000          # broker messages read in one go before acks and timers get their turn
 TICK_INTERVAL_S = 0.1          # grace periods, timeouts, fetch waiters, write backlog
@@ -122,8 +122,8 @@ class Consumer(ServiceThread):
     All sockets are created and used by the thread that calls `run()` (or the one `start()` makes).
     """
 
-    # the optional data kinds it tells the broker it takes (wire.TAKES); without "opens" the broker sends it the
-    # entries of an opens as open messages (what a consumer of an earlier version gets)
+    # the optional data kinds it tells the broker it takes (wire.TAKES); without "opens" ("finishes") the broker sends
+    # it the entries of an opens (finishes) as open (finish) messages (what a consumer of an earlier version gets)
     takes: list = wire.TAKES
 
     def __init__(self, connect: str, *, consumer_id: str | None = None, npz_dir: str | None = None,
@@ -421,11 +421,11 @@ class Consumer(ServiceThread):
                 return
             taken = True
             recs = self.acc.apply(h, frames[1:], now)
-        except OpensRefused as e:         # entries of an opens: each counted as the open it stands for
+        except EntriesRefused as e:       # entries of an opens or finishes: each counted as the message it stands for
             for rid, err in e.failed:
                 self._count_bad(err.reason, err)
             self._mark_damaged(e.request_ids, e.reason, h.link)
-            return
+            recs = e.records
         except wire.ProtocolError as e:
             self._count_bad(e.reason, e)
             if taken:

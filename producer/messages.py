@@ -447,6 +447,16 @@ def encode_opens(items: list, producer_id: str, epoch: int, seq: int) -> Encoded
     return Encoded(Parts("opens", ids), [head, *extra], 0)
 
 
+def encode_finishes(items: list, producer_id: str, epoch: int, seq: int) -> Encoded:
+    """Several requests' finish Announces (distinct ids, token ids already int32 arrays) as one `finishes`
+    message: each entry's body as its `finish` would carry it."""
+    ids = [it.request_id for it in items]
+    toks = [it.frames[0] for it in items if it.frames and len(it.frames[0])]
+    head = wire.pack_header("finishes", producer_id, epoch, seq, ids, {"entries": [it.body for it in items]})
+    extra = [memoryview(np.concatenate(toks).astype(wire.TOKEN_DTYPE, copy=False)).cast("B")] if toks else []
+    return Encoded(Parts("finishes", ids), [head, *extra], 0)
+
+
 def kept_rows(rows: np.ndarray, counts: Sequence[int], keep: Sequence[bool]) -> np.ndarray:
     """The rows of the kept request parts, in order (one copy)."""
     pieces, at = [], 0

@@ -54,6 +54,7 @@ class ProducerStats:
     split_steps: int = 0        # steps too large for one delta, sent as several (messages.split_step)
     opens_msgs: int = 0         # `opens` messages: several requests' opens in one (open_many, or open() calls
                                 # queued one behind the other), when the broker takes them
+    finishes_msgs: int = 0      # `finishes` messages: the same for finishes (end_many, or finish() calls)
 
 
 def _positions(values: Any, name: str) -> Any:
@@ -526,7 +527,8 @@ class Producer:
 
     def end_many(self, ends: Sequence[tuple], tokens_frozen: bool = False) -> int:
         """`finish` and `abort` for several requests in one call: one lock and one queue item for all of them,
-        their messages built on the producer's thread.
+        their messages built on the producer's thread (the finishes as `finishes` messages when the broker takes
+        them; finish() calls queued one behind the other go so too).
 
         Each item is ("finish", request_id, num_output_tokens, finish_reason, output_token_ids or None) or
         ("abort", request_id, num_output_tokens or None, reason, None), num_output_tokens an int. Parts of refused

@@ -20,7 +20,7 @@ from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
-                                              encode_announce, encode_opens, encode_step, encode_steps, escaped_id,
+                                              encode_announce, encode_finishes, encode_opens, encode_step, encode_steps, escaped_id,
                                               lost_body,
                                               step_rows, token_frames, with_lost, SAFE_ENTRIES,
                                               delta_rows_limit, header_too_long, oversized, split_step)
@@ -30,6 +30,14 @@ log = logging.getLogger("routing_replay.producer")
 
 STOP = object()                 # the queue's sentinel: close() puts it after the last item
 _MAX_LATE_LOST = 1 << 12        # requests whose losses found in the thread wait for their finish
+BATCH_RANGES = 1 << 15          # position ranges (a finish's lost, refused, broker_refused) in one `finishes`: its
+                                # header stays far below wire.MAX_HEADER_BYTES
+
+
+def _ranges_in(item: Announce) -> int:
+    """How many position ranges a finish announce reports (0 for anything else)."""
+    b = item.body
+    return len(b.get("lost", ())) + len(b.get("refused", ())) + len(b.get("broker_refused", ()))
 # Steps that wait in the queue together are sent as one delta (never waiting for more: a step that finds the
 # queue empty goes alone), up to this many steps and SenderSettings.coalesce_max_bytes: the per-message costs of
 # producer, broker and consumers are paid once per batch when the thread falls behind, as in the vLLM plugin's
@@ -91,6 +99,7 @@ class Sender:
         self.hints = OwnerHints()            # owner groups from the broker's acks (this thread only)
         self._max_rows = delta_rows_limit(cfg.row_bytes)     # the most rows one delta may carry
         self.broker_takes_opens = False      # the broker's replies say it takes `opens` (else opens go one by one)
+        self.broker_takes_finishes = False   # and `finishes`
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"rr-producer-{cfg.producer_id}", daemon=True)
 
@@ -226,19 +235,15 @@ class Sender:
                 self._stopping = True
             elif type(item) is Announces:           # Producer.open_many / end_many: built here, in order
                 built = item.build(item.items)      # (an item it cannot build is logged, counted, left out)
-                if self.broker_takes_opens and len(built) > 1 and all(a.kind == "open" for a in built):
-                    self._intake_opens(built)
-                else:
-                    for a in built:
-                        self._intake(a)
+                self._intake_built(built)
                 for _ in range(len(item.items) - len(built)):
                     self._ledger.taken(0)
-            elif type(item) is Announce and item.kind == "open" and self.broker_takes_opens:
-                batch, stash = self._more_opens(item)
+            elif type(item) is Announce and self._batches(item.kind):
+                batch, stash = self._more_announces(item)
                 if len(batch) == 1:
                     self._intake(item)
                 else:
-                    self._intake_opens(batch)
+                    self._intake_batch(batch)
             elif isinstance(item, Step):
                 batch, stash = self._more_steps(item)
                 if len(batch) == 1:
@@ -278,68 +283,97 @@ class Sender:
             self._ledger.shrunk(cut * self.cfg.row_bytes)
         return step
 
-    def _more_opens(self, first: Announce) -> tuple[list, Any]:
-        """`first` and the single opens queued right behind it (Producer.open called in a loop), up to one
-        `opens` message's worth; the first other item taken is returned to be handled next."""
+    def _batches(self, kind: str) -> bool:
+        """Whether announces of `kind` go several in one message (the broker takes `opens` / `finishes`)."""
+        return (kind == "open" and self.broker_takes_opens) or (kind == "finish" and self.broker_takes_finishes)
+
+    def _intake_built(self, built: list) -> None:
+        """open_many's or end_many's announces, in order: each run of two or more of one kind that goes batched as
+        one batch, the others one by one."""
+        i = 0
+        while i < len(built):
+            kind = built[i].kind
+            j = i + 1
+            while j < len(built) and built[j].kind == kind:
+                j += 1
+            if j - i > 1 and self._batches(kind):
+                self._intake_batch(built[i:j])
+            else:
+                for a in built[i:j]:
+                    self._intake(a)
+            i = j
+
+    def _more_announces(self, first: Announce) -> tuple[list, Any]:
+        """`first` (an open or a finish) and the announces of its kind queued right behind it (Producer.open or
+        finish called in a loop), up to one message's worth; the first other item taken is returned to be handled
+        next."""
         batch = [first]
+        kind = first.kind
         while len(batch) < wire.MAX_OPENS_PER_MESSAGE:
             try:
                 nxt = self._q.get_nowait()
             except queue.Empty:
                 return batch, None
-            if type(nxt) is not Announce or nxt.kind != "open":
+            if type(nxt) is not Announce or nxt.kind != kind:
                 return batch, nxt
             batch.append(nxt)
         return batch, None
 
-    def _intake_opens(self, items: list) -> None:
-        """Several requests' opens into the replay buffer as `opens` messages (each ends its queue item's count):
-        at most MAX_OPENS_PER_MESSAGE entries and OPENS_ID_CHARS characters of ids each, a request id at most once
-        in one (a second open of an id starts the next message)."""
+    def _intake_batch(self, items: list) -> None:
+        """Opens or finishes (all of one kind) into the replay buffer as `opens` or `finishes` messages (each item
+        ends its queue item's count): at most MAX_OPENS_PER_MESSAGE entries, OPENS_ID_CHARS characters of ids and
+        BATCH_RANGES position ranges (finishes' lost ranges) each, a request id at most once in one (a second
+        announce of an id starts the next message)."""
         chunk: list = []
         ids: set = set()
-        chars = 0
+        chars = ranges = 0
         try:
             for item in items:
-                item, bad = token_frames(item)
-                if bad is not None:
-                    self.stats.token_ids_dropped += 1
-                    log.warning("producer %s sends the open of request %s without its token ids (%s); "
-                                "token_ids_dropped=%d", self.cfg.producer_id, escaped_id(item.request_id), bad,
-                                self.stats.token_ids_dropped)
+                item = self._ready_announce(item)
+                if item is None:
+                    continue
                 n = len(item.request_id)
+                r = _ranges_in(item)
                 if chunk and (item.request_id in ids or len(chunk) >= wire.MAX_OPENS_PER_MESSAGE
-                              or chars + n > wire.OPENS_ID_CHARS):
-                    self._keep_opens(chunk)
-                    chunk, ids, chars = [], set(), 0
+                              or chars + n > wire.OPENS_ID_CHARS or ranges + r > BATCH_RANGES):
+                    self._keep_batch(chunk)
+                    chunk, ids, chars, ranges = [], set(), 0, 0
                 chunk.append(item)
                 ids.add(item.request_id)
                 chars += n
+                ranges += r
             if chunk:
-                self._keep_opens(chunk)
+                self._keep_batch(chunk)
         finally:
             for _ in items:
                 self._ledger.taken(0)
 
-    def _keep_opens(self, chunk: list) -> None:
+    def _keep_batch(self, chunk: list) -> None:
+        kind = chunk[0].kind
         if len(chunk) == 1:
             item = chunk[0]
             try:
                 enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
             except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
-                self._book.refuse(item.request_id)
-                self._encode_failed("open", 1, e)
+                if kind == "open":
+                    self._book.refuse(item.request_id)
+                self._encode_failed(kind, 1, e)
                 return
             self._keep(enc)
             return
         try:
-            enc = encode_opens(chunk, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
+            enc = (encode_opens if kind == "open" else encode_finishes)(chunk, self.cfg.producer_id, self.cfg.epoch,
+                                                                        self._replay.next_seq)
         except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
-            for item in chunk:
-                self._book.refuse(item.request_id)
-            self._encode_failed("opens", len(chunk), e)
+            if kind == "open":
+                for item in chunk:
+                    self._book.refuse(item.request_id)
+            self._encode_failed(kind + "s", len(chunk), e)
             return
-        self.stats.opens_msgs += 1
+        if kind == "open":
+            self.stats.opens_msgs += 1
+        else:
+            self.stats.finishes_msgs += 1
         self._keep(enc)
 
     def _more_steps(self, first: Step) -> tuple[list, Any]:
@@ -501,12 +535,27 @@ class Sender:
         self._encode_failed("delta", len(kept), e)
 
     def _intake_announce(self, item: Announce) -> None:
+        item = self._ready_announce(item)
+        if item is None:
+            return
+        try:
+            enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
+        except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
+            if item.kind == "open":
+                self._book.refuse(item.request_id)
+            self._encode_failed(item.kind, 1, e)
+            return
+        self._keep(enc)
+
+    def _ready_announce(self, item: Announce) -> Announce | None:
+        """The announce as it goes out: None for the finish or abort of a request refused after the caller enqueued
+        it (dropped, counted); a finish with the losses found meanwhile; token ids as int32 arrays."""
         rid = item.request_id
         if item.kind != "open" and self._book.is_refused(rid):  # refused after the caller enqueued this
             self._book.ended(rid)
             self._late_lost.pop(rid, None)
             self.stats.dropped_parts += 1
-            return
+            return None
         if item.kind != "open":
             self.hints.forget(rid)
         if item.kind == "finish":
@@ -521,14 +570,7 @@ class Sender:
             self.stats.token_ids_dropped += 1
             log.warning("producer %s sends the %s of request %s without its token ids (%s); token_ids_dropped=%d",
                         self.cfg.producer_id, item.kind, escaped_id(rid), bad, self.stats.token_ids_dropped)
-        try:
-            enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
-        except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
-            if item.kind == "open":
-                self._book.refuse(rid)
-            self._encode_failed(item.kind, 1, e)
-            return
-        self._keep(enc)
+        return item
 
     def _keep(self, enc) -> None:
         e = self._replay.add(enc.parts, enc.frames, enc.payload)
@@ -554,16 +596,24 @@ class Sender:
         if type(rid) is not str:
             return "not a request id"
         for f in self._replay.after(seq):
-            if f.parts.kind in ("finish", "abort") and f.parts.request_ids[0] == rid:
-                if f.parts.kind == "abort":
+            kind = f.parts.kind
+            if (kind in ("finish", "abort") and f.parts.request_ids[0] == rid) or (
+                    kind == "finishes" and rid in f.parts.request_ids):
+                if kind == "abort":
                     return "aborted"
                 if f.sent_at != 0.0:
                     return "finish already sent"
                 frames = list(self._replay.frames(f))
                 h = wire.decode_header(frames[0])
-                body = lost_body(h.body, [rng], [rng] if why == "refused" else (),
-                                 [rng] if why == "broker_refused" else ())
-                frames[0] = wire.pack_header("finish", self.cfg.producer_id, self.cfg.epoch, f.seq, rid, body)
+                add = ([rng], [rng] if why == "refused" else (), [rng] if why == "broker_refused" else ())
+                if kind == "finish":
+                    body = lost_body(h.body, *add)
+                else:                               # its entry in a `finishes`
+                    i = h.key.index(rid)
+                    entries = list(h.body["entries"])
+                    entries[i] = lost_body(entries[i], *add)
+                    body = dict(h.body, entries=entries)
+                frames[0] = wire.pack_header(kind, self.cfg.producer_id, self.cfg.epoch, f.seq, h.key, body)
                 self._replay.replace_frames(f, frames)
                 return "finish re-encoded"
         if rid not in self._late_lost and len(self._late_lost) >= _MAX_LATE_LOST:
@@ -723,6 +773,9 @@ class Sender:
             self._book.refuse(p.request_ids[0])
             log.warning("producer %s: broker refused seq=%d kind=open request=%s; its later parts are dropped: %s",
                         self.cfg.producer_id, r.seq, escaped_id(p.request_ids[0]), r.reason)
+        elif p.kind == "finishes":
+            log.warning("producer %s: broker refused seq=%d kind=finishes requests=%d (the first %s): %s",
+                        self.cfg.producer_id, r.seq, len(p.request_ids), escaped_id(p.request_ids[0]), r.reason)
         elif p.kind == "opens":
             for rid in p.request_ids:
                 self._book.refuse(rid)
@@ -752,7 +805,9 @@ class Sender:
                     self.stats.broker_epochs += 1
                 if h.kind == "heartbeat":
                     self._broker_consumers = wire.parse_broker_hello(h) if "consumers" in h.body else None
-                    self.broker_takes_opens = wire.FEATURE_OPENS in wire.parse_takes(h)
+                    takes = wire.parse_takes(h)
+                    self.broker_takes_opens = wire.FEATURE_OPENS in takes
+                    self.broker_takes_finishes = wire.FEATURE_FINISHES in takes
                 elif h.kind == "ack":
                     if h.body.get("epoch") != self.cfg.epoch:
                         continue

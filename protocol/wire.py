@@ -52,6 +52,10 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
               that failed its checks); broker_refused: those of them whose delta the broker accepted and dropped
               (its `error` named the seq); both subsets of lost
               frame 1 (when n_output_tokens is sent): the output token ids, n_output_tokens int32 LE
+    finishes  key: list of request ids (distinct), the finishes of several requests in one message
+              {entries: [finish body, ...]}   entry i: the body a `finish` of key[i] would have (above); sent only to
+              a peer that takes it (FEATURE_FINISHES, as `opens`); a peer that does not gets `finish`es
+              frame 1 (when any entry's n_output_tokens is > 0): every entry's output token ids, in key order, int32 LE
     abort     key: request id                     {[reason = "abort"][, num_output]}             no frames
     refused   broker -> consumer only; key: list of request ids   {reason}                        no frames
               a delta that carried rows of these requests (the consumer's own) was accepted and dropped by the
@@ -65,7 +69,7 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
     heartbeat   producer -> broker      {unacked_from = 1}
                 broker -> producer      {consumers = 0[, takes = []]}   the reply to each producer hello/heartbeat;
                                                           key: the producer id; takes: the optional data kinds it
-                                                          takes (FEATURE_OPENS)
+                                                          takes (FEATURE_OPENS, FEATURE_FINISHES)
                 consumer -> broker      {broker = 0[, takes = []]}   (hello too)
     bye         producer -> broker, consumer -> broker, trainer -> consumer: {}
     ack         broker -> producer      key: the producer id; {epoch, upto[, rewind][, expect][, hello]
@@ -108,7 +112,7 @@ ROW_DTYPE = np.dtype("<i2")
 TOKEN_DTYPE = np.dtype("<i4")
 
 KINDS = frozenset({
-    "open", "opens", "delta", "finish", "abort", "refused",
+    "open", "opens", "delta", "finish", "finishes", "abort", "refused",
     "hello", "heartbeat", "bye", "ack", "error",
     "fetch", "record",
 })
@@ -116,6 +120,7 @@ KINDS = frozenset({
 # A data kind a peer takes only when it says so (`takes` in its hello/heartbeat body): peers of this protocol
 # version that do not say so get the same opens as `open` messages.
 FEATURE_OPENS = "opens"
+FEATURE_FINISHES = "finishes"
 MAX_OPENS_PER_MESSAGE = 4096         # what a producer puts in one `opens` (a receiver takes up to
                                      # MAX_REQUESTS_PER_DELTA)
 OPENS_ID_CHARS = 1 << 20             # and at most this many characters of request ids (the header stays far
@@ -650,6 +655,63 @@ def parse_finish(h: Header) -> Finish:
     return Finish(rid, G, reason, P, C, lost, nt, refused, broker_refused)
 
 
+@dataclass(slots=True)
+class Finishes:
+    """A validated `finishes` header: entry i is the finish of request_ids[i] (`finishes[i]`), its output token ids
+    tokens[offsets[i]:offsets[i + 1]] of the message's token array."""
+
+    request_ids: list
+    bodies: list              # each entry's body as sent (a `finish` body)
+    finishes: list            # each entry as parse_finish reads it
+    offsets: np.ndarray       # int64, len + 1
+
+    def tokens_of(self, i: int, tokens: np.ndarray | None) -> np.ndarray | None:
+        if tokens is None or self.offsets[i] == self.offsets[i + 1]:
+            return None
+        return tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def token_frames(self, i: int, tokens: np.ndarray | None) -> list:
+        """Entry i's payload frames as a `finish` of its own: its token ids as bytes, or none."""
+        t = self.tokens_of(i, tokens)
+        return [] if t is None else [memoryview(t).cast("B")]
+
+
+def parse_finishes(h: Header, frames: Sequence = ()) -> tuple[Finishes, np.ndarray | None]:
+    """A `finishes` header and its payload frames: (the entries, every entry's output token ids as one int32 array
+    or None). Each entry is checked as parse_finish checks a `finish`; anything wrong (an entry, a repeated id, a
+    payload that does not match the entries' token counts) refuses the whole message."""
+    ids = _id_list(h.key, "finishes")
+    if len(set(ids)) != len(ids):
+        raise _bad("bad_field", "finishes key repeats a request id")
+    bodies = h.body.get("entries")
+    if not isinstance(bodies, list) or len(bodies) != len(ids):
+        raise _bad("bad_field", f"finishes needs entries: a list of {len(ids)} finish bodies, one per request id")
+    out = []
+    for rid, b in zip(ids, bodies):
+        if not isinstance(b, dict):
+            raise _bad("bad_field", f"finishes entry for {rid[:64]!r} is not a map")
+        out.append(parse_finish(Header(h.version, "finish", h.producer, h.epoch, h.seq, rid, b)))
+    offsets = np.zeros(len(ids) + 1, np.int64)
+    np.cumsum([f.n_output_tokens for f in out], out=offsets[1:])
+    total = int(offsets[-1])
+    if len(frames) != (1 if total else 0):
+        raise _bad("frame_count", f"finishes announces {total} output tokens but has {len(frames)} payload frames")
+    tokens = tokens_from_frame(frames[0], total, "output token") if total else None
+    return Finishes(ids, bodies, out, offsets), tokens
+
+
+def subset_finishes(h: Header, f: Finishes, tokens: np.ndarray | None, idx: Sequence[int]) -> list:
+    """[header, payload frames...] of a `finishes` holding entries `idx` of `f` (in that order), same sender and seq
+    (the broker's split by owner)."""
+    idx = list(idx)
+    out = [pack_header("finishes", h.producer, h.epoch, h.seq, [f.request_ids[i] for i in idx],
+                       {"entries": [f.bodies[i] for i in idx]})]
+    parts = [t for t in (f.tokens_of(i, tokens) for i in idx) if t is not None]
+    if parts:
+        out.append(memoryview(np.concatenate(parts)).cast("B"))
+    return out
+
+
 def parse_abort(h: Header) -> tuple[str, str, int | None]:
     rid = check_request_id(h.key)
     reason = h.body.get("reason", "abort")
@@ -793,7 +855,7 @@ def parse_takes(h: Header) -> frozenset:
     return frozenset(raw)
 
 
-TAKES = [FEATURE_OPENS]        # what this version takes (sent in its hello/heartbeat bodies)
+TAKES = [FEATURE_OPENS, FEATURE_FINISHES]      # what this version takes (sent in its hello/heartbeat bodies)
 
 
 def parse_broker_hello(h: Header) -> int:

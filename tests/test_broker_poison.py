@@ -85,7 +85,7 @@ def test_a_message_that_can_never_be_valid_is_acked_past_and_named(pipeline, poi
     b, c, prod, got = pipeline
     prod.send(wire.pack_header("hello", PID, EPOCH, 0, PID, {"unacked_from": 1}))
     h = _recv(prod)
-    assert (h.kind, h.body) == ("heartbeat", {"consumers": 1, "takes": ["opens"]})
+    assert (h.kind, h.body) == ("heartbeat", {"consumers": 1, "takes": ["opens", "finishes"]})
     rng = np.random.default_rng(3)
     rows = {rid: rng.integers(-1, 16, (P + G - 1, L, K)).astype(np.int16) for rid in ("A", "B")}
     bad_frames, reason = poison(4)

@@ -1,11 +1,15 @@
-"""`opens`: several requests' opens in one message, producer -> broker -> consumer, and the peers that do not take it.
+"""`opens` and `finishes`: several requests' opens (finishes) in one message, producer -> broker -> consumer, and the
+peers that do not take them.
 
 The wire layout and its checks; the broker's split by owner on real sockets (an `opens` to a consumer that takes it,
 `open`s to one that does not, the message as received when one owner has every entry, a new owner's `open` after a
-consumer loss); the consumer applying entries one by one; and real processes end to end, records compared bit for
-bit with the synthetic engine's reference, with a broker or a consumer that does not take `opens`.
+consumer loss; each finish entry closing its request); the consumer applying entries one by one; losses found by the
+producer's thread going into a `finishes` entry; and real processes end to end, records compared bit for bit with
+the synthetic engine's reference, with a broker or a consumer that does not take them.
 """
 
+
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ import zmq
 from routing_replay.apps.synthetic import SyntheticEngine, expected_record, workload
 from routing_replay.broker import Broker
 from routing_replay.consumer import Consumer
-from routing_replay.consumer.accumulator import Accumulator, OpensRefused
+from routing_replay.consumer.accumulator import Accumulator, EntriesRefused
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire
 from tests.procs import start_broker, start_consumer, wait_until
@@ -97,11 +101,12 @@ def test_a_malformed_opens_is_refused_with_a_reason(case, reason):
 
 @pytest.fixture
 def net():
-    """A broker, c1 that takes `opens`, c2 that does not (a consumer of an earlier version), a producer socket."""
-    for b, prod, consumers, dealer in broker_net("inproc://of", "inproc://ob", {b"c1": {"takes": ["opens"]},
-                                                                               b"c2": {}}):
+    """A broker, c1 that takes `opens` and `finishes`, c2 that does not (a consumer of an earlier version), a producer
+    socket."""
+    for b, prod, consumers, dealer in broker_net("inproc://of", "inproc://ob", {
+            b"c1": {"takes": ["opens", "finishes"]}, b"c2": {}}):
         h, _ = recv(prod)
-        assert h.kind == "heartbeat" and wire.parse_takes(h) == {"opens"}      # the broker says it takes them
+        assert h.kind == "heartbeat" and wire.parse_takes(h) == {"opens", "finishes"}     # the broker takes them
         yield b, prod, consumers, dealer
 
 
@@ -200,7 +205,7 @@ def test_the_consumer_applies_each_entry_and_refuses_only_the_one_over_its_limit
     acc.max_positions = 100
     toks = [[1, 2, 3], [4], [5, 6]]
     head, *frames = _opens(["a", "big", "c"], [3, 500, 2], [0, 0, 1], toks)
-    with pytest.raises(OpensRefused) as e:
+    with pytest.raises(EntriesRefused) as e:
         acc.apply(wire.decode_header(head), frames, 0.0)
     assert e.value.request_ids == ["big"] and e.value.reason == "too_large"
     assert set(acc.requests) == {"a", "c"} and acc.stats.opened == 2
@@ -261,7 +266,7 @@ def test_processes_end_to_end_with_opens_give_exact_records(tmp_path, open_many)
     try:
         specs = _specs("e2e")
         st = _synth(fe, specs, open_many)
-        assert st.opens_msgs > 0                    # several opens went as one message
+        assert st.opens_msgs > 0 and st.finishes_msgs > 0       # several opens (finishes) went as one message
         wait_until(lambda: sum(1 for d in (d1, d2) for f in d.glob("*.npz") if not f.name.startswith("."))
                    >= len(specs) + 1, 30, "records")
         recs = {**load_records(d1), **load_records(d2)}
@@ -306,12 +311,13 @@ def test_a_peer_that_does_not_take_opens_gets_open_messages_and_the_records_are_
         wait_until(lambda: len(got) >= len(specs) + 1, 30, "records")
         _exact(specs, got)
         if old == "broker":
-            assert st.opens_msgs == 0 and b.stats.opens_in == 0     # one open per request
+            assert (st.opens_msgs, st.finishes_msgs, b.stats.opens_in, b.stats.finishes_in) == (0, 0, 0, 0)
         else:
             assert st.opens_msgs > 0 and b.stats.opens_in > 0 and b.stats.opens_unbatched > 0
+            assert st.finishes_msgs > 0 and b.stats.finishes_in > 0 and b.stats.finishes_unbatched > 0
             mine = sum(1 for rid in [s.request_id for s in specs] + ["warm-up"] if _owner_name(rid) == "k0")
             assert 0 < b.stats.opens_unbatched <= mine and cons[0].acc.stats.opened == mine
-            assert "open" in _OldConsumer.kinds and "opens" not in _OldConsumer.kinds
+            assert {"open", "finish"} <= _OldConsumer.kinds and not {"opens", "finishes"} & _OldConsumer.kinds
         assert not any(sum(c.bad.values()) for c in cons)          # nobody got a message it could not read
     finally:
         for c in cons:
@@ -323,3 +329,176 @@ def test_a_peer_that_does_not_take_opens_gets_open_messages_and_the_records_are_
 def _owner_name(rid):
     from routing_replay.broker.ownership import rendezvous
     return rendezvous(rid.encode(), [b"k0", b"k1"]).decode()
+
+
+# ---- finishes -----------------------------------------------------------------------------------------------------
+
+def _finishes(ids, bodies, tokens=None, seq=2):
+    head = wire.pack_header("finishes", "p", 3, seq, ids, {"entries": bodies})
+    toks = [t for t in (tokens or []) if t]
+    return [head, *([np.concatenate([np.asarray(t, np.int32) for t in toks]).tobytes()] if toks else [])]
+
+
+FIN_BODIES = [{"num_output": 3, "reason": "stop", "n_output_tokens": 2},
+              {"num_output": 1, "reason": "length", "lost": [[0, 2]], "broker_refused": [[0, 2]]},
+              {"num_output": 2, "reason": "stop", "prompt_len": 4, "num_cached": 1, "n_output_tokens": 1}]
+
+
+def test_a_finishes_entry_reads_as_the_finish_of_its_request():
+    head, *frames = _finishes(["a", "b", "c"], FIN_BODIES, [[7, 8], [], [9]])
+    f, tokens = wire.parse_finishes(wire.decode_header(head), frames)
+    for i, rid in enumerate(["a", "b", "c"]):
+        one = wire.decode_header(wire.pack_header("finish", "p", 3, 2, rid, FIN_BODIES[i]))
+        assert f.finishes[i] == wire.parse_finish(one)
+    assert [None if t is None else t.tolist() for t in (f.tokens_of(i, tokens) for i in range(3))] == [[7, 8], None, [9]]
+    sub_head, *sub_frames = wire.subset_finishes(wire.decode_header(head), f, tokens, [2, 1])
+    s, st = wire.parse_finishes(wire.decode_header(sub_head), sub_frames)
+    assert s.request_ids == ["c", "b"] and s.finishes == [f.finishes[2], f.finishes[1]] and st.tolist() == [9]
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("repeated-id", "bad_field"), ("entries-short", "bad_field"), ("entry-not-a-map", "bad_field"),
+    ("bad-range", "bad_field"), ("token-frame-short", "size_mismatch"), ("no-entries", "bad_field"),
+])
+def test_a_malformed_finishes_is_refused_with_a_reason(case, reason):
+    ids, bodies, frames = ["a", "b"], [dict(b) for b in FIN_BODIES[:2]], [np.array([7, 8], np.int32).tobytes()]
+    if case == "repeated-id":
+        ids = ["a", "a"]
+    elif case == "entries-short":
+        bodies = bodies[:1]
+    elif case == "entry-not-a-map":
+        bodies[1] = [1, 2]
+    elif case == "bad-range":
+        bodies[1]["lost"] = [[3, 1]]
+    elif case == "token-frame-short":
+        frames = [np.array([7], np.int32).tobytes()]
+    h = wire.decode_header(wire.pack_header("finishes", "p", 3, 2, ids, {"entries": bodies}))
+    if case == "no-entries":
+        h.body = {}
+    with pytest.raises(wire.ProtocolError) as e:
+        wire.parse_finishes(h, frames)
+    assert e.value.reason == reason
+
+
+def test_the_broker_closes_each_entry_and_sends_each_owner_its_finishes(net):
+    b, prod, consumers, _ = net
+    a_ids, b_ids = ids_for(b"c1", 2, "fa"), ids_for(b"c2", 2, "fb")
+    ids = [a_ids[0], b_ids[0], a_ids[1], b_ids[1]]
+    prod.send_multipart(_opens(ids, [4] * 4, [0] * 4))
+    for cid, n in ((b"c1", 1), (b"c2", 2)):           # c1: one opens; c2: an open per entry
+        for _ in range(n):
+            recv(consumers[cid])
+    bodies = [FIN_BODIES[0], FIN_BODIES[1], FIN_BODIES[2], {"num_output": 5}]
+    toks = [[7, 8], [], [9], []]
+    prod.send_multipart(_finishes(ids, bodies, toks, seq=2))
+    h, frames = recv(consumers[b"c1"])
+    assert (h.kind, h.key, h.seq) == ("finishes", a_ids, 2)
+    f, t = wire.parse_finishes(h, frames)
+    assert f.bodies == [bodies[0], bodies[2]] and t.tolist() == [7, 8, 9]
+    for i in (1, 3):
+        h, frames = recv(consumers[b"c2"])
+        assert (h.kind, h.key, h.seq, h.body) == ("finish", ids[i], 2, bodies[i]) and frames == []
+    assert not consumers[b"c2"].poll(50)
+    assert (b.stats.finishes_in, b.stats.finishes_unbatched, b.stats.requests_closed) == (1, 2, 4)
+    assert len(b.ownership) == 0 and b.ownership.closing == 4        # kept until the producer's seq 2 is acked
+
+
+def test_the_consumer_emits_each_finished_entry_and_refuses_only_the_one_over_its_limits():
+    acc = Accumulator(finish_grace_s=0.0)
+    acc.max_positions = 100
+    head, *frames = _opens(["a", "big", "c"], [3, 5, 2], [0, 0, 0])
+    acc.apply(wire.decode_header(head), frames, 0.0)
+    rows = np.arange(5 * L * K, dtype=np.int16).reshape(5, L, K)
+    delta = wire.pack_header("delta", "p", 3, 2, ["a", "c"], wire.delta_body([0, 0], [3, 2], L, K))
+    acc.apply(wire.decode_header(delta), [rows.tobytes()], 0.0)
+    head, *frames = _finishes(["a", "big", "c"], [{"num_output": 1, "n_output_tokens": 1},
+                                                  {"num_output": 500}, {"num_output": 1}], [[42], [], []], seq=3)
+    with pytest.raises(EntriesRefused) as e:
+        acc.apply(wire.decode_header(head), frames, 1.0)
+    assert e.value.request_ids == ["big"] and e.value.reason == "too_large"
+    got = {r.request_id: r for r in e.value.records}
+    assert set(got) == {"a", "c"} and all(r.complete for r in got.values())
+    assert got["a"].prompt_routed_experts.tolist() == rows[:3].tolist() and got["a"].output_token_ids.tolist() == [42]
+    assert got["c"].prompt_routed_experts.tolist() == rows[3:].tolist() and got["c"].output_token_ids is None
+    assert "big" in acc.requests and acc.requests["big"].finish is None        # still open: it ends on its own
+
+
+@pytest.fixture
+def fake_broker_taking_batches(tmp_path):
+    """A producer and a hand-played broker that says it takes `opens` and `finishes`, answering only when told."""
+    from tests.test_producer_faults import FakeBroker
+    ctx = zmq.Context()
+    fake = FakeBroker(ctx, f"ipc://{tmp_path}/f")
+    p = Producer(f"ipc://{tmp_path}/f", num_layers=L, top_k=K, context=ctx, linger_ms=0)
+
+    def answer():                                   # the broker's first reply: its epoch and what it takes
+        deadline = time.monotonic() + 10
+        while fake.ident is None or not p._sender.broker_takes_finishes:
+            assert time.monotonic() < deadline, "no hello from the producer"
+            if fake.sock.poll(50):
+                fake.ident, *frames = fake.sock.recv_multipart()
+                if wire.decode_header(frames[0]).kind in ("hello", "heartbeat"):
+                    fake.reply("heartbeat", {"consumers": 1, "takes": ["opens", "finishes"]})
+    yield fake, p, answer
+    p.close(timeout_s=1)
+    fake.close()
+    ctx.term()
+
+
+def test_losses_found_after_a_finishes_was_built_go_in_its_entry(fake_broker_taking_batches):
+    """A step whose rows could not be read is reported lost in its request's finish: in the `finishes` entry when
+    the finish is built after the loss (late lost), and re-encoded into the entry when the message was built but
+    not yet sent."""
+    fake, p, answer = fake_broker_taking_batches
+    answer()
+
+    class Broken:
+        shape = (2, L, K)
+        dtype = np.int16
+
+        def result(self):
+            raise RuntimeError("device copy failed")
+
+        def release(self):
+            pass
+
+    assert p.open_many([("a", 3, 0, None, False), ("b", 3, 0, None, False)]) == []
+    p.publish_rows(["a"], [0], [2], Broken())
+    wait_until(lambda: p.stats.encode_errors == 1, 10, "the failed step")
+    assert p.end_many([("finish", "a", 2, "stop", [5, 6]), ("finish", "b", 1, "length", None)]) == 2
+    got = [fake.recv() for _ in range(2)]
+    assert [(h.kind, h.key) for h, _ in got] == [("opens", ["a", "b"]), ("finishes", ["a", "b"])]
+    assert got[1][0].body["entries"] == [     # (a result() that raises: rows refused, not lost for lack of room)
+        {"num_output": 2, "reason": "stop", "n_output_tokens": 2, "lost": [[0, 2]], "refused": [[0, 2]]},
+        {"num_output": 1, "reason": "length"}]
+    assert bytes(got[1][1][0]) == np.array([5, 6], "<i4").tobytes()
+    assert p.stats.opens_msgs == 1 and p.stats.finishes_msgs == 1
+
+
+def test_a_loss_reported_before_a_built_finishes_is_sent_is_re_encoded_into_its_entry(tmp_path):
+    from tests.test_producer_faults import FakeBroker
+    ctx = zmq.Context()
+    p = Producer(f"ipc://{tmp_path}/g", num_layers=L, top_k=K, context=ctx, linger_ms=0)   # nothing bound there yet
+    fake = None
+    try:
+        s = p._sender
+        s.broker_takes_opens = s.broker_takes_finishes = True     # as a broker's reply would set them
+        assert p.open_many([("a", 3, 0, None, False), ("b", 3, 0, None, False)]) == []
+        p.end_many([("finish", "a", 1, "stop", None), ("finish", "b", 1, "stop", None)])
+        p.flush(0.05)                                          # no broker: both wait in the replay buffer
+        wait_until(lambda: len(s._replay) == 2, 10, "both messages built")
+        fin = s._replay.get(2)
+        assert fin.parts.kind == "finishes" and fin.sent_at == 0.0
+        assert s._note_lost("b", [0, 2], 1, "refused") == "finish re-encoded"
+        fake = FakeBroker(ctx, f"ipc://{tmp_path}/g")          # the broker comes up: they go
+        got = []
+        while len(got) < 2:
+            got.append(fake.recv())
+        assert [(h.kind, h.seq) for h, _ in got] == [("opens", 1), ("finishes", 2)]
+        assert got[1][0].body["entries"] == [{"num_output": 1, "reason": "stop"},
+                                             {"num_output": 1, "reason": "stop", "lost": [[0, 2]], "refused": [[0, 2]]}]
+    finally:
+        p.close(timeout_s=1)
+        if fake is not None:
+            fake.close()
+        ctx.term()

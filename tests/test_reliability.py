@@ -571,7 +571,7 @@ def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(t
         assert h.body == {"epoch": 7, "upto": -1, "rewind": True, "hello": True} and h.epoch == b.epoch
         prod.send(wire.pack_header("hello", "p", 7, 0, "p", {"unacked_from": 1}))
         hb, _ = recv(prod, "heartbeat")
-        assert hb.body == {"consumers": 1, "takes": ["opens"]}
+        assert hb.body == {"consumers": 1, "takes": ["opens", "finishes"]}
         prod.send(_data("open", "a", 1, _open_body()))
         prod.send_multipart([_data("delta", ["a"], 3, wire.delta_body([1], [1], L, K)), bytes(L * K * 2)])   # seq 2 missing
         h, _ = recv(prod, "ack")
