@@ -37,7 +37,8 @@ VALUE = st.recursive(SCALAR, lambda c: st.one_of(st.lists(c, max_size=5),
 KINDS = st.sampled_from(sorted(wire.KINDS) + ["", "warp", "DELTA"])
 BODY_KEYS = ["prompt_len", "num_cached", "num_layers", "top_k", "layer_ids", "n_prompt_tokens", "start", "count",
              "layer_lo", "layer_hi", "num_output", "reason", "lost", "n_output_tokens", "timeout_ms", "subscribe",
-             "unacked_from", "link", "gap", "epoch", "upto", "rewind", "reassigned", "prefix_filled", "takes"]
+             "unacked_from", "link", "gap", "epoch", "upto", "rewind", "reassigned", "prefix_filled", "takes",
+             "entries"]
 BIN_KEYS = ("start", "count", "prompt_len", "num_cached", "n_prompt_tokens", "prefix_filled")   # (int32 arrays in
                                                                                                 # a delta or opens)
 
@@ -97,9 +98,9 @@ def test_every_parser_raises_only_protocol_errors_and_never_allocates_from_claim
     except wire.ProtocolError:
         return
     for parse in (wire.parse_delta, wire.parse_open, wire.parse_finish, wire.parse_abort, wire.parse_opens,
-                  wire.parse_takes):
+                  wire.parse_finishes, wire.parse_takes):
         try:
-            out = parse(h, payload) if parse is wire.parse_opens else parse(h)
+            out = parse(h, payload) if parse in (wire.parse_opens, wire.parse_finishes) else parse(h)
         except wire.ProtocolError:
             continue
         if parse is wire.parse_opens:

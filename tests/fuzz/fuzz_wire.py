@@ -47,6 +47,8 @@ TEMPLATES = [
     # batched steps (a producer's coalesced queue, the vLLM plugin's 16-step batches): ids repeat, in position order
     ["delta", "p", 1, 2, ["f-a", "f-b", "f-a", "f-b", "f-a"], wire.delta_body([0, 3, 3, 5, 4], [3, 2, 1, 1, 1], L, K)],
     ["finish", "p", 1, 3, "f-a", {"num_output": 2, "reason": "stop", "prompt_len": 6, "num_cached": 2}],
+    ["finishes", "p", 1, 3, ["f-c", "f-d"], {"entries": [{"num_output": 2, "reason": "stop", "lost": [[0, 1]]},
+                                                          {"num_output": 1, "prompt_len": 5, "num_cached": 2}]}],
     ["abort", "p", 1, 4, "f-b", {"reason": "abort", "num_output": 1}],
     ["record", "c", 1, 0, "f-a", {"prompt_len": 6, "num_output": 2, "num_cached": 2, "num_layers": L, "top_k": K,
                                   "layer_ids": list(range(L)), "complete": True, "missing": [], "reason": "",
@@ -71,7 +73,8 @@ def _message(data: bytes) -> tuple[bytes, list]:
             t[fdp.ConsumeIntInRange(0, len(t) - 1)] = value
         else:
             body = t[6]
-            names = sorted(body) + ["layer_lo", "layer_hi", "lost", "reassigned", "n_prompt_tokens", "prefix_filled"]
+            names = sorted(body) + ["layer_lo", "layer_hi", "lost", "reassigned", "n_prompt_tokens", "prefix_filled",
+                                    "entries"]
             body[names[fdp.ConsumeIntInRange(0, len(names) - 1)]] = value
         try:
             head = msgpack.packb(t, use_bin_type=True)
