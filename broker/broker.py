@@ -622,9 +622,7 @@ class Broker(ServiceThread):
             self._unaccept(tok)
 
     def _route_opens(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
-        """Several requests' opens: each entry owned and kept as an `open` would be; each owner gets its entries
-        in one `opens` (the message as received when they all have one owner), or as `open`s if it does not take
-        `opens`."""
+        """Several requests' opens: each entry owned and kept as an `open` would be, then sent (_route_entries)."""
         o, tokens = wire.parse_opens(h, frames[2:])
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
@@ -635,15 +633,19 @@ class Broker(ServiceThread):
         for i, rid in enumerate(o.request_ids):
             link = self._owner_of(rid, ps)
             opened(rid, ps, OpensEntry(h, o, tokens, i))
-            idx = by_owner.get(link)
-            if idx is None:
-                by_owner[link] = [i]
-            else:
-                idx.append(i)
-        if len(by_owner) == 1 and next(iter(by_owner)).takes_opens:
-            ok = self._send(next(iter(by_owner)), frames[1].buffer, frames[2:], tok)     # as received
+            by_owner.setdefault(link, []).append(i)
+        self._route_entries(frames, tok, by_owner, "takes_opens",
+                            lambda link, idx: self._send_opens(link, h, o, tokens, idx, tok))
+
+    def _route_entries(self, frames: list, tok: InFlight, by_owner: dict, takes: str, send_part) -> None:
+        """An `opens` or `finishes` whose entries `by_owner` groups by owner link: the message as received when
+        one owner has them all and takes the kind (`takes`: the link's flag), else send_part(link, entries) for
+        each owner; refused until the producer rewinds if any part could not be queued."""
+        only = next(iter(by_owner)) if len(by_owner) == 1 else None
+        if only is not None and getattr(only, takes):
+            ok = self._send(only, frames[1].buffer, frames[2:], tok)
         else:
-            ok = all(self._send_opens(link, h, o, tokens, idx, tok) for link, idx in by_owner.items())
+            ok = all(send_part(link, idx) for link, idx in by_owner.items())
         if not ok:
             self._unaccept(tok)
 
@@ -662,9 +664,8 @@ class Broker(ServiceThread):
         return True
 
     def _route_finishes(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
-        """Several requests' finishes: each entry closes its request as a `finish` would; each owner gets its
-        entries in one `finishes` (the message as received when they all have one owner), or as `finish`es if it
-        does not take `finishes`."""
+        """Several requests' finishes: each entry closes its request as a `finish` would, then sent
+        (_route_entries)."""
         f, tokens = wire.parse_finishes(h, frames[2:])
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
@@ -677,17 +678,9 @@ class Broker(ServiceThread):
             close(rid, ps, tok.seq)                 # kept as closing until this seq is acked
             hint_of.pop(rid, None)
             hints_due.pop(rid, None)
-            idx = by_owner.get(link)
-            if idx is None:
-                by_owner[link] = [i]
-            else:
-                idx.append(i)
-        if len(by_owner) == 1 and next(iter(by_owner)).takes_finishes:
-            ok = self._send(next(iter(by_owner)), frames[1].buffer, frames[2:], tok)     # as received
-        else:
-            ok = all(self._send_finishes(link, h, f, tokens, idx, tok) for link, idx in by_owner.items())
-        if not ok:
-            self._unaccept(tok)
+            by_owner.setdefault(link, []).append(i)
+        self._route_entries(frames, tok, by_owner, "takes_finishes",
+                            lambda link, idx: self._send_finishes(link, h, f, tokens, idx, tok))
 
     def _send_finishes(self, link: ConsumerLink, h: wire.Header, f: wire.Finishes, tokens, idx: list,
                        tok: InFlight) -> bool:

@@ -379,7 +379,7 @@ class Accumulator:
 
     def _opens(self, o: wire.Opens, tokens: np.ndarray | None, now: float, key: tuple) -> None:
         """Apply the entries of an `opens` one by one, as their `open`s would be; an entry this consumer refuses
-        (too large, a shape that differs from its rows so far) leaves the others applied: OpensRefused names
+        (too large, a shape that differs from its rows so far) leaves the others applied: EntriesRefused names
         it (and the message's other refused entries)."""
         failed = []
         for i, rid in enumerate(o.request_ids):

@@ -20,8 +20,8 @@ from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
-                                              encode_announce, encode_finishes, encode_opens, encode_step, encode_steps, escaped_id,
-                                              lost_body,
+                                              encode_announce, encode_finishes, encode_opens, encode_step,
+                                              encode_steps, escaped_id, lost_body,
                                               step_rows, token_frames, with_lost, SAFE_ENTRIES,
                                               delta_rows_limit, header_too_long, oversized, split_step)
 from routing_replay.producer.replay import ReplayBuffer
@@ -32,12 +32,6 @@ STOP = object()                 # the queue's sentinel: close() puts it after th
 _MAX_LATE_LOST = 1 << 12        # requests whose losses found in the thread wait for their finish
 BATCH_RANGES = 1 << 15          # position ranges (a finish's lost, refused, broker_refused) in one `finishes`: its
                                 # header stays far below wire.MAX_HEADER_BYTES
-
-
-def _ranges_in(item: Announce) -> int:
-    """How many position ranges a finish announce reports (0 for anything else)."""
-    b = item.body
-    return len(b.get("lost", ())) + len(b.get("refused", ())) + len(b.get("broker_refused", ()))
 # Steps that wait in the queue together are sent as one delta (never waiting for more: a step that finds the
 # queue empty goes alone), up to this many steps and SenderSettings.coalesce_max_bytes: the per-message costs of
 # producer, broker and consumers are paid once per batch when the thread falls behind, as in the vLLM plugin's
@@ -309,7 +303,7 @@ class Sender:
         next."""
         batch = [first]
         kind = first.kind
-        while len(batch) < wire.MAX_OPENS_PER_MESSAGE:
+        while len(batch) < wire.MAX_BATCH_ENTRIES:
             try:
                 nxt = self._q.get_nowait()
             except queue.Empty:
@@ -321,7 +315,7 @@ class Sender:
 
     def _intake_batch(self, items: list) -> None:
         """Opens or finishes (all of one kind) into the replay buffer as `opens` or `finishes` messages (each item
-        ends its queue item's count): at most MAX_OPENS_PER_MESSAGE entries, OPENS_ID_CHARS characters of ids and
+        ends its queue item's count): at most MAX_BATCH_ENTRIES entries, BATCH_ID_CHARS characters of ids and
         BATCH_RANGES position ranges (finishes' lost ranges) each, a request id at most once in one (a second
         announce of an id starts the next message)."""
         chunk: list = []
@@ -333,9 +327,9 @@ class Sender:
                 if item is None:
                     continue
                 n = len(item.request_id)
-                r = _ranges_in(item)
-                if chunk and (item.request_id in ids or len(chunk) >= wire.MAX_OPENS_PER_MESSAGE
-                              or chars + n > wire.OPENS_ID_CHARS or ranges + r > BATCH_RANGES):
+                r = self._ranges_in(item)
+                if chunk and (item.request_id in ids or len(chunk) >= wire.MAX_BATCH_ENTRIES
+                              or chars + n > wire.BATCH_ID_CHARS or ranges + r > BATCH_RANGES):
                     self._keep_batch(chunk)
                     chunk, ids, chars, ranges = [], set(), 0, 0
                 chunk.append(item)
@@ -348,18 +342,16 @@ class Sender:
             for _ in items:
                 self._ledger.taken(0)
 
+    @staticmethod
+    def _ranges_in(item: Announce) -> int:
+        """How many position ranges a finish announce reports (0 for anything else)."""
+        b = item.body
+        return len(b.get("lost", ())) + len(b.get("refused", ())) + len(b.get("broker_refused", ()))
+
     def _keep_batch(self, chunk: list) -> None:
         kind = chunk[0].kind
         if len(chunk) == 1:
-            item = chunk[0]
-            try:
-                enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
-            except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)
-                if kind == "open":
-                    self._book.refuse(item.request_id)
-                self._encode_failed(kind, 1, e)
-                return
-            self._keep(enc)
+            self._keep_announce(chunk[0])
             return
         try:
             enc = (encode_opens if kind == "open" else encode_finishes)(chunk, self.cfg.producer_id, self.cfg.epoch,
@@ -536,8 +528,11 @@ class Sender:
 
     def _intake_announce(self, item: Announce) -> None:
         item = self._ready_announce(item)
-        if item is None:
-            return
+        if item is not None:
+            self._keep_announce(item)
+
+    def _keep_announce(self, item: Announce) -> None:
+        """One announce, made ready, into the replay buffer as its own message."""
         try:
             enc = encode_announce(item, self.cfg.producer_id, self.cfg.epoch, self._replay.next_seq)
         except Exception as e:  # noqa: BLE001 (one message's failure; the stream goes on)

@@ -117,13 +117,13 @@ KINDS = frozenset({
     "fetch", "record",
 })
 
-# A data kind a peer takes only when it says so (`takes` in its hello/heartbeat body): peers of this protocol
-# version that do not say so get the same opens as `open` messages.
+# Data kinds a peer takes only when it says so (`takes` in its hello/heartbeat body): peers of this protocol
+# version that do not say so get the same opens (finishes) as `open` (`finish`) messages.
 FEATURE_OPENS = "opens"
 FEATURE_FINISHES = "finishes"
-MAX_OPENS_PER_MESSAGE = 4096         # what a producer puts in one `opens` (a receiver takes up to
+MAX_BATCH_ENTRIES = 4096             # what a producer puts in one `opens` or `finishes` (a receiver takes up to
                                      # MAX_REQUESTS_PER_DELTA)
-OPENS_ID_CHARS = 1 << 20             # and at most this many characters of request ids (the header stays far
+BATCH_ID_CHARS = 1 << 20             # and at most this many characters of request ids (the header stays far
                                      # below MAX_HEADER_BYTES)
 
 # Limits on untrusted input. A message beyond any of them is refused before it allocates anything.
@@ -534,8 +534,8 @@ def parse_opens(h: Header, frames: Sequence = ()) -> tuple[Opens, np.ndarray | N
     None). Raises ProtocolError for anything one `open` of an entry would be refused for, and for a repeated
     request id or a payload that does not match the counts: the whole message then."""
     ids = _id_list(h.key, "opens")
-    if len(set(ids)) != len(ids):
-        raise _bad("bad_field", "opens key repeats a request id")
+    if not ids or len(set(ids)) != len(ids):
+        raise _bad("bad_field", "opens key is empty or repeats a request id")
     b = h.body
     n = len(ids)
     P = _int32_array(b.get("prompt_len"), "prompt_len", n, 0, MAX_POSITION)
@@ -681,8 +681,8 @@ def parse_finishes(h: Header, frames: Sequence = ()) -> tuple[Finishes, np.ndarr
     or None). Each entry is checked as parse_finish checks a `finish`; anything wrong (an entry, a repeated id, a
     payload that does not match the entries' token counts) refuses the whole message."""
     ids = _id_list(h.key, "finishes")
-    if len(set(ids)) != len(ids):
-        raise _bad("bad_field", "finishes key repeats a request id")
+    if not ids or len(set(ids)) != len(ids):
+        raise _bad("bad_field", "finishes key is empty or repeats a request id")
     bodies = h.body.get("entries")
     if not isinstance(bodies, list) or len(bodies) != len(ids):
         raise _bad("bad_field", f"finishes needs entries: a list of {len(ids)} finish bodies, one per request id")

@@ -70,6 +70,7 @@ def test_an_opens_entry_reads_as_the_open_of_its_request():
     ("frame-without-tokens", "frame_count"),
     ("filled-not-0-1", "bad_field"),
     ("id-not-str", "bad_request_id"),
+    ("no-entries", "bad_field"),
 ])
 def test_a_malformed_opens_is_refused_with_a_reason(case, reason):
     ids, P, C, toks = ["a", "b"], [4, 4], [0, 2], [[1, 2], [3]]
@@ -92,6 +93,11 @@ def test_a_malformed_opens_is_refused_with_a_reason(case, reason):
         h.body["prefix_filled"] = b"\x00\x02"
     elif case == "id-not-str":
         h.key = ["a", 7]
+    elif case == "no-entries":
+        h.key = []
+        for k in ("prompt_len", "num_cached", "n_prompt_tokens"):
+            h.body[k] = b""
+        frames = []
     with pytest.raises(wire.ProtocolError) as e:
         wire.parse_opens(h, frames)
     assert e.value.reason == reason
@@ -359,6 +365,7 @@ def test_a_finishes_entry_reads_as_the_finish_of_its_request():
 @pytest.mark.parametrize("case,reason", [
     ("repeated-id", "bad_field"), ("entries-short", "bad_field"), ("entry-not-a-map", "bad_field"),
     ("bad-range", "bad_field"), ("token-frame-short", "size_mismatch"), ("no-entries", "bad_field"),
+    ("empty", "bad_field"),
 ])
 def test_a_malformed_finishes_is_refused_with_a_reason(case, reason):
     ids, bodies, frames = ["a", "b"], [dict(b) for b in FIN_BODIES[:2]], [np.array([7, 8], np.int32).tobytes()]
@@ -375,6 +382,8 @@ def test_a_malformed_finishes_is_refused_with_a_reason(case, reason):
     h = wire.decode_header(wire.pack_header("finishes", "p", 3, 2, ids, {"entries": bodies}))
     if case == "no-entries":
         h.body = {}
+    elif case == "empty":
+        h.key, h.body, frames = [], {"entries": []}, []
     with pytest.raises(wire.ProtocolError) as e:
         wire.parse_finishes(h, frames)
     assert e.value.reason == reason
