@@ -634,8 +634,8 @@ class Broker(ServiceThread):
             link = self._owner_of(rid, ps)
             opened(rid, ps, OpensEntry(h, o, tokens, i))
             by_owner.setdefault(link, []).append(i)
-        self._route_entries(frames, tok, by_owner, "takes_opens",
-                            lambda link, idx: self._send_opens(link, h, o, tokens, idx, tok))
+        self._route_entries(frames, tok, by_owner, "takes_opens", lambda link, idx: self._send_entries(
+            link, link.takes_opens, h, o, tokens, idx, tok, "opens_unbatched"))
 
     def _route_entries(self, frames: list, tok: InFlight, by_owner: dict, takes: str, send_part) -> None:
         """An `opens` or `finishes` whose entries `by_owner` groups by owner link: the message as received when
@@ -649,17 +649,17 @@ class Broker(ServiceThread):
         if not ok:
             self._unaccept(tok)
 
-    def _send_opens(self, link: ConsumerLink, h: wire.Header, o: wire.Opens, tokens, idx: list,
-                    tok: InFlight) -> bool:
-        """Entries `idx` of an opens to `link`: one `opens`, or one `open` each if it does not take `opens`."""
-        if link.takes_opens:
-            head, *rest = wire.subset_opens(h, o, tokens, idx)
+    def _send_entries(self, link: ConsumerLink, takes: bool, h: wire.Header, batch, tokens, idx: list,
+                      tok: InFlight, unbatched: str) -> bool:
+        """Entries `idx` of an opens or finishes (`batch`: wire.Opens or wire.Finishes) to `link`: one message of
+        the kind if it `takes` it, else one `open` or `finish` each (counted in stats.<unbatched>)."""
+        if takes:
+            head, *rest = batch.subset(h, tokens, idx)
             return self._send(link, head, rest, tok)
-        self.stats.opens_unbatched += len(idx)
+        setattr(self.stats, unbatched, getattr(self.stats, unbatched) + len(idx))
         for i in idx:
-            e = o.open_at(i)
-            head = wire.pack_header("open", h.producer, h.epoch, h.seq, e.request_id, wire.open_body(e))
-            if not self._send(link, head, o.token_frames(i, tokens), tok):
+            head, rest = batch.single(h, tokens, i)
+            if not self._send(link, head, rest, tok):
                 return False
         return True
 
@@ -679,21 +679,8 @@ class Broker(ServiceThread):
             hint_of.pop(rid, None)
             hints_due.pop(rid, None)
             by_owner.setdefault(link, []).append(i)
-        self._route_entries(frames, tok, by_owner, "takes_finishes",
-                            lambda link, idx: self._send_finishes(link, h, f, tokens, idx, tok))
-
-    def _send_finishes(self, link: ConsumerLink, h: wire.Header, f: wire.Finishes, tokens, idx: list,
-                       tok: InFlight) -> bool:
-        """Entries `idx` of a finishes to `link`: one `finishes`, or one `finish` each if it does not take them."""
-        if link.takes_finishes:
-            head, *rest = wire.subset_finishes(h, f, tokens, idx)
-            return self._send(link, head, rest, tok)
-        self.stats.finishes_unbatched += len(idx)
-        for i in idx:
-            head = wire.pack_header("finish", h.producer, h.epoch, h.seq, f.request_ids[i], f.bodies[i])
-            if not self._send(link, head, f.token_frames(i, tokens), tok):
-                return False
-        return True
+        self._route_entries(frames, tok, by_owner, "takes_finishes", lambda link, idx: self._send_entries(
+            link, link.takes_finishes, h, f, tokens, idx, tok, "finishes_unbatched"))
 
     def _route_delta(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         d = wire.parse_delta(h)

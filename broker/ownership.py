@@ -55,9 +55,7 @@ class OpensEntry(NamedTuple):
     index: int
 
     def reassigned_head(self) -> bytes:
-        h = self.header
-        o = self.opens.open_at(self.index)
-        return wire.pack_header("open", h.producer, h.epoch, h.seq, o.request_id, wire.open_body(o, True))
+        return self.opens.single(self.header, self.tokens, self.index, True)[0]
 
     @property
     def frames(self) -> list:

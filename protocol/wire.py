@@ -509,6 +509,15 @@ class Opens:
         t = self.tokens_of(i, tokens)
         return [] if t is None else [memoryview(t).cast("B")]
 
+    def single(self, h: Header, tokens: np.ndarray | None, i: int, reassigned: bool = False) -> tuple:
+        """Entry i as an `open` of its own, from the same sender and seq: (header, payload frames)."""
+        o = self.open_at(i)
+        return (pack_header("open", h.producer, h.epoch, h.seq, o.request_id, open_body(o, reassigned)),
+                self.token_frames(i, tokens))
+
+    def subset(self, h: Header, tokens: np.ndarray | None, idx: Sequence[int]) -> list:
+        return subset_opens(h, self, tokens, idx)
+
     def tokens_of(self, i: int, tokens: np.ndarray | None) -> np.ndarray | None:
         """Entry i's prompt token ids out of the message's token array (None when it sent none)."""
         if self.n_prompt_tokens is None or tokens is None or not self.n_prompt_tokens[i]:
@@ -674,6 +683,14 @@ class Finishes:
         """Entry i's payload frames as a `finish` of its own: its token ids as bytes, or none."""
         t = self.tokens_of(i, tokens)
         return [] if t is None else [memoryview(t).cast("B")]
+
+    def single(self, h: Header, tokens: np.ndarray | None, i: int) -> tuple:
+        """Entry i as a `finish` of its own, from the same sender and seq: (header, payload frames)."""
+        return (pack_header("finish", h.producer, h.epoch, h.seq, self.request_ids[i], self.bodies[i]),
+                self.token_frames(i, tokens))
+
+    def subset(self, h: Header, tokens: np.ndarray | None, idx: Sequence[int]) -> list:
+        return subset_finishes(h, self, tokens, idx)
 
 
 def parse_finishes(h: Header, frames: Sequence = ()) -> tuple[Finishes, np.ndarray | None]:
