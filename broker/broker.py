@@ -634,18 +634,20 @@ class Broker(ServiceThread):
             link = self._owner_of(rid, ps)
             opened(rid, ps, OpensEntry(h, o, tokens, i))
             by_owner.setdefault(link, []).append(i)
-        self._route_entries(frames, tok, by_owner, "takes_opens", lambda link, idx: self._send_entries(
-            link, link.takes_opens, h, o, tokens, idx, tok, "opens_unbatched"))
+        self._route_entries(h, frames, tok, by_owner, o, tokens, "takes_opens", "opens_unbatched")
 
-    def _route_entries(self, frames: list, tok: InFlight, by_owner: dict, takes: str, send_part) -> None:
-        """An `opens` or `finishes` whose entries `by_owner` groups by owner link: the message as received when
-        one owner has them all and takes the kind (`takes`: the link's flag), else send_part(link, entries) for
-        each owner; refused until the producer rewinds if any part could not be queued."""
+    def _route_entries(self, h: wire.Header, frames: list, tok: InFlight, by_owner: dict, batch, tokens,
+                       takes: str, unbatched: str) -> None:
+        """An `opens` or `finishes` (`batch`: wire.Opens or wire.Finishes) whose entries `by_owner` groups by owner
+        link: the message as received when one owner has them all and takes the kind (`takes`: the link's flag),
+        else each owner's entries (_send_entries); refused until the producer rewinds if any part could not be
+        queued."""
         only = next(iter(by_owner)) if len(by_owner) == 1 else None
         if only is not None and getattr(only, takes):
             ok = self._send(only, frames[1].buffer, frames[2:], tok)
         else:
-            ok = all(send_part(link, idx) for link, idx in by_owner.items())
+            ok = all(self._send_entries(link, getattr(link, takes), h, batch, tokens, idx, tok, unbatched)
+                     for link, idx in by_owner.items())
         if not ok:
             self._unaccept(tok)
 
@@ -679,8 +681,7 @@ class Broker(ServiceThread):
             hint_of.pop(rid, None)
             hints_due.pop(rid, None)
             by_owner.setdefault(link, []).append(i)
-        self._route_entries(frames, tok, by_owner, "takes_finishes", lambda link, idx: self._send_entries(
-            link, link.takes_finishes, h, f, tokens, idx, tok, "finishes_unbatched"))
+        self._route_entries(h, frames, tok, by_owner, f, tokens, "takes_finishes", "finishes_unbatched")
 
     def _route_delta(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         d = wire.parse_delta(h)

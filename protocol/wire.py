@@ -480,8 +480,39 @@ def parse_open(h: Header) -> Open:
     return Open(rid, P, C, L, K, ids, nt, filled)
 
 
+class _EntryTokens:
+    """The token ids of an `opens` or `finishes` entry: entry i's are tokens[offsets[i]:offsets[i + 1]] of the
+    message's one token array (`offsets`: int64, one more than the entries)."""
+
+    __slots__ = ()
+
+    def tokens_of(self, i: int, tokens: np.ndarray | None) -> np.ndarray | None:
+        """Entry i's token ids (None when it has none)."""
+        off = self.offsets
+        if tokens is None or off[i] == off[i + 1]:
+            return None
+        return tokens[off[i]:off[i + 1]]
+
+    def token_frames(self, i: int, tokens: np.ndarray | None) -> list:
+        """Entry i's payload frames as a message of its own: its token ids as bytes, or none."""
+        t = self.tokens_of(i, tokens)
+        return [] if t is None else [memoryview(t).cast("B")]
+
+    def subset_token_frames(self, tokens: np.ndarray | None, idx: Sequence[int]) -> list:
+        """The payload frames of a message holding entries `idx`, in that order: their token ids in one frame, or
+        none."""
+        parts = [t for t in (self.tokens_of(i, tokens) for i in idx) if t is not None]
+        return [memoryview(np.concatenate(parts)).cast("B")] if parts else []
+
+
+def _offsets(counts: Sequence[int] | np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
 @dataclass(slots=True)
-class Opens:
+class Opens(_EntryTokens):
     """A validated `opens` header: entry i is the open of request_ids[i] (open_at(i))."""
 
     request_ids: list
@@ -492,22 +523,13 @@ class Opens:
     num_layers: int
     top_k: int
     layer_ids: list
-    token_offsets: np.ndarray | None     # int64, len + 1: entry i's ids are tokens[off[i]:off[i + 1]]
+    offsets: np.ndarray                  # int64, len + 1 (_EntryTokens; all 0 when no token ids were sent)
 
     def open_at(self, i: int) -> Open:
         return Open(self.request_ids[i], int(self.prompt_len[i]), int(self.num_cached[i]), self.num_layers,
                     self.top_k, self.layer_ids,
                     0 if self.n_prompt_tokens is None else int(self.n_prompt_tokens[i]),
                     False if self.prefix_filled is None else bool(self.prefix_filled[i]))
-
-    @property
-    def n_tokens(self) -> int:
-        return 0 if self.token_offsets is None else int(self.token_offsets[-1])
-
-    def token_frames(self, i: int, tokens: np.ndarray | None) -> list:
-        """Entry i's payload frames as an `open` of its own: its token ids as bytes, or none."""
-        t = self.tokens_of(i, tokens)
-        return [] if t is None else [memoryview(t).cast("B")]
 
     def single(self, h: Header, tokens: np.ndarray | None, i: int, reassigned: bool = False) -> tuple:
         """Entry i as an `open` of its own, from the same sender and seq: (header, payload frames)."""
@@ -517,12 +539,6 @@ class Opens:
 
     def subset(self, h: Header, tokens: np.ndarray | None, idx: Sequence[int]) -> list:
         return subset_opens(h, self, tokens, idx)
-
-    def tokens_of(self, i: int, tokens: np.ndarray | None) -> np.ndarray | None:
-        """Entry i's prompt token ids out of the message's token array (None when it sent none)."""
-        if self.n_prompt_tokens is None or tokens is None or not self.n_prompt_tokens[i]:
-            return None
-        return tokens[self.token_offsets[i]:self.token_offsets[i + 1]]
 
 
 def _id_list(ids: Any, kind: str) -> list:
@@ -555,11 +571,10 @@ def parse_opens(h: Header, frames: Sequence = ()) -> tuple[Opens, np.ndarray | N
     L = int_field(b, "num_layers", 1, MAX_LAYERS)
     K = int_field(b, "top_k", 1, MAX_TOP_K)
     layer_ids = _layer_ids(b, L)
-    NT = offsets = None
+    NT = None
     if b.get("n_prompt_tokens") is not None:
         NT = _int32_array(b["n_prompt_tokens"], "n_prompt_tokens", n, 0, MAX_POSITION)
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(NT, out=offsets[1:])
+    offsets = _offsets(NT if NT is not None else np.zeros(n, np.int32))
     filled = None
     if b.get("prefix_filled") is not None:
         raw = b["prefix_filled"]
@@ -569,7 +584,7 @@ def parse_opens(h: Header, frames: Sequence = ()) -> tuple[Opens, np.ndarray | N
         if n and int(u.max()) > 1:
             raise _bad("bad_field", "prefix_filled bytes must be 0 or 1")
         filled = u.astype(bool)
-    total = 0 if offsets is None else int(offsets[-1])
+    total = int(offsets[-1])
     if len(frames) != (1 if total else 0):
         raise _bad("frame_count", f"opens announces {total} prompt tokens but has {len(frames)} payload frames")
     tokens = tokens_from_frame(frames[0], total, "prompt token") if total else None
@@ -604,8 +619,7 @@ def open_body(o: Open, reassigned: bool = False) -> dict:
     return body
 
 
-def subset_opens(h: Header, o: Opens, tokens: np.ndarray | None, idx: Sequence[int],
-                 link: Sequence[int] | None = None) -> list:
+def subset_opens(h: Header, o: Opens, tokens: np.ndarray | None, idx: Sequence[int]) -> list:
     """[header, payload frames...] of an `opens` holding entries `idx` of `o` (in that order), same sender and seq
     (the broker's split by owner)."""
     idx = np.asarray(idx, dtype=np.int64)
@@ -614,12 +628,9 @@ def subset_opens(h: Header, o: Opens, tokens: np.ndarray | None, idx: Sequence[i
                       None if o.prefix_filled is None else o.prefix_filled[idx])
     if "layer_ids" not in h.body:
         del body["layer_ids"]
-    ids = [o.request_ids[i] for i in idx.tolist()]
-    out = [pack_header("opens", h.producer, h.epoch, h.seq, ids, body, link)]
-    if nt is not None and int(nt.sum()):
-        off = o.token_offsets
-        out.append(memoryview(np.concatenate([tokens[off[i]:off[i + 1]] for i in idx.tolist()])).cast("B"))
-    return out
+    ids = idx.tolist()
+    return [pack_header("opens", h.producer, h.epoch, h.seq, [o.request_ids[i] for i in ids], body),
+            *o.subset_token_frames(tokens, ids)]
 
 
 @dataclass(slots=True)
@@ -665,24 +676,14 @@ def parse_finish(h: Header) -> Finish:
 
 
 @dataclass(slots=True)
-class Finishes:
+class Finishes(_EntryTokens):
     """A validated `finishes` header: entry i is the finish of request_ids[i] (`finishes[i]`), its output token ids
     tokens[offsets[i]:offsets[i + 1]] of the message's token array."""
 
     request_ids: list
     bodies: list              # each entry's body as sent (a `finish` body)
     finishes: list            # each entry as parse_finish reads it
-    offsets: np.ndarray       # int64, len + 1
-
-    def tokens_of(self, i: int, tokens: np.ndarray | None) -> np.ndarray | None:
-        if tokens is None or self.offsets[i] == self.offsets[i + 1]:
-            return None
-        return tokens[self.offsets[i]:self.offsets[i + 1]]
-
-    def token_frames(self, i: int, tokens: np.ndarray | None) -> list:
-        """Entry i's payload frames as a `finish` of its own: its token ids as bytes, or none."""
-        t = self.tokens_of(i, tokens)
-        return [] if t is None else [memoryview(t).cast("B")]
+    offsets: np.ndarray       # int64, len + 1 (_EntryTokens)
 
     def single(self, h: Header, tokens: np.ndarray | None, i: int) -> tuple:
         """Entry i as a `finish` of its own, from the same sender and seq: (header, payload frames)."""
@@ -708,8 +709,7 @@ def parse_finishes(h: Header, frames: Sequence = ()) -> tuple[Finishes, np.ndarr
         if not isinstance(b, dict):
             raise _bad("bad_field", f"finishes entry for {rid[:64]!r} is not a map")
         out.append(parse_finish(Header(h.version, "finish", h.producer, h.epoch, h.seq, rid, b)))
-    offsets = np.zeros(len(ids) + 1, np.int64)
-    np.cumsum([f.n_output_tokens for f in out], out=offsets[1:])
+    offsets = _offsets([f.n_output_tokens for f in out])
     total = int(offsets[-1])
     if len(frames) != (1 if total else 0):
         raise _bad("frame_count", f"finishes announces {total} output tokens but has {len(frames)} payload frames")
@@ -721,12 +721,9 @@ def subset_finishes(h: Header, f: Finishes, tokens: np.ndarray | None, idx: Sequ
     """[header, payload frames...] of a `finishes` holding entries `idx` of `f` (in that order), same sender and seq
     (the broker's split by owner)."""
     idx = list(idx)
-    out = [pack_header("finishes", h.producer, h.epoch, h.seq, [f.request_ids[i] for i in idx],
-                       {"entries": [f.bodies[i] for i in idx]})]
-    parts = [t for t in (f.tokens_of(i, tokens) for i in idx) if t is not None]
-    if parts:
-        out.append(memoryview(np.concatenate(parts)).cast("B"))
-    return out
+    return [pack_header("finishes", h.producer, h.epoch, h.seq, [f.request_ids[i] for i in idx],
+                        {"entries": [f.bodies[i] for i in idx]}),
+            *f.subset_token_frames(tokens, idx)]
 
 
 def parse_abort(h: Header) -> tuple[str, str, int | None]:
