@@ -15,7 +15,10 @@ Chains (each role a separate process, loopback tcp):
             rows it holds does, with no Python per request (ours keeps a prefill message's rows as received since
             session 36, so ours/copy can pass 1 there)
   ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
-Then latency: ours at an offered load of 100k tokens/s (decode steps), p50/p99 from publish() to applied.
+Then latency at an offered load of 100k tokens/s (decode steps), p50/p99: ours from publish() to applied in both
+consumers, and beside it (--latency-chains, default ours,proxy; --repeat times each, alternated) the proxy chain
+from send to receipt: the floor that this machine's scheduling of the processes and ZeroMQ's threads puts under
+any chain, measured in the same run. The p99 of each run, their median and how many were <= 5 ms are printed last.
 Peak RSS of broker and consumers is reported, and the CPU seconds (user + system, all threads) each process
 spent from the start signal to the end of the run (`cpu_s`: the sender's own count, the others' from
 /proc/PID/stat). The producer coalesces steps that queue up behind its thread (Producer coalesce_max_bytes;
@@ -29,6 +32,7 @@ batch's (`--workloads "" --batches 2`: the latency run alone, in a long-running 
 --repeat N: each workload's chains N times, their order alternated, each repeat's ratios and their median printed.
 Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
        [--coalesce-bytes N] [--replay-mib N] [--batches N] [--keep-mib N] [--repeat N] [--profile DIR]
+       [--no-latency | --latency-chains ours,proxy]
 """
 
 from __future__ import annotations
@@ -91,6 +95,17 @@ def fresh_page_us(mib: int = 32) -> float:
         sys.path.append(here)
     from page_touch import touch
     return touch(mib)[0] * 1e6 / ((mib << 20) // mmap.PAGESIZE)
+
+
+def steal_ms() -> float:
+    """CPU time the hypervisor took from this VM's vCPUs so far (the `steal` column of /proc/stat's cpu line, all
+    vCPUs, ms); -1 where it cannot be read. A process whose vCPU is stolen stalls for as long, whatever it runs."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
 
 
 def rss_mb() -> float:
@@ -210,7 +225,7 @@ def _next_batch(q, go, b: int, batches: int) -> None:
 
 # ---- processes ------------------------------------------------------------------------------------------------
 
-def raw_sender(ep, workload, n_steps, q, batches, report, got=None):
+def raw_sender(ep, workload, n_steps, q, batches, report, got=None, rate_tokens_s=0):
     import zmq
     from routing_replay.protocol import wire
     steps, tok = _steps(workload, n_steps)
@@ -223,21 +238,29 @@ def raw_sender(ep, workload, n_steps, q, batches, report, got=None):
     q.get()  # go
     seq = 0
     sent = 0
+    step_s = tok / rate_tokens_s if rate_tokens_s else 0
     for b, run in enumerate(runs):
         if b:                       # the last batch's bytes are all received (as ours waits for its acks)
             while got.value < sent:
                 time.sleep(0.001)
         _next_batch(report, q, b, batches)
         c0 = _self_cpu()
+        send_times = {}
         t0 = time.monotonic()
-        for st in run:
+        for i, st in enumerate(run):
             seq += 1
+            if step_s:              # the latency run: the same pacing as ours' producer_proc
+                target = t0 + i * step_s
+                while time.monotonic() < target:
+                    time.sleep(max(0, target - time.monotonic() - 0.0002))
+            t = time.monotonic()
             head = wire.pack_header("delta", "raw", 0, seq, st.ids, wire.delta_body(st.starts, st.counts, L, K))
             s.send_multipart([head, payload], copy=False)
+            send_times[i] = t
             sent += len(head) + payload.nbytes
     s.close(linger=-1)
     ctx.term()
-    report.put(("sent", t0, _self_cpu() - c0))
+    report.put(("sent", t0, send_times, _self_cpu() - c0))
 
 
 COPY_BUF = 256 << 20
@@ -255,8 +278,26 @@ def copy_in(buf: np.ndarray, at: int, frames) -> int:
     return at
 
 
-def raw_receiver(ep, bind, q, got=None, copy=False):
+def _note_positions(recv_times: dict, header: bytes, t: float) -> None:
+    """The latency runs (decode steps: step i writes position i of every request): arrival time t of every
+    position a delta header's entries carry, kept per position (with --batches the same positions come once per
+    batch; _latency takes each step's first arrival after the measured batch sent it)."""
+    import msgpack
+    h = msgpack.unpackb(header)
+    if h[1] != "delta":
+        return
+    # dict.fromkeys, not np.unique: numpy 2's unique imports numpy.ma on its first call (80 ms on a host without
+    # that module's .pyc), which stalled the first steps of this measurement
+    starts = np.frombuffer(h[6]["start"], "<i4")
+    counts = np.frombuffer(h[6]["count"], "<i4")
+    for a, c in dict.fromkeys(zip(starts.tolist(), counts.tolist())):
+        for pos in range(a, a + c):     # (a merged decode entry carries several steps)
+            recv_times.setdefault(pos, []).append(t)
+
+
+def raw_receiver(ep, bind, q, got=None, copy=False, latency=False):
     import zmq
+    recv_times = {}
     buf = None
     if copy:                        # the 'copy' chain: every payload byte copied once into kept, warm memory
         buf = np.ones(COPY_BUF, dtype=np.uint8)
@@ -275,6 +316,8 @@ def raw_receiver(ep, bind, q, got=None, copy=False):
             continue
         m = 0
         frames = s.recv_multipart(copy=False)
+        if latency:
+            _note_positions(recv_times, frames[0].buffer, time.monotonic())
         for f in frames:
             m += len(f.buffer)
         if buf is not None:
@@ -284,7 +327,7 @@ def raw_receiver(ep, bind, q, got=None, copy=False):
         if got is not None:         # --batches: the sender waits for each batch to be received
             with got.get_lock():
                 got.value += m
-    q.put(("done", n, last, rss_mb()))
+    q.put(("done", n, last, rss_mb(), recv_times))
 
 
 def proxy_proc(front, back, q):
@@ -315,7 +358,6 @@ def broker_proc(front, back, q, stop):
 def consumer_proc(back, q, latency, stop, keep_bytes=None):
     import logging
     logging.basicConfig(level=logging.WARNING)
-    import msgpack
     from routing_replay.consumer import Consumer
     recv_times = {}
     state = {"records": 0, "last": None, "held_peak": 0}
@@ -324,19 +366,7 @@ def consumer_proc(back, q, latency, stop, keep_bytes=None):
         def _on_broker_message(self, frames, now):
             super()._on_broker_message(frames, now)
             if latency:              # decode steps: step i writes position i of every request
-                h = msgpack.unpackb(frames[0].buffer)
-                if h[1] == "delta":
-                    t = time.monotonic()
-                    # dict.fromkeys, not np.unique: numpy 2's unique imports numpy.ma on its first call (80 ms
-                    # on a host without that module's .pyc), which stalled the first steps of this measurement
-                    # every position an entry carries (a merged decode entry carries several steps)
-                    starts = np.frombuffer(h[6]["start"], "<i4")
-                    counts = np.frombuffer(h[6]["count"], "<i4")
-                    # (every arrival is kept: with --batches the same positions come once per batch, and
-                    # _latency takes each step's first arrival after the measured batch sent it)
-                    for a, c in dict.fromkeys(zip(starts.tolist(), counts.tolist())):
-                        for pos in range(a, a + c):
-                            recv_times.setdefault(pos, []).append(t)
+                _note_positions(recv_times, frames[0].buffer, time.monotonic())
             state["held_peak"] = max(state["held_peak"], self.acc.bytes_held)
 
     def on_record(rec):
@@ -506,7 +536,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     procs = []
     fe, be = _port(), _port()
     if chain == "raw":
-        procs.append(ctx.Process(target=raw_receiver, args=(fe, True, q, got)))
+        procs.append(ctx.Process(target=raw_receiver, args=(fe, True, q, got, False, bool(rate))))
         n_cons = 1
     elif chain in ("proxy", "copy"):
         procs.append(ctx.Process(target=proxy_proc, args=(fe, be, q)))
@@ -519,7 +549,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     if chain != "raw":
         for _ in range(n_cons):
             if chain in ("proxy", "copy"):
-                p = ctx.Process(target=raw_receiver, args=(be, False, q, got, chain == "copy"))
+                p = ctx.Process(target=raw_receiver, args=(be, False, q, got, chain == "copy", bool(rate)))
             else:
                 p = _proc(ctx, consumer_proc, (be, q, bool(rate), cstop, keep_bytes), "consumer")
             p.start()
@@ -530,13 +560,14 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         sender = _proc(ctx, producer_proc, (fe, workload, n_steps, go, rate, coalesce_bytes, replay_bytes,
                                             batches, told), "producer")
     else:
-        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go, batches, told, got))
+        sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go, batches, told, got, rate))
     sender.start()
     if batches > 1:
         go.put("go")
         _wait(told, "measure", 1, 900)
     page_us = fresh_page_us()               # (this machine's first-touch cost as the measured batch starts)
     go.put("go")
+    steal0 = steal_ms()
     cpu0 = [_cpu(p.pid) for p in procs]
     flt0 = [_faults(p.pid) for p in procs]
     sflt0 = _faults(sender.pid)
@@ -549,6 +580,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         done = _wait(q, "done", n_cons, 900)
         sent = told.get(timeout=60)
     cpu1 = [_cpu(p.pid) for p in procs]
+    steal1 = steal_ms()
     flt1 = [_faults(p.pid) for p in procs]
     sflt1 = _faults(sender.pid)             # (a sender waits for its stop signal or has not been reaped yet)
     sender.join()
@@ -575,6 +607,8 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     # first touches in the measured batch (thousands of pages) and what one cost as it started: a consumer that
     # holds records pays faults x page_us that a consumer which only counts bytes does not
     res["page_us"] = round(page_us, 2)
+    # CPU the hypervisor took from the VM while the measured batch ran (ms, all vCPUs; None: not readable)
+    res["steal_ms"] = round(steal1 - steal0) if min(steal0, steal1) >= 0 else None
     res["faults_k"] = {"sender": round((sflt1 - sflt0) / 1e3, 1) if min(sflt0, sflt1) >= 0 else None}
     for role, a, b in zip(roles, flt0, flt1):
         res["faults_k"].setdefault(role, []).append(round((b - a) / 1e3, 1) if min(a, b) >= 0 else None)
@@ -590,6 +624,15 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         res["messages"] = sent[2]
         if rate:
             res["latency"] = _latency(sent[4], [d[5] for d in done], n_steps)
+    elif rate:
+        # raw/proxy: each message reaches one receiver (PUSH round-robin), so a step's arrival is its one receiver's
+        merged: dict = {}
+        for d in done:
+            for pos, ts in d[4].items():
+                merged.setdefault(pos, []).extend(ts)
+        for ts in merged.values():
+            ts.sort()
+        res["latency"] = _latency(sent[2], [merged], n_steps)
     return res
 
 
@@ -628,6 +671,18 @@ def ratios(results: list, workloads: list, repeats: int) -> list:
     return out
 
 
+def latency_summary(runs: list, chains: list) -> list:
+    """Per chain, the p99 of each latency run, their median and how many were at most 5 ms (issue #16's target),
+    as summary entries: ours beside the proxy chain measured in the same run, alternated."""
+    out = []
+    for c in chains:
+        p99 = [r["latency"]["p99_ms"] for r in runs if r["chain"] == c]
+        if p99:
+            out.append({"summary": "latency", "chain": c, "p99_ms": p99, "median_ms": statistics.median(p99),
+                        "at_most_5ms": sum(x <= 5.0 for x in p99)})
+    return out
+
+
 STEPS = {"decode": 4000, "prefill": 200, "batched": 250, "mixed": 100}     # about 1M tokens each (mixed: 1.2M)
 
 
@@ -654,6 +709,10 @@ def main(argv=None) -> int:
                          "reversed, ...), and print each repeat's ratios with their median: one run's ratio on a "
                          "shared machine moves with its load, the median of alternated repeats much less")
     ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--latency-chains", default="ours,proxy",
+                    help="the chains whose latency at 100k tokens/s is measured, --repeat times each, their order "
+                         "alternated (of ours, proxy, raw: proxy/raw time a step from its send to its receipt, "
+                         "the floor this machine's scheduling puts under ours' publish-to-applied)")
     ap.add_argument("--profile", metavar="DIR",
                     help="run the producer, broker and consumers of 'ours' under cProfile; stats and CPU seconds "
                          "per process go to DIR (slows them; not for the ratios)")
@@ -676,6 +735,9 @@ def main(argv=None) -> int:
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
     chains = [c for c in a.chains.split(",") if c]
+    lat_chains = [c for c in a.latency_chains.split(",") if c]
+    if any(c not in ("ours", "proxy", "raw") for c in lat_chains):
+        ap.error(f"--latency-chains: of ours, proxy, raw, not {a.latency_chains!r}")
     for workload in workloads:
         steps = STEPS[workload.partition(":")[0]]
         steps = steps // 10 if a.quick else steps
@@ -689,23 +751,33 @@ def main(argv=None) -> int:
                       + (f" batch {a.batches}/{a.batches}" if a.batches > 1 else "")
                       + f" tokens/s={r['tokens_per_s']:>12,.0f} MB/s={r['MB_per_s']:>8,.0f} "
                       f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']} "
-                      f"page_us={r.get('page_us')} faults_k={r.get('faults_k')}"
+                      f"page_us={r.get('page_us')} steal_ms={r.get('steal_ms')} faults_k={r.get('faults_k')}"
                       + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
                          f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
                          if chain == "ours" else ""),
                       flush=True)
-    if not a.no_latency:
-        lat = measure_chain("ours", "decode", 200 if a.quick else 800, rate=100_000, coalesce_bytes=a.coalesce_bytes,
-                            replay_bytes=replay, batches=a.batches)
-        results.append(lat)
-        shown = {k: v for k, v in lat["latency"].items() if k != "per_step_ms"}
-        print(f"latency at 100k tokens/s offered (decode steps of 256"
-              + (f", batch {a.batches}/{a.batches}" if a.batches > 1 else "") + f"): {shown} "
-              f"messages={lat['messages']} records={lat['records']} page_us={lat['page_us']} "
-              f"faults_k={lat['faults_k']}", flush=True)
+    lat_runs = []
+    for rep in range(a.repeat if not a.no_latency else 0):
+        for chain in (lat_chains if rep % 2 == 0 else lat_chains[::-1]):
+            lat = measure_chain(chain, "decode", 200 if a.quick else 800, rate=100_000,
+                                coalesce_bytes=a.coalesce_bytes, replay_bytes=replay, batches=a.batches)
+            lat["repeat"] = rep
+            results.append(lat)
+            lat_runs.append(lat)
+            shown = {k: v for k, v in lat["latency"].items() if k != "per_step_ms"}
+            print(f"latency at 100k tokens/s offered (decode steps of 256"
+                  + (f", batch {a.batches}/{a.batches}" if a.batches > 1 else "") + f") {chain}"
+                  + (f" repeat {rep + 1}/{a.repeat}" if a.repeat > 1 else "") + f": {shown} "
+                  + (f"messages={lat['messages']} records={lat['records']} " if chain == "ours" else "")
+                  + f"page_us={lat['page_us']} steal_ms={lat['steal_ms']} faults_k={lat['faults_k']}", flush=True)
     results.extend(ratios(results, workloads, a.repeat))
+    results.extend(latency_summary(lat_runs, lat_chains))
     for r in results:
-        if r.get("summary"):
+        if r.get("summary") == "latency":
+            print(f"latency p99 at 100k tokens/s: {r['chain']} median {r['median_ms']:.2f} ms "
+                  f"({' '.join(f'{x:.2f}' for x in r['p99_ms'])}; {r['at_most_5ms']} of {len(r['p99_ms'])} "
+                  f"<= 5 ms)", flush=True)
+        elif r.get("summary"):
             each = " ".join(f"{x:.2f}" for x in r["ratios"])
             print(f"{r['workload']}: {r['chain']}/{r['vs']}={r['median']:.2f}" +
                   (f" (median of {len(r['ratios'])} alternated repeats: {each}; min {r['min']:.2f}, max "

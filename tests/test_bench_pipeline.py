@@ -226,9 +226,47 @@ def test_a_real_latency_run_measures_the_second_batch(tmp_path):
     p = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "", "--quick", "--batches", "2",
                         "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    (r,) = json.loads(out.read_text())
+    r, px, s_ours, s_proxy = json.loads(out.read_text())
     assert (r["workload"], r["chain"], r["batches"], r["records"]) == ("decode", "ours", 2, 512)
-    lat = r["latency"]
-    assert lat["n"] == 200 and len(lat["per_step_ms"]) == 200
-    assert all(0 < x < 60_000 for x in lat["per_step_ms"]), lat["per_step_ms"]
-    assert "latency at 100k tokens/s offered (decode steps of 256, batch 2/2)" in p.stdout
+    # beside it by default, the proxy chain at the same offered load: every step's one arrival timed
+    assert (px["workload"], px["chain"], px["batches"]) == ("decode", "proxy", 2)
+    for x in (r, px):
+        lat = x["latency"]
+        assert lat["n"] == 200 and len(lat["per_step_ms"]) == 200
+        assert all(0 < v < 60_000 for v in lat["per_step_ms"]), lat["per_step_ms"]
+        assert x["steal_ms"] is None or x["steal_ms"] >= 0
+    assert s_ours == {"summary": "latency", "chain": "ours", "p99_ms": [r["latency"]["p99_ms"]],
+                      "median_ms": r["latency"]["p99_ms"], "at_most_5ms": int(r["latency"]["p99_ms"] <= 5)}
+    assert s_proxy["chain"] == "proxy" and s_proxy["p99_ms"] == [px["latency"]["p99_ms"]]
+    assert "latency at 100k tokens/s offered (decode steps of 256, batch 2/2) ours:" in p.stdout
+    assert "latency at 100k tokens/s offered (decode steps of 256, batch 2/2) proxy:" in p.stdout
+    assert f"latency p99 at 100k tokens/s: proxy median {px['latency']['p99_ms']:.2f} ms" in p.stdout
+
+
+def test_latency_summary_gives_each_chains_p99s_their_median_and_how_many_met_5ms():
+    bench = load_script(SCRIPT, "bench_pipeline")
+    runs = [{"chain": c, "latency": {"p99_ms": v}} for c, v in
+            (("ours", 7.5), ("proxy", 0.9), ("proxy", 1.1), ("ours", 3.0), ("ours", 5.0), ("proxy", 6.0))]
+    assert bench.latency_summary(runs, ["ours", "proxy", "raw"]) == [
+        {"summary": "latency", "chain": "ours", "p99_ms": [7.5, 3.0, 5.0], "median_ms": 5.0, "at_most_5ms": 2},
+        {"summary": "latency", "chain": "proxy", "p99_ms": [0.9, 1.1, 6.0], "median_ms": 1.1, "at_most_5ms": 2}]
+
+
+def test_bad_latency_chains_are_refused(capsys):
+    bench = load_script(SCRIPT, "bench_pipeline")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--workloads", "", "--latency-chains", "ours,copy"])
+    assert e.value.code == 2
+    assert "--latency-chains: of ours, proxy, raw, not 'ours,copy'" in capsys.readouterr().err
+
+
+def test_steal_ms_reads_the_steal_column_of_proc_stat_in_ms():
+    import os
+    bench = load_script(SCRIPT, "bench_pipeline")
+
+    def read():
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) * 1000 / os.sysconf("SC_CLK_TCK")
+    a = read()
+    got = bench.steal_ms()
+    assert a <= got <= read()
