@@ -55,6 +55,8 @@ class ProducerStats:
     opens_msgs: int = 0         # `opens` messages: several requests' opens in one (open_many, or open() calls
                                 # queued one behind the other), when the broker takes them
     finishes_msgs: int = 0      # `finishes` messages: the same for finishes (end_many, or finish() calls)
+    unbatched_msgs: int = 0     # held `opens`/`finishes` sent again as one `open`/`finish` each: the broker was
+                                # replaced by one that does not take them (a downgrade; Sender._unbatch)
 
 
 def _positions(values: Any, name: str) -> Any:

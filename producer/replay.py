@@ -12,7 +12,7 @@ import shutil
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 
 class SpillRef(NamedTuple):
@@ -216,6 +216,44 @@ class ReplayBuffer:
         e.frames = frames
         e.nbytes = sum(len(memoryview(f).cast("B")) for f in frames)
         self.mem_bytes += e.nbytes
+
+    def renumber(self, expand: Callable[[Entry, list], list | None], reseq: Callable[[Any, int], Any]) -> int:
+        """Replace every held entry by what `expand(entry, frames)` returns: None keeps it, else a list of
+        (parts, frames, payload), each a message of its own. All held entries are numbered again from the first
+        unacknowledged seq (`reseq(header frame, seq)` rewrites a header whose seq moved), and the send cursor goes
+        back there. An entry kept as it was keeps its last send time (its next send is a resend). Returns how many
+        entries were added. For a broker that does not take a kind that messages held here have (a downgrade)."""
+        old = list(self._entries)
+        if not old:
+            return 0
+        first = old[0].seq
+        for e in old:                       # every entry's frames in memory before any is released
+            if e.spill is not None:
+                e.frames = self.spill.read(e.spill)
+                self.spill.release(e.spill)
+                e.spill = None
+        self._entries.clear()
+        self.mem_bytes = 0
+        self.never_sent = 0
+        self._next_seq = first
+        added = 0
+        for e in old:
+            outs = expand(e, e.frames)
+            kept = outs is None
+            if kept:
+                outs = [(e.parts, e.frames, e.payload)]
+            else:
+                added += len(outs) - 1
+            for parts, frames, payload in outs:
+                if not kept or e.seq != self._next_seq:
+                    frames = [reseq(frames[0], self._next_seq), *frames[1:]]
+                ne = self.add(parts, frames, payload)
+                if kept and e.sent_at != 0.0:
+                    ne.sent_at = e.sent_at
+                    self.never_sent -= 1
+            e.frames = None
+        self._send_seq = first
+        return added
 
     def frames(self, e: Entry) -> list:
         return e.frames if e.frames is not None else self.spill.read(e.spill)

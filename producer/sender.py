@@ -24,7 +24,7 @@ from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geome
                                               encode_steps, escaped_id, lost_body,
                                               step_rows, token_frames, with_lost, SAFE_ENTRIES,
                                               delta_rows_limit, header_too_long, oversized, split_step)
-from routing_replay.producer.replay import ReplayBuffer
+from routing_replay.producer.replay import Parts, ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
 
@@ -731,6 +731,37 @@ class Sender:
         self._full_logged = now
         self._full_quiet, self._full_quiet_s = 0, 0.0
 
+    def _unbatch(self, kinds: set) -> None:
+        """The broker stopped taking `kinds` (`opens`, `finishes`): a broker of an earlier version took the place
+        of one that took them. It would refuse such a message as an unknown kind, and refuse it again on every
+        rewind, so every held message of those kinds becomes one `open`/`finish` per entry (the same bodies and
+        token ids), and every held message is numbered again from the first unacknowledged seq (ReplayBuffer.
+        renumber), before anything is sent to that broker (its reply is read before the next send)."""
+        def expand(e, frames: list) -> list | None:
+            if e.parts.kind not in kinds:
+                return None
+            h = wire.decode_header(frames[0])
+            if e.parts.kind == "opens":
+                batch, tokens = wire.parse_opens(h, frames[1:])
+                kind = "open"
+            else:
+                batch, tokens = wire.parse_finishes(h, frames[1:])
+                kind = "finish"
+            out = []
+            for i, rid in enumerate(batch.request_ids):
+                head, rest = batch.single(h, tokens, i)
+                out.append((Parts(kind, (rid,)), [head, *rest], 0))
+            return out
+
+        r = self._replay
+        held = len(r)
+        n = sum(e.parts.kind in kinds for e in r)
+        added = r.renumber(expand, wire.with_seq)
+        self.stats.unbatched_msgs += n
+        log.warning("producer %s: the broker no longer takes %s (an earlier version took its place): %d held "
+                    "messages of them sent as %d single ones; %d held messages numbered again from seq %d",
+                    self.cfg.producer_id, "/".join(sorted(kinds)), n, n + added, held + added, r.first_unacked)
+
     def _rewind(self, why: str, now: float) -> None:
         r = self._replay
         r.rewind()
@@ -801,8 +832,13 @@ class Sender:
                 if h.kind == "heartbeat":
                     self._broker_consumers = wire.parse_broker_hello(h) if "consumers" in h.body else None
                     takes = wire.parse_takes(h)
-                    self.broker_takes_opens = wire.FEATURE_OPENS in takes
-                    self.broker_takes_finishes = wire.FEATURE_FINISHES in takes
+                    opens, finishes = wire.FEATURE_OPENS in takes, wire.FEATURE_FINISHES in takes
+                    gone = {k for k, was, now_ in (("opens", self.broker_takes_opens, opens),
+                                                    ("finishes", self.broker_takes_finishes, finishes))
+                            if was and not now_}
+                    self.broker_takes_opens, self.broker_takes_finishes = opens, finishes
+                    if gone:
+                        self._unbatch(gone)
                 elif h.kind == "ack":
                     if h.body.get("epoch") != self.cfg.epoch:
                         continue

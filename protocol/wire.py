@@ -192,6 +192,14 @@ def pack_header_packed_key(kind: str, producer: str, epoch: int, seq: int, packe
                      packed_key, p.pack(body)))
 
 
+def with_seq(frame: bytes | memoryview, seq: int) -> bytes:
+    """The header frame `frame` (as pack_header writes it) with `seq` in place of its seq: decoded and re-packed
+    (the producer renumbering its unacknowledged messages, a rare event)."""
+    h = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    h[4] = seq
+    return msgpack.packb(h, use_bin_type=True)
+
+
 def with_link(frame: bytes | memoryview, link: Sequence[int]) -> bytes:
     """The header frame `frame` with `link` as its 8th element (any link it carried is replaced).
 

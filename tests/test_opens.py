@@ -11,6 +11,7 @@ the synthetic engine's reference, with a broker or a consumer that does not take
 
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -510,4 +511,104 @@ def test_a_loss_reported_before_a_built_finishes_is_sent_is_re_encoded_into_its_
         p.close(timeout_s=1)
         if fake is not None:
             fake.close()
+        ctx.term()
+
+
+# ---- a broker downgraded under held opens / finishes ---------------------------------------------------------------
+
+def test_renumber_splits_the_chosen_entries_and_numbers_every_held_entry_again(tmp_path):
+    """ReplayBuffer.renumber: an `opens` of 3 entries becomes 3 messages, the entries after it move up by 2 (their
+    headers rewritten, spilled ones too), an entry kept as it was keeps its send time, the cursor goes back to the
+    first unacknowledged seq, and the byte accounting matches the new frames."""
+    from routing_replay.producer.replay import Parts, ReplayBuffer, Spill
+    r = ReplayBuffer(mem_bound=300, spill=Spill(tmp_path, "p"), spill_bound=1 << 20)
+
+    def msg(kind, seq, key, pad=0):
+        return [wire.pack_header(kind, "p", 3, seq, key, {}), b"x" * pad]
+    r.add(Parts("delta", ["z"]), msg("delta", 1, ["z"]), 0)
+    r.ack(1)                                            # first unacknowledged: 2
+    r.add(Parts("delta", ["a"]), msg("delta", 2, ["a"], 100), 100)
+    r.add(Parts("opens", ["a", "b", "c"]), msg("opens", 3, ["a", "b", "c"]), 0)
+    r.add(Parts("finish", ["a"]), msg("finish", 4, "a", 400), 0)      # beyond mem_bound: spilled
+    assert r.spilled_bytes > 0
+    r.mark_sent(r.get(2), 5.0)
+    r.mark_sent(r.get(3), 6.0)
+
+    def expand(e, frames):
+        if e.parts.kind != "opens":
+            return None
+        return [(Parts("open", (rid,)), [wire.pack_header("open", "p", 3, 0, rid, {})], 0)
+                for rid in e.parts.request_ids]
+    assert r.renumber(expand, wire.with_seq) == 2
+    got = [(e.seq, e.parts.kind, list(e.parts.request_ids), e.sent_at) for e in r]
+    assert got == [(2, "delta", ["a"], 5.0), (3, "open", ["a"], 0.0), (4, "open", ["b"], 0.0),
+                   (5, "open", ["c"], 0.0), (6, "finish", ["a"], 0.0)]
+    heads = [wire.decode_header(r.frames(e)[0]) for e in r]
+    assert [(h.seq, h.kind, h.key) for h in heads] == [(2, "delta", ["a"]), (3, "open", "a"), (4, "open", "b"),
+                                                       (5, "open", "c"), (6, "finish", "a")]
+    assert r.frames(r.get(6))[1] == b"x" * 400 and r.frames(r.get(2))[1] == b"x" * 100
+    assert (r.first_unacked, r.next_seq, r.pending(), r.never_sent) == (2, 7, 5, 4)
+    assert r.mem_bytes + r.spilled_bytes == sum(e.nbytes for e in r)
+    assert r.get(6).spill is not None and r.get(2).spill is None        # the large one went back to the spill
+    assert r.ack(6) == (5, 4) and len(r) == 0 and r.mem_bytes == 0 and r.spilled_bytes == 0
+
+
+class _OlderBroker(_OldBroker):
+    """A broker of the version before `opens`/`finishes`, as it was: no `takes` in its replies, and both kinds
+    unknown to its wire module, so a message of either is undecodable there (an error that names no seq; nothing
+    admitted): a producer that kept sending it would be asked to rewind to it forever."""
+    unknown = 0
+
+    def _on_frontend(self, frames):
+        try:
+            kind = msgpack.unpackb(frames[1].bytes)[1]
+        except Exception:  # noqa: BLE001
+            kind = None
+        if kind in ("opens", "finishes"):
+            self.stats.msgs_in += 1
+            type(self).unknown += 1
+            self._bad(wire.ProtocolError("unknown_kind", f"unknown message kind {kind!r}"), frames[0].bytes,
+                      self._front)
+            return
+        super()._on_frontend(frames)
+
+
+def test_a_broker_downgraded_under_held_opens_and_finishes_gets_them_one_by_one_and_the_records_are_exact(tmp_path):
+    """A broker that takes `opens`/`finishes` holds a producer's whole workload unacked (no consumer yet), then a
+    broker of the earlier version takes its place. The producer sends every held `opens`/`finishes` again as one
+    `open`/`finish` per entry, every held message numbered again, and every record is exact."""
+    ctx = zmq.Context()
+    fe, be = f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b"
+    b1 = Broker(fe, be, context=ctx).start()           # no consumer: it holds every message and acks none
+    b2, cons, got = None, [], {}
+    p = Producer(fe, num_layers=L, top_k=K, context=ctx, linger_ms=0)
+    try:
+        s = p._sender
+        wait_until(lambda: s.broker_takes_opens and s.broker_takes_finishes, 10, "the first broker's reply")
+        specs = _specs("down")
+        SyntheticEngine(num_layers=L, top_k=K, num_experts=E, open_many=True).run(p, specs, seed=0)
+        assert p.flush(30)                              # all sent to the first broker, which acks nothing
+        batched = p.stats.opens_msgs + p.stats.finishes_msgs
+        assert p.stats.opens_msgs > 0 and p.stats.finishes_msgs > 0 and p.stats.acked_msgs == 0
+        b1.close()
+        _OlderBroker.unknown = 0
+        b2 = _OlderBroker(fe, be, context=ctx).start()
+        cons = [Consumer(be, context=ctx, consumer_id=f"k{i}", on_record=lambda r: got.__setitem__(r.request_id, r))
+                for i in range(2)]
+        for c in cons:
+            c.start()
+        assert p.wait_acked(60), "the producer's messages were not all acked by the older broker"
+        wait_until(lambda: len(got) >= len(specs), 30, "records")
+        _exact(specs, got)
+        assert p.stats.unbatched_msgs == batched and not s.broker_takes_opens and not s.broker_takes_finishes
+        assert b2.stats.opens_in == 0 and b2.stats.finishes_in == 0
+        assert b2.stats.requests_opened == len(specs)
+        assert not any(sum(c.bad.values()) for c in cons)
+    finally:
+        p.close(timeout_s=1)
+        for c in cons:
+            c.close()
+        for b in (b1, b2):
+            if b is not None:
+                b.close()
         ctx.term()
