@@ -221,15 +221,17 @@ class ReplayBuffer:
         """Replace every held entry by what `expand(entry, frames)` returns: None keeps it, else a list of
         (parts, frames, payload), each a message of its own. All held entries are numbered again from the first
         unacknowledged seq (`reseq(header frame, seq)` rewrites a header whose seq moved), and the send cursor goes
-        back there. An entry kept as it was keeps its last send time (its next send is a resend). Returns how many
-        entries were added. For a broker that does not take a kind that messages held here have (a downgrade)."""
+        back there. An entry kept as it was keeps its last send time (its next send is a resend). Every expansion
+        is made before anything changes: if `expand` raises, the buffer is as it was. Returns how many entries
+        were added. For a broker that does not take a kind that messages held here have (a downgrade)."""
         old = list(self._entries)
         if not old:
             return 0
+        plan = [(e, self.frames(e)) for e in old]
+        plan = [(e, frames, expand(e, frames)) for e, frames in plan]
         first = old[0].seq
-        for e in old:                       # every entry's frames in memory before any is released
+        for e in old:
             if e.spill is not None:
-                e.frames = self.spill.read(e.spill)
                 self.spill.release(e.spill)
                 e.spill = None
         self._entries.clear()
@@ -237,17 +239,16 @@ class ReplayBuffer:
         self.never_sent = 0
         self._next_seq = first
         added = 0
-        for e in old:
-            outs = expand(e, e.frames)
+        for e, frames, outs in plan:
             kept = outs is None
             if kept:
-                outs = [(e.parts, e.frames, e.payload)]
+                outs = [(e.parts, frames, e.payload)]
             else:
                 added += len(outs) - 1
-            for parts, frames, payload in outs:
+            for parts, fr, payload in outs:
                 if not kept or e.seq != self._next_seq:
-                    frames = [reseq(frames[0], self._next_seq), *frames[1:]]
-                ne = self.add(parts, frames, payload)
+                    fr = [reseq(fr[0], self._next_seq), *fr[1:]]
+                ne = self.add(parts, fr, payload)
                 if kept and e.sent_at != 0.0:
                     ne.sent_at = e.sent_at
                     self.never_sent -= 1

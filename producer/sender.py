@@ -756,7 +756,13 @@ class Sender:
         r = self._replay
         held = len(r)
         n = sum(e.parts.kind in kinds for e in r)
-        added = r.renumber(expand, wire.with_seq)
+        try:
+            added = r.renumber(expand, wire.with_seq)
+        except Exception as e:  # noqa: BLE001 -- its own messages: not expected; the buffer is left as it was
+            log.error("producer %s: the broker no longer takes %s, and the %d held messages of them could not be "
+                      "made single (%s: %s); that broker will refuse them", self.cfg.producer_id,
+                      "/".join(sorted(kinds)), n, type(e).__name__, e)
+            return
         self.stats.unbatched_msgs += n
         log.warning("producer %s: the broker no longer takes %s (an earlier version took its place): %d held "
                     "messages of them sent as %d single ones; %d held messages numbered again from seq %d",

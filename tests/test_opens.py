@@ -539,6 +539,15 @@ def test_renumber_splits_the_chosen_entries_and_numbers_every_held_entry_again(t
             return None
         return [(Parts("open", (rid,)), [wire.pack_header("open", "p", 3, 0, rid, {})], 0)
                 for rid in e.parts.request_ids]
+    before = [(e.seq, e.parts.kind, e.sent_at, list(r.frames(e))) for e in r]
+
+    def broken(e, frames):
+        if e.seq == 4:
+            raise RuntimeError("cannot re-encode")
+        return expand(e, frames)
+    with pytest.raises(RuntimeError):                   # every expansion first: a failure changes nothing
+        r.renumber(broken, wire.with_seq)
+    assert [(e.seq, e.parts.kind, e.sent_at, list(r.frames(e))) for e in r] == before and r.get(4).spill is not None
     assert r.renumber(expand, wire.with_seq) == 2
     got = [(e.seq, e.parts.kind, list(e.parts.request_ids), e.sent_at) for e in r]
     assert got == [(2, "delta", ["a"], 5.0), (3, "open", ["a"], 0.0), (4, "open", ["b"], 0.0),
