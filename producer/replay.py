@@ -227,8 +227,10 @@ class ReplayBuffer:
         old = list(self._entries)
         if not old:
             return 0
-        plan = [(e, self.frames(e)) for e in old]
-        plan = [(e, frames, expand(e, frames)) for e, frames in plan]
+        plan = []
+        for e in old:
+            frames = self.frames(e)
+            plan.append((e, frames, expand(e, frames)))
         first = old[0].seq
         for e in old:
             if e.spill is not None:

@@ -838,11 +838,13 @@ class Sender:
                 if h.kind == "heartbeat":
                     self._broker_consumers = wire.parse_broker_hello(h) if "consumers" in h.body else None
                     takes = wire.parse_takes(h)
-                    opens, finishes = wire.FEATURE_OPENS in takes, wire.FEATURE_FINISHES in takes
-                    gone = {k for k, was, now_ in (("opens", self.broker_takes_opens, opens),
-                                                    ("finishes", self.broker_takes_finishes, finishes))
-                            if was and not now_}
-                    self.broker_takes_opens, self.broker_takes_finishes = opens, finishes
+                    gone = set()                    # kinds the broker took until now and no longer does
+                    if self.broker_takes_opens and wire.FEATURE_OPENS not in takes:
+                        gone.add(wire.FEATURE_OPENS)
+                    if self.broker_takes_finishes and wire.FEATURE_FINISHES not in takes:
+                        gone.add(wire.FEATURE_FINISHES)
+                    self.broker_takes_opens = wire.FEATURE_OPENS in takes
+                    self.broker_takes_finishes = wire.FEATURE_FINISHES in takes
                     if gone:
                         self._unbatch(gone)
                 elif h.kind == "ack":
