@@ -41,6 +41,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import resource
 import statistics
 import sys
@@ -415,6 +416,7 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, repla
             p.flush(600)
         _next_batch(report, q, b, batches)
         c0 = _self_cpu()
+        full0 = p.stats.replay_full_s
         send_times = {}
         t0 = time.monotonic()
         for i, st in enumerate(run):
@@ -436,14 +438,33 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, repla
     p.flush(600)
     stats = p.stats
     p.close()
-    report.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times, _self_cpu() - c0))
+    report.put(("sent", t0, stats.sent_msgs, stats.dropped_msgs, send_times, stats.replay_full_s - full0,
+                _self_cpu() - c0))
+
+
+_live: list = []      # this run's processes: a wait gives up as soon as one of them has died (_get)
+
+
+def _get(q, timeout):
+    """q.get(timeout=...), but a process of this run that exited with an error ends the wait at once (its
+    traceback is above), instead of after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [f"{p.name} (pid {p.pid}) exit code {p.exitcode}" for p in _live if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError("bench process died: " + ", ".join(dead)) from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _wait(q, kind, n, timeout=300):
     out = []
     deadline = time.monotonic() + timeout
     while len(out) < n:
-        m = q.get(timeout=max(1, deadline - time.monotonic()))
+        m = _get(q, max(1, deadline - time.monotonic()))
         if m[0] != kind:
             raise RuntimeError(f"expected {kind}, got {m[0]}")
         out.append(m)
@@ -545,6 +566,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         procs.append(_proc(ctx, broker_proc, (fe, be, q, stop), "broker"))
         n_cons = 2
     procs[0].start()
+    _live[:] = procs
     _wait(q, "ready", 1)
     if chain != "raw":
         for _ in range(n_cons):
@@ -554,6 +576,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
                 p = _proc(ctx, consumer_proc, (be, q, bool(rate), cstop, keep_bytes), "consumer")
             p.start()
             procs.append(p)
+            _live.append(p)
         _wait(q, "ready", n_cons)
         time.sleep(0.5)       # let the consumers' hello reach the broker (bench only)
     if chain == "ours":
@@ -562,6 +585,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     else:
         sender = ctx.Process(target=raw_sender, args=(fe, workload, n_steps, go, batches, told, got, rate))
     sender.start()
+    _live.append(sender)
     if batches > 1:
         go.put("go")
         _wait(told, "measure", 1, 900)
@@ -572,13 +596,13 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
     flt0 = [_faults(p.pid) for p in procs]
     sflt0 = _faults(sender.pid)
     if chain == "ours":
-        sent = told.get(timeout=900)
+        sent = _get(told, 900)
         for _ in range(n_cons):
             cstop.put(True)
         done = _wait(q, "done", n_cons, 900)
     else:
         done = _wait(q, "done", n_cons, 900)
-        sent = told.get(timeout=60)
+        sent = _get(told, 60)
     cpu1 = [_cpu(p.pid) for p in procs]
     steal1 = steal_ms()
     flt1 = [_faults(p.pid) for p in procs]
@@ -622,6 +646,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
                                    for d in done]
         res["dropped"] = sent[3]
         res["messages"] = sent[2]
+        res["replay_full_s"] = round(sent[5], 3)    # the measured batch's time with the replay window full
         if rate:
             res["latency"] = _latency(sent[4], [d[5] for d in done], n_steps)
     elif rate:
@@ -753,7 +778,8 @@ def main(argv=None) -> int:
                       f"seconds={r['seconds']:.2f} consumer_rss_mb={r['consumer_rss_mb']} cpu_s={r['cpu_s']} "
                       f"page_us={r.get('page_us')} steal_ms={r.get('steal_ms')} faults_k={r.get('faults_k')}"
                       + (f" records={r['records']} messages={r['messages']} held_peak_mb={r['held_peak_mb']} "
-                         f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']}"
+                         f"record_mb={r['record_mb']} rss_over_records={r['rss_over_records']} "
+                         f"replay_full_s={r.get('replay_full_s')}"
                          if chain == "ours" else ""),
                       flush=True)
     lat_runs = []

@@ -43,6 +43,7 @@ class ProducerStats:
     spilled_msgs: int = 0       # messages whose replay copy went to the spill file
     spilled_bytes: int = 0
     replay_full: int = 0        # episodes where the replay buffer (memory and spill) was full
+    replay_full_s: float = 0.0  # seconds those episodes lasted (ended ones): the time the window held steps back
     broker_epochs: int = 0      # broker incarnations seen
     bad_replies: int = 0
     dropped_parts: int = 0      # request parts (delta part, finish, abort) of an id that cannot travel or was refused

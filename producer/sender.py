@@ -713,6 +713,7 @@ class Sender:
             self._last_progress = now
             self._timeout_s = self.cfg.resend_timeout_s
             if self._full_since is not None and self._replay.has_room():
+                self.stats.replay_full_s += now - self._full_since
                 if self._full_loud:
                     log.info("producer %s replay buffer has room again after %.3fs: unacked=%d",
                              self.cfg.producer_id, now - self._full_since, len(self._replay))

@@ -116,6 +116,40 @@ def test_a_real_prefill_n_run_delivers_a_record_per_request(tmp_path):
     assert isinstance(sender, float) and sender >= 0
     assert len(r["faults_k"]["broker"]) == 1 and len(r["faults_k"]["consumer"]) == 2
     assert all(isinstance(x, float) and x >= 0 for xs in r["faults_k"].values() for x in xs), r["faults_k"]
+    # the measured batch's seconds with the producer's replay window full (it waited for acks)
+    assert isinstance(r["replay_full_s"], float) and 0 <= r["replay_full_s"] <= r["seconds"]
+    assert f"replay_full_s={r['replay_full_s']}" in p.stdout
+
+
+def _exit_with(code):
+    raise SystemExit(code)
+
+
+def test_a_wait_ends_as_soon_as_a_bench_process_has_died():
+    """A role that dies (a traceback in its own process) ends the run's wait at once, naming it, instead of the
+    run hanging for the wait's timeout (up to 900 s) on a message that will never come."""
+    import multiprocessing as mp
+    import time
+    bench = load_script(SCRIPT, "bench_pipeline")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ok = ctx.Process(target=_exit_with, args=(0,), name="consumer")
+    bad = ctx.Process(target=_exit_with, args=(3,), name="producer")
+    ok.start()
+    ok.join()
+    bench._live[:] = [ok]
+    with pytest.raises(__import__("queue").Empty):
+        bench._get(q, 1.5)                      # a clean exit is not a death: the wait runs to its timeout
+    bad.start()
+    bad.join()
+    bench._live.append(bad)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"bench process died: producer \(pid {bad.pid}\) exit code 3"):
+        bench._wait(q, "done", 2, 900)
+    assert time.monotonic() - t < 5
+    q.put(("done", 1))
+    assert bench._get(q, 900) == ("done", 1)    # what did come is still read first
+    bench._live.clear()
 
 
 def test_proc_stat_fields_name_cpu_and_minor_faults(tmp_path):

@@ -893,17 +893,20 @@ def test_a_replay_buffer_full_again_and_again_logs_its_first_episode_then_one_li
     with caplog.at_level(logging.INFO, logger="routing_replay.producer"):
         with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
             p = pipe.producer(num_layers=L, top_k=K, replay_max_bytes=1)    # full after each message
+            t0 = time.monotonic()
             p.open("a", prompt_len=30)
             for s in range(30):
                 assert p.publish_rows(["a"], [s], [1], rows(1, 100 * s)) and p.flush(10)
             p.finish("a", num_output_tokens=1)
             assert p.flush(10)
-            episodes = p.stats.replay_full
+            elapsed = time.monotonic() - t0
+            episodes, full_s = p.stats.replay_full, p.stats.replay_full_s
             p.close()
             assert pipe.wait_idle(10)
     full = [r.getMessage() for r in caplog.records if "replay buffer full" in r.getMessage()]
     room = [r.getMessage() for r in caplog.records if "has room again" in r.getMessage()]
     assert episodes == 32                           # the open, 30 deltas, the finish: each filled it
+    assert 0 < full_s < elapsed                     # each lasted until its ack: the seconds they held steps back
     if every_s is None:
         assert len(full) == len(room) == 1 and "episodes=1 (0 not logged" in full[0]
     else:
