@@ -177,7 +177,8 @@ def cmd_broker(a) -> int:
         b = Broker(a.frontend, a.backend, heartbeat_interval_ms=a.heartbeat_ms, liveness=a.liveness,
                    stats_interval_s=a.stats_interval, max_pending_bytes=a.max_pending_mb << 20,
                    producer_timeout_ms=a.producer_timeout_ms, ack_interval_ms=a.ack_interval_ms,
-                   restart_grace_ms=a.restart_grace_ms, curve_secret=a.curve_secret, curve_allow=a.curve_allow)
+                   restart_grace_ms=a.restart_grace_ms, curve_secret=a.curve_secret, curve_allow=a.curve_allow,
+                   open_group_max=a.open_group_max)
         b.bind()
     except ValueError as e:
         return _die("broker", str(e))
@@ -311,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ack-interval-ms", type=POSITIVE, default=20, help="acks to producers at most this often")
     p.add_argument("--restart-grace-ms", type=NON_NEGATIVE, default=None, help="after a restart, hold messages this long "
                    "while the old consumers reconnect (default: 2 heartbeats)")
+    p.add_argument("--open-group-max", type=NON_NEGATIVE, default=16, help="an `opens` message of at most this many "
+                   "requests puts them all on one consumer, so their rows, finishes and records travel unsplit "
+                   "(0: each request by its own hash; at most %d)" % 4096)
     curve_server(p, "producers and consumers")
     common(p)
     p.set_defaults(fn=cmd_broker)

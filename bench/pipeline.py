@@ -31,7 +31,7 @@ already faulted in (`--keep-mib`: the consumers' keep_bytes). Throughput, CPU, m
 batch's (`--workloads "" --batches 2`: the latency run alone, in a long-running consumer).
 --repeat N: each workload's chains N times, their order alternated, each repeat's ratios and their median printed.
 Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
-       [--coalesce-bytes N] [--replay-mib N] [--batches N] [--keep-mib N] [--repeat N] [--profile DIR]
+       [--coalesce-bytes N] [--replay-mib N] [--open-group-max N] [--batches N] [--keep-mib N] [--repeat N] [--profile DIR]
        [--no-latency | --latency-chains ours,proxy]
 """
 
@@ -344,11 +344,12 @@ def proxy_proc(front, back, q):
         pass
 
 
-def broker_proc(front, back, q, stop):
+def broker_proc(front, back, q, stop, open_group_max=None):
     import logging
     logging.basicConfig(level=logging.INFO)
     from routing_replay.broker import Broker
-    b = Broker(front, back, stats_interval_s=2)
+    b = Broker(front, back, stats_interval_s=2,
+               **({} if open_group_max is None else {"open_group_max": open_group_max}))
     b.bind()
     q.put(("ready", os.getpid()))
     import threading
@@ -546,7 +547,7 @@ def _proc(ctx, target, args, name):
 
 
 def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_bytes=None, batches=1,
-                  keep_bytes=None):
+                  keep_bytes=None, open_group_max=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()          # from workers
     go = ctx.Queue()         # to the sender
@@ -563,7 +564,7 @@ def measure_chain(chain, workload, n_steps, rate=0, coalesce_bytes=None, replay_
         procs.append(ctx.Process(target=proxy_proc, args=(fe, be, q)))
         n_cons = 2
     else:
-        procs.append(_proc(ctx, broker_proc, (fe, be, q, stop), "broker"))
+        procs.append(_proc(ctx, broker_proc, (fe, be, q, stop, open_group_max), "broker"))
         n_cons = 2
     procs[0].start()
     _live[:] = procs
@@ -722,6 +723,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replay-mib", type=int, default=None,
                     help="the producers' replay_max_bytes in MiB (default: Producer's own): how much unacked data a "
                          "producer keeps in flight to the consumers")
+    ap.add_argument("--open-group-max", type=int, default=None, metavar="N",
+                    help="the broker's open_group_max (default: the Broker's own, 16): an `opens` of at most N "
+                         "requests goes to one consumer; 0: each request to its own hash's consumer (before)")
     ap.add_argument("--batches", type=int, default=1, metavar="N",
                     help="run each workload N times back to back as rollout batches (new request ids each time, "
                          "the next one after the last one's records are out) and measure the last: N=2 is the "
@@ -769,7 +773,8 @@ def main(argv=None) -> int:
         for rep in range(a.repeat):
             for chain in (chains if rep % 2 == 0 else chains[::-1]):
                 r = measure_chain(chain, workload, steps, coalesce_bytes=a.coalesce_bytes, replay_bytes=replay,
-                                  batches=a.batches, keep_bytes=None if a.keep_mib is None else a.keep_mib << 20)
+                                  batches=a.batches, keep_bytes=None if a.keep_mib is None else a.keep_mib << 20,
+                                  open_group_max=a.open_group_max)
                 r["repeat"] = rep
                 results.append(r)
                 print(f"{workload:8s} {chain:6s}" + (f" repeat {rep + 1}/{a.repeat}" if a.repeat > 1 else "")
@@ -786,7 +791,8 @@ def main(argv=None) -> int:
     for rep in range(a.repeat if not a.no_latency else 0):
         for chain in (lat_chains if rep % 2 == 0 else lat_chains[::-1]):
             lat = measure_chain(chain, "decode", 200 if a.quick else 800, rate=100_000,
-                                coalesce_bytes=a.coalesce_bytes, replay_bytes=replay, batches=a.batches)
+                                coalesce_bytes=a.coalesce_bytes, replay_bytes=replay, batches=a.batches,
+                                open_group_max=a.open_group_max)
             lat["repeat"] = rep
             results.append(lat)
             lat_runs.append(lat)

@@ -5,8 +5,9 @@ Sockets: `frontend` ROUTER (producers' DEALERs connect), `backend` ROUTER (consu
 announce themselves with hello/heartbeat). The loop reads a burst from each socket, hands every message to one
 handler, and runs the timed work (acks, liveness, stats) between bursts. What it decides with lives in three
 socket-free parts: `intake` (per-producer go-back-N: which seq is accepted next, the unacked parts on each
-consumer link, the ack frontier), `ownership` (request id -> owner link, sticky rendezvous hashing) and `split`
-(one delta into one per owner, zero-copy).
+consumer link, the ack frontier), `ownership` (request id -> owner link, sticky rendezvous hashing; a small
+`opens` message's requests on one owner; claimed back by their consumers after a restart) and `split` (one delta
+into one per owner, zero-copy).
 
 Delivery (wire.py "Delivery", docs/RELIABILITY.md): per producer incarnation the broker accepts data messages
 in seq order only (a resend of an earlier seq is accepted, a gap is dropped and answered with a rewind request),
@@ -59,6 +60,7 @@ class BrokerStats:
     split_gathered: int = 0           # owners' shares of split deltas that had to be gathered (copied) from runs
     requests_opened: int = 0
     opens_in: int = 0                 # `opens` messages (several requests' opens in one)
+    opens_grouped: int = 0            # of them, those whose new requests all went to one owner (open_group_max)
     opens_unbatched: int = 0          # their entries sent as `open`s (to consumers that do not take `opens`)
     finishes_in: int = 0              # `finishes` messages (several requests' finishes in one)
     finishes_unbatched: int = 0       # their entries sent as `finish`es (to consumers that do not take `finishes`)
@@ -83,6 +85,9 @@ class BrokerStats:
     refusals_out: int = 0            # `refused` messages to consumers: a refused delta's requests, per owner
     dropped_bad: int = 0             # data messages refused for good (bad header, body or payload): acked past,
                                      # answered with an `error` naming their seq
+    claims_out: int = 0              # `claim` questions to consumers that knew an earlier broker (a restart)
+    claimed: int = 0                 # requests given back to the consumer that holds them (its `holds` answers)
+    claims_refused: int = 0          # held requests another live consumer owned already (or closing)
 
 
 class Held(NamedTuple):
@@ -108,7 +113,7 @@ class Broker(ServiceThread):
                  heartbeat_interval_ms: int = 1000, liveness: int = 3, stats_interval_s: float = 10.0,
                  max_pending_bytes: int = 512 << 20, max_open_requests: int = 1 << 20, hwm: int = 100_000,
                  producer_timeout_ms: int = 10_000, ack_interval_ms: int = 20, restart_grace_ms: int | None = None,
-                 curve_secret: str | None = None, curve_allow: str | None = None):
+                 curve_secret: str | None = None, curve_allow: str | None = None, open_group_max: int = 16):
         self.frontend = frontend
         self.backend = backend
         self.curve_secret = curve_secret
@@ -129,6 +134,12 @@ class Broker(ServiceThread):
         self.ack_interval_s = ack_interval_ms / 1000
         self.restart_grace_s = (2 * self.heartbeat_interval_s if restart_grace_ms is None
                                 else restart_grace_ms / 1000)
+        if not 0 <= open_group_max <= wire.MAX_BATCH_ENTRIES:
+            raise ValueError(f"open_group_max must be in [0, {wire.MAX_BATCH_ENTRIES}], got {open_group_max}")
+        # an `opens` of at most this many requests puts them all on one consumer (the hash of its first request's
+        # id): a step's new requests (a GRPO group) and their rows, finishes and records then travel whole, unsplit;
+        # larger ones (a batch's start) are spread request by request. 0: every request by its own hash
+        self.open_group_max = open_group_max
         self.epoch = time.time_ns() // 1000          # a new one per start: consumers and producers see restarts
         self.stats = BrokerStats()
         self.bad: dict[str, int] = defaultdict(int)
@@ -302,6 +313,11 @@ class Broker(ServiceThread):
                     self.bad["stale_ack"] += 1
                     return
                 self._on_ack(link, wire.parse_link_ack(h))
+            elif kind == "holds":
+                if link is None or link.epoch != h.epoch:
+                    self.bad["stale_holds"] += 1
+                    return
+                self._on_holds(link, wire.parse_holds(h))
             elif kind == "bye":
                 if link is not None and link.epoch == h.epoch:
                     self._link_lost(link, "bye")
@@ -312,7 +328,8 @@ class Broker(ServiceThread):
 
     def _on_consumer_hello(self, cid: bytes, link: ConsumerLink | None, h: wire.Header, now: float) -> None:
         seen = wire.parse_consumer_hello(h)
-        if link is None or link.epoch != h.epoch:
+        new = link is None or link.epoch != h.epoch
+        if new:
             if link is not None:
                 self._link_lost(link, "restarted")
             if len(self.links) >= MAX_CONSUMERS:
@@ -329,6 +346,26 @@ class Broker(ServiceThread):
         takes = wire.parse_takes(h)
         link.takes_opens = wire.FEATURE_OPENS in takes
         link.takes_finishes = wire.FEATURE_FINISHES in takes
+        link.takes_holds = wire.FEATURE_HOLDS in takes
+        if new and seen not in (0, self.epoch) and link.takes_holds:
+            # it got data from an earlier broker: ask which requests it holds, so they stay with it (a restart
+            # holds every message for restart_grace_s, long enough for the answer)
+            try:
+                self._back.send_multipart([cid, wire.pack_header("claim", "broker", self.epoch, 0, "", {})],
+                                          zmq.NOBLOCK)
+                self.stats.claims_out += 1
+            except zmq.ZMQError:
+                pass
+
+    def _on_holds(self, link: ConsumerLink, ids: list) -> None:
+        """A consumer's answer to `claim`: the requests it holds are its own again (those no other live consumer
+        took meanwhile)."""
+        claimed, refused = self.ownership.claim(ids, link)
+        self.stats.claimed += claimed
+        self.stats.claims_refused += refused
+        (log.warning if refused else log.info)(
+            "broker consumer %s holds=%d claimed=%d refused=%d (owned by another consumer or closing)", link.name,
+            len(ids), claimed, refused)
 
     def _on_ack(self, link: ConsumerLink, ack: wire.LinkAck) -> None:
         self.stats.acks_in += 1
@@ -589,8 +626,9 @@ class Broker(ServiceThread):
         else:
             self._route_request(h, frames, tok, ps)
 
-    def _owner_of(self, rid: str, ps: ProducerIntake | None = None) -> ConsumerLink:
-        o = self.ownership.owner_of(rid)
+    def _owner_of(self, rid: str, ps: ProducerIntake | None = None, prefer: ConsumerLink | None = None
+                  ) -> ConsumerLink:
+        o = self.ownership.owner_of(rid, prefer)
         if o.reassigned:
             self.stats.reassigned += 1
             if o.reopen is not None:
@@ -627,11 +665,19 @@ class Broker(ServiceThread):
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
         self.stats.opens_in += 1
-        self.stats.requests_opened += len(o.request_ids)
-        opened = self.ownership.opened
+        ids = o.request_ids
+        self.stats.requests_opened += len(ids)
+        own = self.ownership
+        group = None
+        if 1 < len(ids) <= self.open_group_max and all(k.takes_holds for k in own.live):
+            # one owner for all (each consumer can claim its requests back after a broker restart, so none depends
+            # on its own hash to stay put)
+            group = own.hashed(ids[0])
+            self.stats.opens_grouped += 1
+        opened = own.opened
         by_owner: dict = {}
-        for i, rid in enumerate(o.request_ids):
-            link = self._owner_of(rid, ps)
+        for i, rid in enumerate(ids):
+            link = self._owner_of(rid, ps, group)
             opened(rid, ps, OpensEntry(h, o, tokens, i))
             by_owner.setdefault(link, []).append(i)
         self._route_entries(h, frames, tok, by_owner, o, tokens, "takes_opens", "opens_unbatched")

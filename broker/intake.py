@@ -149,7 +149,7 @@ class ConsumerLink:
     sent on it that it has not acked."""
 
     __slots__ = ("cid", "epoch", "gen", "lseq", "sent", "notices", "alive", "last_seen", "name", "num", "takes_opens",
-                 "takes_finishes")
+                 "takes_finishes", "takes_holds")
 
     def __init__(self, cid: bytes, epoch: int, gen: int, now: float, num: int = 0):
         self.cid = cid                      # its routing id on the backend socket
@@ -166,6 +166,7 @@ class ConsumerLink:
         self.name = cid.decode(errors="replace")
         self.takes_opens = False            # it said it takes `opens` (else it gets their entries as `open`s)
         self.takes_finishes = False         # and `finishes` (else `finish`es)
+        self.takes_holds = False            # and answers a `claim` with `holds` (the requests it holds)
 
     def __repr__(self) -> str:
         return f"ConsumerLink({self.name!r}, epoch={self.epoch}, gen={self.gen}, lseq={self.lseq}, " \

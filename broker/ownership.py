@@ -2,7 +2,10 @@
 per-link and per-producer indexes so that losing one touches only its own entries (socket-free).
 
 A request id is assigned when first seen, by rendezvous hashing over the live consumers, and keeps its owner until
-its finish or abort (sticky), so adding a consumer never moves an in-flight request. A request whose owner was lost
+its finish or abort (sticky), so adding a consumer never moves an in-flight request. Requests opened together in
+one small `opens` message go together (`owner_of(rid, prefer)`: the owner the hash gives the message's first
+request), so a step's new requests and their rows, finishes and records stay on one consumer; after a broker
+restart each consumer claims the requests it holds (`claim`), so they stay where they are whatever the hash says. A request whose owner was lost
 is assigned again on its next message; the new owner must then get the request's open again, marked
 `reassigned: true` (the table keeps each open message for that). Links and producers are any hashable objects; a
 link has `alive` (False once lost) and the table never looks further into them.
@@ -123,13 +126,18 @@ class Ownership:
             return None
         return Owners(links, distinct)
 
-    def owner_of(self, rid: str) -> Owner:
-        """The live owner of `rid`, assigned now if it has none or its owner was lost (needs a live link)."""
+    def hashed(self, rid: str) -> Any:
+        """The live link rendezvous hashing gives `rid` (needs a live link); nothing is assigned."""
+        return self._link_of[rendezvous(rid.encode("utf-8", "surrogatepass"), self.live_ids)]
+
+    def owner_of(self, rid: str, prefer: Any = None) -> Owner:
+        """The live owner of `rid`, assigned now if it has none or its owner was lost (needs a live link). A request
+        seen for the first time goes to `prefer` when given (a live link: its group's owner), else to its hash."""
         link = self.owner.get(rid)
         if link is None:
             c = self._closing.pop(rid, None)
             if c is None:
-                return Owner(self._assign(rid))
+                return Owner(self._assign(rid) if prefer is None else self._set_owner(rid, prefer))
             return self._reopen(rid, *c)
         if link.alive:
             return Owner(link)
@@ -170,6 +178,23 @@ class Ownership:
             self._closing[rid] = (link, msg, producer, seq)
             self._closing_seqs.setdefault(producer, deque()).append((seq, rid))
 
+    def claim(self, rids: list, link: Any) -> tuple[int, int]:
+        """A consumer (`link`, live) says it holds `rids` (after a broker restart): each one without a live owner
+        and not closing is its from now on. Returns (claimed, refused: owned by another live link or closing)."""
+        claimed = refused = 0
+        for rid in rids:
+            cur = self.owner.get(rid)
+            if cur is link:
+                continue
+            if (cur is not None and cur.alive) or rid in self._closing:
+                refused += 1
+                continue
+            if cur is not None:
+                self._by_link_discard(cur, rid)
+            self._set_owner(rid, link)
+            claimed += 1
+        return claimed, refused
+
     def release(self, producer: Hashable, upto: int) -> int:
         """The producer's messages up to seq `upto` were applied: forget the requests they closed. Returns how many."""
         q = self._closing_seqs.get(producer)
@@ -208,7 +233,7 @@ class Ownership:
         return out
 
     def _assign(self, rid: str) -> Any:
-        return self._set_owner(rid, self._link_of[rendezvous(rid.encode("utf-8", "surrogatepass"), self.live_ids)])
+        return self._set_owner(rid, self.hashed(rid))
 
     def _set_owner(self, rid: str, link: Any) -> Any:
         """`link` owns `rid` from now on (the oldest request is forgotten at max_open_requests)."""

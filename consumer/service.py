@@ -122,9 +122,10 @@ class Consumer(ServiceThread):
     All sockets are created and used by the thread that calls `run()` (or the one `start()` makes).
     """
 
-    # the optional data kinds it tells the broker it takes (wire.TAKES); without "opens" ("finishes") the broker sends
-    # it the entries of an opens (finishes) as open (finish) messages (what a consumer of an earlier version gets)
-    takes: list = wire.TAKES
+    # the optional data kinds it tells the broker it takes (wire.CONSUMER_TAKES); without "opens" ("finishes") the
+    # broker sends it the entries of an opens (finishes) as open (finish) messages (what a consumer of an earlier
+    # version gets); without "holds" it is never asked `claim`, and no `opens` is grouped onto one consumer
+    takes: list = wire.CONSUMER_TAKES
 
     def __init__(self, connect: str, *, consumer_id: str | None = None, npz_dir: str | None = None,
                  shard_size: int = 0, serve: str | None = None, context: zmq.Context | None = None,
@@ -181,6 +182,7 @@ class Consumer(ServiceThread):
         self.msgs_in = 0
         self.skipped_undecodable = 0              # link messages taken without being read (see module docstring)
         self._server: zmq.Socket | None = None
+        self._dealer: zmq.Socket | None = None    # to the broker (run's thread only): `holds` answers go on it
         self._service_name = f"consumer-{self.consumer_id}"
         self._init_service(log)
         self._seq = 0
@@ -244,6 +246,7 @@ class Consumer(ServiceThread):
         dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
         dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         socks = Sockets(dealer, None, auth)
+        self._dealer = dealer
         try:
             if self.curve_secret is not None:
                 security.curve_client(dealer, self.curve_secret, self.broker_key)
@@ -266,6 +269,7 @@ class Consumer(ServiceThread):
         return socks
 
     def _close_sockets(self, socks: Sockets) -> None:
+        self._dealer = None
         socks.dealer.close(0)
         if socks.server is not None:
             socks.server.close(0)
@@ -414,6 +418,8 @@ class Consumer(ServiceThread):
             if h.kind not in DATA_KINDS:
                 if h.kind == "error":
                     log.error("consumer %s: broker says: %s", self.consumer_id, wire.parse_error(h))
+                elif h.kind == "claim":
+                    self._send_holds(h.epoch)
                 return
             if h.link is None:
                 raise wire.ProtocolError("no_link", f"{h.kind} from the broker without a link number")
@@ -435,6 +441,24 @@ class Consumer(ServiceThread):
             return
         for rec in recs:
             self._emit(rec)
+
+    def _send_holds(self, broker_epoch: int) -> None:
+        """A restarted broker asks (`claim`) which requests this consumer holds: their ids, in `holds` messages of
+        at most wire.MAX_HOLDS_IDS, so it gives them back to this consumer before it places any request."""
+        ids = list(self.acc.requests)
+        n = wire.MAX_HOLDS_IDS
+        sent = 0
+        for i in range(0, max(len(ids), 1), n):
+            chunk = ids[i:i + n]
+            self._seq += 1
+            try:
+                self._dealer.send_multipart([wire.pack_header("holds", self.consumer_id, self.epoch, self._seq, chunk,
+                                                              {})], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            sent += len(chunk)
+        log.info("consumer %s told broker epoch=%d the requests it holds: holds=%d sent=%d", self.consumer_id,
+                 broker_epoch, len(ids), sent)
 
     def _skip_undecodable(self, frame, err: wire.ProtocolError) -> None:
         """A data message whose header cannot be decoded: if its link number (read leniently) is the next one,

@@ -113,7 +113,7 @@ TOKEN_DTYPE = np.dtype("<i4")
 
 KINDS = frozenset({
     "open", "opens", "delta", "finish", "finishes", "abort", "refused",
-    "hello", "heartbeat", "bye", "ack", "error",
+    "hello", "heartbeat", "bye", "ack", "error", "claim", "holds",
     "fetch", "record",
 })
 
@@ -121,6 +121,10 @@ KINDS = frozenset({
 # version that do not say so get the same opens (finishes) as `open` (`finish`) messages.
 FEATURE_OPENS = "opens"
 FEATURE_FINISHES = "finishes"
+# a consumer that takes `claim` (the broker's question after a restart) and answers with `holds`: the ids of the
+# requests it holds, which the new broker gives back to it before it places any request (see Ownership.claim)
+FEATURE_HOLDS = "holds"
+MAX_HOLDS_IDS = 4096                 # request ids per `holds` message (a consumer sends as many as it needs)
 MAX_BATCH_ENTRIES = 4096             # what a producer puts in one `opens` or `finishes` (a receiver takes up to
                                      # MAX_REQUESTS_PER_DELTA)
 BATCH_ID_CHARS = 1 << 20             # and at most this many characters of request ids (the header stays far
@@ -878,6 +882,16 @@ def parse_takes(h: Header) -> frozenset:
 
 
 TAKES = [FEATURE_OPENS, FEATURE_FINISHES]      # what this version takes (sent in its hello/heartbeat bodies)
+CONSUMER_TAKES = [*TAKES, FEATURE_HOLDS]       # and a consumer of this version: it answers `claim` too
+
+
+def parse_holds(h: Header) -> list:
+    """consumer -> broker `holds`: the request ids (the key) of requests the consumer holds, at most MAX_HOLDS_IDS;
+    ProtocolError for a key that is not a list of valid request ids."""
+    ids = h.key
+    if not isinstance(ids, list) or len(ids) > MAX_HOLDS_IDS:
+        raise _bad("bad_field", f"holds key must be a list of at most {MAX_HOLDS_IDS} request ids")
+    return [check_request_id(r) for r in ids]
 
 
 def parse_broker_hello(h: Header) -> int:

@@ -66,7 +66,7 @@ def test_two_consumers_two_producers(tmp_path, transport):
         fe, be = "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
     else:
         fe, be = f"ipc://{tmp_path}/front", f"ipc://{tmp_path}/back"
-    broker, fe, be = start_broker(fe, be)
+    broker, fe, be = start_broker(fe, be, "--open-group-max", "0")     # each request on its own hash's consumer
     d1, d2 = tmp_path / "c1", tmp_path / "c2"
     c1 = start_consumer(be, "--npz-dir", str(d1), "--serve", "tcp://127.0.0.1:*", "--consumer-id", "c1")
     c2 = start_consumer(be, "--npz-dir", str(d2), "--serve", "tcp://127.0.0.1:*", "--consumer-id", "c2")

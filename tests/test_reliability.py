@@ -123,9 +123,11 @@ def test_broker_killed_mid_stream_and_restarted_every_record_exact(tmp_path):
         recs = wait_records([d1, d2], len(specs))
         exact, flagged = check_records(specs, recs)
         assert exact == len(eng.finished) and flagged == len(eng.aborted) and exact + flagged == len(specs)
-        # the restarted broker saw both consumers come back before it routed anything (no request moved)
-        for rid in recs:
-            assert (d1 / f"{rid}.npz").exists() == (_hrw(rid.encode(), [b"c1", b"c2"]) == b"c1")
+        # the restarted broker saw both consumers come back before it routed anything, and each one claimed the
+        # requests it held (no request moved: a moved one would be incomplete on both consumers)
+        assert len(list(d1.glob("*.npz"))) + len(list(d2.glob("*.npz"))) == len(specs)
+        for c in ("c1", "c2"):
+            broker2.wait_for(rf"broker consumer {c} holds=\d+ claimed=\d+ refused=0 ", 10)
         figures("broker_kill", steps_at_kill=step_at_kill, msgs_unacked_at_kill=in_flight, resent=st.resent_msgs,
                 rewinds=st.rewinds, records_checked=len(recs),
                 records_complete=exact, records_flagged=flagged, records_wrong=0)
@@ -136,7 +138,9 @@ def test_broker_killed_mid_stream_and_restarted_every_record_exact(tmp_path):
 
 def test_consumer_killed_with_unacked_rows_is_recovered_by_replay(tmp_path):
     """c2 cannot apply (SIGSTOP) the rows sent to it, then dies: the producer resends them to c2's successor."""
-    broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", "--heartbeat-ms", "200")
+    # (--open-group-max 0: each request on its own hash's consumer, which the test picks its ids by)
+    broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", "--heartbeat-ms", "200",
+                                  "--open-group-max", "0")
     d1, d2 = tmp_path / "c1", tmp_path / "c2"
     c1 = start_consumer(be, "--npz-dir", str(d1), "--consumer-id", "c1", "--heartbeat-ms", "200",
                         "--stats-interval", "0.1")
@@ -193,7 +197,9 @@ def test_consumer_killed_with_unacked_rows_is_recovered_by_replay(tmp_path):
 def test_consumer_killed_after_acking_its_rows_flags_exactly_what_it_held(tmp_path):
     """Acknowledged means applied in the consumer's memory: rows c2 applied and acked die with it. Its requests
     move to c1 and are flagged consumer_lost with exactly those positions missing; c1's requests are untouched."""
-    broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", "--heartbeat-ms", "200")
+    # (--open-group-max 0: each request on its own hash's consumer, which the test picks its ids by)
+    broker, fe, be = start_broker(f"ipc://{tmp_path}/f", f"ipc://{tmp_path}/b", "--heartbeat-ms", "200",
+                                  "--open-group-max", "0")
     d1, d2 = tmp_path / "c1", tmp_path / "c2"
     c1 = start_consumer(be, "--npz-dir", str(d1), "--consumer-id", "c1", "--heartbeat-ms", "200")
     c2 = start_consumer(be, "--npz-dir", str(d2), "--consumer-id", "c2", "--heartbeat-ms", "200")
