@@ -268,20 +268,22 @@ class Broker(ServiceThread):
     def log_stats(self) -> None:
         s = self.stats
         log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d split_gathered=%d owner_hints_out=%d "
-                 "opens_in=%d opens_unbatched=%d finishes_in=%d finishes_unbatched=%d requests_opened=%d "
+                 "opens_in=%d opens_grouped=%d opens_unbatched=%d finishes_in=%d finishes_unbatched=%d requests_opened=%d "
                  "requests_closed=%d open_requests=%d closing=%d consumers=%d "
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d notices_resent=%d links_lost=%d "
-                 "producers_lost=%d "
+                 "producers_lost=%d claims_out=%d claimed=%d claims_refused=%d "
                  "aborted_for_lost_producer=%d refusals_out=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
-                 s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, s.opens_in, s.opens_unbatched,
+                 s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, s.opens_in, s.opens_grouped,
+                 s.opens_unbatched,
                  s.finishes_in, s.finishes_unbatched, s.requests_opened, s.requests_closed, len(self.ownership),
                  self.ownership.closing, len(self._live), len(self.intake),
                  s.reassigned, len(self._pending), s.dropped_no_consumer, s.dropped_slow_consumer,
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.notices_resent,
-                 s.links_lost, s.producers_lost, s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad,
+                 s.links_lost, s.producers_lost, s.claims_out, s.claimed, s.claims_refused,
+                 s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad,
                  sum(self.bad.values()), dict(self.bad) if self.bad else "")
 
     # ---- consumers ----------------------------------------------------------------------------------------------
