@@ -70,7 +70,14 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                 broker -> producer      {consumers = 0[, takes = []]}   the reply to each producer hello/heartbeat;
                                                           key: the producer id; takes: the optional data kinds it
                                                           takes (FEATURE_OPENS, FEATURE_FINISHES)
-                consumer -> broker      {broker = 0[, takes = []]}   (hello too)
+                consumer -> broker      {broker = 0[, takes = []]}   (hello too); takes: FEATURE_OPENS,
+                                                          FEATURE_FINISHES, FEATURE_HOLDS (it answers `claim`)
+    claim       broker -> consumer      key: ""; {}   a restarted broker asks a consumer that got data from an
+                                        earlier broker (its hello's `broker` is another epoch) and takes
+                                        FEATURE_HOLDS which requests it holds
+    holds       consumer -> broker      key: list of request ids (at most MAX_HOLDS_IDS; several messages for
+                                        more); {}   the answer to `claim` (parse_holds): each id no other live
+                                        consumer owns is this consumer's from then on
     bye         producer -> broker, consumer -> broker, trainer -> consumer: {}
     ack         broker -> producer      key: the producer id; {epoch, upto[, rewind][, expect][, hello]
                                         [, owners]} (ProducerAck, producer_ack_body, parse_producer_ack); upto = -1:
