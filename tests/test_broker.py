@@ -1,5 +1,7 @@
 """The broker's routing on real sockets (inproc): ownership, and every way of splitting a step's payload."""
 
+import time
+
 import numpy as np
 import pytest
 import zmq
@@ -9,12 +11,12 @@ from routing_replay.broker.ownership import rendezvous as _hrw
 from routing_replay.protocol import wire
 
 
-def broker_net(front: str, back: str, hellos: dict):
-    """A broker on inproc `front`/`back` (started), a consumer DEALER per {consumer id: hello body}, a producer DEALER
-    that said hello as "p" epoch 3. Yields (broker, producer socket, {consumer id: socket}, dealer()), then closes
-    everything."""
+def broker_net(front: str, back: str, hellos: dict, **broker_kw):
+    """A broker on inproc `front`/`back` (started; `broker_kw`: more Broker arguments), a consumer DEALER per
+    {consumer id: hello body}, a producer DEALER that said hello as "p" epoch 3. Yields (broker, producer socket,
+    {consumer id: socket}, dealer()), then closes everything."""
     ctx = zmq.Context()
-    b = Broker(front, back, context=ctx, heartbeat_interval_ms=100_000).start()
+    b = Broker(front, back, context=ctx, heartbeat_interval_ms=100_000, **broker_kw).start()
     socks = []
 
     def dealer(ep, ident=None):
@@ -33,10 +35,9 @@ def broker_net(front: str, back: str, hellos: dict):
         consumers[cid] = s
     prod = dealer(front)
     prod.send(wire.pack_header("hello", "p", 3, 0, "p", {}))     # a producer announces its epoch first
-    deadline = 200
-    while (len(b._live) < len(hellos) or "p" not in b.producers) and deadline:
-        consumers[next(iter(consumers))].poll(10)
-        deadline -= 1
+    deadline = time.monotonic() + 2     # (slept, not polled: a consumer may have a message waiting already)
+    while (len(b._live) < len(hellos) or "p" not in b.producers) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(b._live) == len(hellos)
     try:
         yield b, prod, consumers, dealer

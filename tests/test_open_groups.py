@@ -10,6 +10,8 @@ records compared bit for bit.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import zmq
@@ -20,7 +22,7 @@ from routing_replay.consumer import Consumer
 from routing_replay.producer import Producer
 from routing_replay.protocol import wire
 from tests.procs import wait_until
-from tests.test_broker import recv
+from tests.test_broker import broker_net, recv
 from tests.test_opens import _opens
 
 L, K = 4, 2
@@ -86,35 +88,14 @@ HOLDS = {"takes": wire.CONSUMER_TAKES}
 OLD = {"takes": [wire.FEATURE_OPENS, wire.FEATURE_FINISHES]}     # a consumer that does not answer `claim`
 
 
+@contextmanager
 def _net(hellos: dict, **kw):
-    ctx = zmq.Context()
-    b = Broker("inproc://gf", "inproc://gb", context=ctx, heartbeat_interval_ms=100_000, **kw).start()
-    socks = []
-
-    def dealer(ep, ident=None):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if ident:
-            s.setsockopt(zmq.ROUTING_ID, ident)
-        s.connect(ep)
-        socks.append(s)
-        return s
-
-    cons = {}
-    for cid, body in hellos.items():
-        cons[cid] = dealer("inproc://gb", cid)
-        cons[cid].send(wire.pack_header("hello", cid.decode(), 7, 0, cid.decode(), body))
-    prod = dealer("inproc://gf")
-    prod.send(wire.pack_header("hello", "p", 3, 0, "p", {}))
-    wait_until(lambda: len(b._live) == len(hellos) and "p" in b.producers, 5, "peers joined")
-    return ctx, b, prod, cons, socks
-
-
-def _close(ctx, b, socks):
-    for s in socks:
-        s.close(0)
-    b.close()
-    ctx.term()
+    gen = broker_net("inproc://gf", "inproc://gb", hellos, **kw)
+    b, prod, cons, _ = next(gen)
+    try:
+        yield b, prod, cons
+    finally:
+        gen.close()
 
 
 @pytest.mark.parametrize("group_max,hellos,grouped", [
@@ -123,8 +104,7 @@ def _close(ctx, b, socks):
     (16, {b"c1": HOLDS, b"c2": OLD}, False),      # a consumer of an earlier version is live: no grouping
 ])
 def test_a_small_opens_goes_whole_to_the_owner_of_its_first_request(group_max, hellos, grouped):
-    ctx, b, prod, cons, socks = _net(hellos, open_group_max=group_max)
-    try:
+    with _net(hellos, open_group_max=group_max) as (b, prod, cons):
         first = ids_hashed(b"c1", 1, "g")[0]
         rest = ids_hashed(b"c2", 3, "h")                         # their own hashes: the other consumer
         ids = [first, *rest]
@@ -154,24 +134,21 @@ def test_a_small_opens_goes_whole_to_the_owner_of_its_first_request(group_max, h
         prod.send_multipart([head, rows.tobytes()])
         wait_until(lambda: b.stats.msgs_out >= out0 + (1 if grouped else 2), 5, "delta routed")
         assert (b.stats.deltas_split - split0) == (0 if grouped else 1)
-    finally:
-        _close(ctx, b, socks)
 
 
 def test_a_consumer_that_knew_an_earlier_broker_is_asked_what_it_holds_and_keeps_it():
     # c1 got data from broker epoch 12345 (not this one): a restart; it answers `claim` with `holds`
-    ctx, b, prod, cons, socks = _net({b"c1": {**HOLDS, "broker": 12345}, b"c2": {**HOLDS, "broker": 12345},
-                                      b"old": {**OLD, "broker": 12345}}, restart_grace_ms=400)
-    try:
+    with _net({b"c1": {**HOLDS, "broker": 12345}, b"c2": {**HOLDS, "broker": 12345},
+               b"old": {**OLD, "broker": 12345}}, restart_grace_ms=400) as (b, prod, cons):
         for cid in (b"c1", b"c2"):
             h, frames = recv(cons[cid])
             assert (h.kind, h.epoch, frames) == ("claim", b.epoch, [])
         assert not cons[b"old"].poll(100) and b.stats.claims_out == 2      # an earlier consumer is not asked
         held = [f"held{i}" for i in range(5)]                    # whatever their hashes: c1 holds them
-        cons[b"c1"].send(wire.pack_header("holds", "c1", 7, 1, held, {}))
-        cons[b"c2"].send(wire.pack_header("holds", "c2", 7, 1, [held[0]], {}))     # claimed by c1 first
+        cons[b"c1"].send(wire.pack_header("holds", "c1", 0, 1, held, {}))
+        cons[b"c2"].send(wire.pack_header("holds", "c2", 0, 1, [held[0]], {}))     # claimed by c1 first
         cons[b"c2"].send(wire.pack_header("holds", "c2", 99, 2, ["stale"], {}))    # not its link's epoch
-        cons[b"c2"].send(wire.pack_header("holds", "c2", 7, 3, "not-a-list", {}))  # malformed: refused
+        cons[b"c2"].send(wire.pack_header("holds", "c2", 0, 3, "not-a-list", {}))  # malformed: refused
         wait_until(lambda: b.stats.claims_refused == 1 and b.bad["bad_field"] == 1, 5, "holds read")
         assert b.stats.claimed == 5 and b.bad["stale_holds"] == 1 and "stale" not in b.ownership.owner
         assert all(b.ownership.owner[r].cid == b"c1" for r in held)
@@ -187,8 +164,6 @@ def test_a_consumer_that_knew_an_earlier_broker_is_asked_what_it_holds_and_keeps
                 others.append(wire.decode_header(cons[cid].recv_multipart()[0]).kind)
         assert others == ["error"]                               # c2's malformed holds, answered; no data
 
-    finally:
-        _close(ctx, b, socks)
 
 
 # ---- a real restart -----------------------------------------------------------------------------------------------
