@@ -268,7 +268,8 @@ class Broker(ServiceThread):
     def log_stats(self) -> None:
         s = self.stats
         log.info("broker msgs_in=%d MB_in=%.1f msgs_out=%d MB_out=%.1f split=%d split_gathered=%d owner_hints_out=%d "
-                 "opens_in=%d opens_grouped=%d opens_unbatched=%d finishes_in=%d finishes_unbatched=%d requests_opened=%d "
+                 "opens_in=%d opens_grouped=%d opens_unbatched=%d finishes_in=%d finishes_unbatched=%d "
+                 "requests_opened=%d "
                  "requests_closed=%d open_requests=%d closing=%d consumers=%d "
                  "producers=%d reassigned=%d pending=%d dropped_no_consumer=%d dropped_slow=%d "
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "

@@ -5,9 +5,9 @@ A request id is assigned when first seen, by rendezvous hashing over the live co
 its finish or abort (sticky), so adding a consumer never moves an in-flight request. Requests opened together in
 one small `opens` message go together (`owner_of(rid, prefer)`: the owner the hash gives the message's first
 request), so a step's new requests and their rows, finishes and records stay on one consumer; after a broker
-restart each consumer claims the requests it holds (`claim`), so they stay where they are whatever the hash says. A request whose owner was lost
-is assigned again on its next message; the new owner must then get the request's open again, marked
-`reassigned: true` (the table keeps each open message for that). Links and producers are any hashable objects; a
+restart each consumer claims the requests it holds (`claim`), so they stay where they are whatever the hash
+says. A request whose owner was lost is assigned again on its next message; the new owner must then get the
+request's open again, marked `reassigned: true` (the table keeps each open message for that). Links and producers are any hashable objects; a
 link has `alive` (False once lost) and the table never looks further into them.
 
 A finish or abort does not forget a request at once: until the producer's ack frontier passes that message's seq
