@@ -7,8 +7,8 @@ one small `opens` message go together (`owner_of(rid, prefer)`: the owner the ha
 request), so a step's new requests and their rows, finishes and records stay on one consumer; after a broker
 restart each consumer claims the requests it holds (`claim`), so they stay where they are whatever the hash
 says. A request whose owner was lost is assigned again on its next message; the new owner must then get the
-request's open again, marked `reassigned: true` (the table keeps each open message for that). Links and producers are any hashable objects; a
-link has `alive` (False once lost) and the table never looks further into them.
+request's open again, marked `reassigned: true` (the table keeps each open message for that). Links and producers
+are any hashable objects; a link has `alive` (False once lost) and the table never looks further into them.
 
 A finish or abort does not forget a request at once: until the producer's ack frontier passes that message's seq
 the request is kept as closing (its owner, its open message). A producer that rewinds resends from before the
