@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "while the old consumers reconnect (default: 2 heartbeats)")
     p.add_argument("--open-group-max", type=NON_NEGATIVE, default=16, help="an `opens` message of at most this many "
                    "requests puts them all on one consumer, so their rows, finishes and records travel unsplit "
-                   "(0: each request by its own hash; at most %d)" % 4096)
+                   "(0: each request by its own hash; at most 4096)")
     curve_server(p, "producers and consumers")
     common(p)
     p.set_defaults(fn=cmd_broker)

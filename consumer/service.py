@@ -355,15 +355,17 @@ class Consumer(ServiceThread):
         except zmq.ZMQError:
             pass
 
-    def _send_ctl(self, sock: zmq.Socket, kind: str, body: dict | None = None) -> None:
+    def _send_ctl(self, sock: zmq.Socket, kind: str, body: dict | None = None, key=None) -> bool:
+        """One control message to the broker (key: this consumer's id unless given); False if it could not go."""
         self._seq += 1
         if body is None:
             body = {"broker": self.link.bepoch, "takes": self.takes} if kind == "hello" else {}
         try:
-            sock.send_multipart([wire.pack_header(kind, self.consumer_id, self.epoch, self._seq, self.consumer_id,
-                                                  body)], zmq.NOBLOCK)
+            sock.send_multipart([wire.pack_header(kind, self.consumer_id, self.epoch, self._seq,
+                                                  self.consumer_id if key is None else key, body)], zmq.NOBLOCK)
+            return True
         except zmq.Again:          # not connected yet, or the broker is not reading: the next tick sends again
-            pass
+            return False
 
     def _send_trainer(self, client: bytes, frames: list) -> Sent:
         try:
@@ -450,11 +452,7 @@ class Consumer(ServiceThread):
         sent = 0
         for i in range(0, max(len(ids), 1), n):
             chunk = ids[i:i + n]
-            self._seq += 1
-            try:
-                self._dealer.send_multipart([wire.pack_header("holds", self.consumer_id, self.epoch, self._seq, chunk,
-                                                              {})], zmq.NOBLOCK)
-            except zmq.ZMQError:
+            if not self._send_ctl(self._dealer, "holds", {}, chunk):
                 break
             sent += len(chunk)
         log.info("consumer %s told broker epoch=%d the requests it holds: holds=%d sent=%d", self.consumer_id,
