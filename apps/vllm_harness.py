@@ -38,7 +38,7 @@ def inprocess_llm(model: str | os.PathLike, **kw):
         pass
     try:        # and into a graph memory pool of its own: vLLM keeps one pool handle per process, and after a Model
         # Runner V2 engine shut down the next engine's capture into it fails (PyTorch's "use_count > 0" assert;
-        # vLLM 0.25.1 on an H200, with or without the plugin: docs/VLLM.md, "Bugs and quirks")
+        # vLLM 0.25.1 on a GPU, with or without the plugin: docs/VLLM.md, "Bugs and quirks")
         from vllm.platforms import current_platform
         type(current_platform)._global_graph_pool = None
     except (ImportError, AttributeError):

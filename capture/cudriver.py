@@ -1,11 +1,10 @@
 """The engine thread's per-step device launches as CUDA driver calls made with the GIL held.
 
 Every torch call releases the GIL around its dispatch. Alone that costs nothing, but beside one busy Python thread
-(vLLM's output and input threads, the producer's thread) the engine thread then waits for the GIL to come back:
-on the H100 host (bench/gil_probe.py, one busy thread) a `fill_` of one step's cache rows took 312 µs of
-engine-thread CPU and 13.3 ms of wall time, the snapshot `copy_` 194 µs / 7.0 ms, an event record 21 µs / 1.0 ms.
-The same work through libcuda called with the GIL held (ctypes.PyDLL) took 8.5 µs / 16.5 µs, 6.3 µs / 11.6 µs
-and 1.4 µs / 1.4 µs: these launches are a few microseconds, never worth giving the GIL away for.
+(vLLM's output and input threads, the producer's thread) the engine thread then waits for the GIL to come back,
+up to the interpreter's switch interval per call. The same work through libcuda called with the GIL held
+(ctypes.PyDLL) never gives the GIL away, and these launches are short: never worth giving the GIL away for
+(bench/gil_probe.py measures both; the figures are in docs/PERFORMANCE.md, "Driver calls with the GIL held").
 
 `driver()` returns the loaded library (or None: no libcuda, or ROUTING_REPLAY_CUDA_DRIVER=0); `check(device)`
 runs each call once against torch on scratch memory of that device and says whether the results are bit-exact
@@ -150,8 +149,8 @@ _STREAMS: dict = {}
 
 def current_stream(device_index: int) -> int:
     """This thread's current stream on device `device_index` as a raw CUstream (0: the legacy default stream);
-    `torch.cuda.current_stream()` resolves the device in Python (about 50 µs on the H100 host, measured), the raw
-    C call and a kept handle per stream id do not."""
+    `torch.cuda.current_stream()` resolves the device in Python every call, the raw C call and a kept
+    handle per stream id do not."""
     import torch
 
     raw = torch._C._cuda_getCurrentStream(device_index)

@@ -19,7 +19,7 @@ size + offset, the engine's own `slot_mapping`), on the device that runs the mod
   -1 rows, which the consumer reports as `prefix_not_found`: stale routing never reaches a record.
 
 Memory: (slots + 1, L, K) int16 = L x K x 2 bytes per KV slot (Qwen3-30B-A3B: 768 B against ~96 KiB of KV per
-token, 0.78%).
+token).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 RoutingCache.flush with a step ring (capture/cache.py) ends every complete step with: the stamp add (+1 in every
 lane of the stamp layer), `torch.remainder` of the counter into the slot index, then two `index_copy_` (the
-stamps, then the rows, into that slot). Four small kernels, part of every captured CUDA graph: on the H100/H200
-hosts they made the step's capture work on the compute stream 8.2 µs at 256 tokens, against 4.1 µs for stamps
-and a snapshot (docs/PERFORMANCE.md). Here the same writes are two kernels:
+stamps, then the rows, into that slot). Four small kernels, part of every captured CUDA graph: they make the
+step's capture work on the compute stream about twice that of stamps and a snapshot (docs/PERFORMANCE.md). Here
+the same writes are two kernels:
 
 - `stamp_slot`: every lane of the stamp layer v -> v + 1, and the same new value into the stamp lanes of slot
   (v + 1) mod S of the ring, and the slot index into a one-element tensor. Every element reads only its own lane
@@ -19,10 +19,9 @@ that device against the torch path and says whether the results are bit-exact (R
 torch kernels otherwise). On by default (ROUTING_REPLAY_RING_KERNELS=0 turns them off). They are checked bit for
 bit against the torch path in Triton's CPU interpreter (TRITON_INTERPRET=1 runs the same kernels on CPU tensors:
 the tests do that on machines without a GPU), on CUDA by tests/test_capture_gpu.py, and on the device at start-up.
-Measured on the H100 host (session 23, vLLM 0.25.1, 16 layers, top-8, 256 tokens): stamp add + slot write 3.00 µs
-against 7.78 µs with the torch kernels, so a ring step's capture work on the compute stream is 3.88 µs, below the
-4.40 µs of stamps and a snapshot (docs/PERFORMANCE.md). With them, ROUTING_REPLAY_STEP_STAMP=auto (the default)
-uses the ring.
+With them a ring step's capture work on the compute stream is no more than that of stamps and a snapshot
+(docs/PERFORMANCE.md, "The step ring, written by two Triton kernels"), so ROUTING_REPLAY_STEP_STAMP=auto (the
+default) uses the ring.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ regions keep their pages (the next request reuses them without page faults) up t
 that their pages go back to the OS (MADV_DONTNEED). `keep_bytes=None` (the default) makes the limit the most this
 arena has held at once (`peak_bytes`), at least KEEP_BYTES: a consumer that served one rollout batch serves the next
 from the pages it already has, and its memory does not go above what that batch took (a first touch costs a page
-fault per 4 KiB: 2-3 us each on a VM, more than the copy that writes the row; bench/pipeline.py --batches).
+fault per 4 KiB, more than the copy that writes the row; bench/pipeline.py --batches measures a warm batch).
 
 Memory: what a request's rows take, rounded up to a page, plus 8 x 6 bytes of bookkeeping per handle.
 """

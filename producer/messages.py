@@ -147,7 +147,7 @@ def merge_decode_steps(parts: StepParts, hints: OwnerHints | None = None) -> Ste
     if not n or any(x is not first and x != first for x in ids):
         return None
     if all(type(c) is list for c in parts.counts) and all(type(x) is list for x in parts.starts):
-        # publish_rows' lists (Python ints): counted and read in C loops (0.43 -> 0.12 ms for 16 x 256 here)
+        # publish_rows' lists (Python ints): counted and read in C loops (list.count, not a Python loop per entry)
         if not all(len(c) == n and c.count(1) == n for c in parts.counts):
             return None
         if not all(len(x) == n for x in parts.starts):
@@ -199,9 +199,9 @@ class OutPool:
     """Memory for the producer thread's request-major copies, used again once nothing refers to it.
 
     A merged message's rows are a fresh array of megabytes that the replay buffer holds until the consumers ack it;
-    a fresh allocation of that size comes from the OS every time, and its first touch (a page fault per 4 KiB) cost
-    more than the copy itself: 1.5-2.5 ms per 4 MB against 0.24 ms into memory in use (this VM; the merge was 0.77 s
-    of the producer thread's CPU in bench/pipeline.py's decode workload). So each copy of at least MIN_BYTES goes
+    a fresh allocation of that size comes from the OS every time, and its first touch (a page fault per 4 KiB) costs
+    several times the copy itself into memory in use (docs/PERFORMANCE.md, "Copies into reused memory"). So each
+    copy of at least MIN_BYTES goes
     into a view of a pooled root (a 1-D uint8 array, sized up to GRAIN). A root is reused only when CPython counts
     no reference to it but the pool's own: every view of it, every memoryview or ZeroMQ frame made from one, holds
     the root (numpy views refer to the array that owns the memory), so a root still sent, kept for replay, spilled
@@ -661,9 +661,8 @@ class Inbox:
     that need the thread now wake it (`put(item, wake=True)`: steps, close).
 
     Opens, finishes and aborts are put without waking it (`wake=False`): they wait for the next step, a flush or the
-    thread's own timeout (at most Sender.IDLE_WAIT_S). Waking the thread for each one made it take the GIL from the
-    engine thread once per request besides once per step: an open plus a finish cost 43-89 us of wall time on the
-    caller's thread instead of 26-31 (this VM; docs/PERFORMANCE.md). Their order against the steps is kept: the
+    thread's own timeout (at most Sender.IDLE_WAIT_S). Waking the thread for each one would make it take the GIL
+    from the engine thread once per request besides once per step. Their order against the steps is kept: the
     thread takes items in the order they were put."""
 
     __slots__ = ("_items", "_bell")

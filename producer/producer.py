@@ -22,9 +22,8 @@ log = logging.getLogger("routing_replay.producer")
 
 # Unacked bytes a producer keeps in memory (beyond them, with spill_dir, a spill file). Acks come back only after
 # the consumers applied a message, so this is also how far a producer runs ahead of them: what can sit in their
-# receive queues. It must still cover the bytes sent in one ack round trip. bench/pipeline.py --replay-mib on a
-# 16-core host (docs/PERFORMANCE.md, session 23): 128 MiB kept throughput (decode 1.32M tokens/s, batched 1.77M)
-# with consumer RSS 1.02-1.05x its records, against 1.03-1.17x at 256 MiB; 64 MiB halved throughput there.
+# receive queues, and so the consumers' memory beyond their records. It must still cover the bytes sent in one ack
+# round trip, or throughput falls (bench/pipeline.py --replay-mib; docs/PERFORMANCE.md, "A 128 MiB replay window").
 REPLAY_MAX_BYTES = 128 << 20
 
 
@@ -69,11 +68,10 @@ def _positions(values: Any, name: str) -> Any:
 
 
 def _tokens(ids: Any, frozen: bool = False) -> Any:
-    """Token ids on the caller's thread: a list or tuple is only copied (a tuple; C speed, about 0.5 us for 512
-    ids warm, against about 7 us to convert them), the producer's thread converts it (messages.token_frames);
-    anything else becomes an int32 array here. `frozen`: the caller never modifies its lists afterwards, so a list
-    goes by reference (no copy: the copy writes every id's reference count, one cache line per cold id: 5.8 us for
-    512 ids, 74 us for 32,768, docs/PERFORMANCE.md session 30)."""
+    """Token ids on the caller's thread: a list or tuple is only copied (a tuple, at C speed: far cheaper than
+    converting them), the producer's thread converts it (messages.token_frames); anything else becomes an int32
+    array here. `frozen`: the caller never modifies its lists afterwards, so a list goes by reference (no copy: the
+    copy writes every id's reference count, one cache line per cold id, a cost that grows with the prompt)."""
     if type(ids) is list:
         return ids if frozen else tuple(ids)
     if type(ids) is tuple:

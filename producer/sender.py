@@ -40,9 +40,9 @@ COALESCE_MAX_STEPS = 64
 # a replay buffer full again and again (consumers slower than the engine: every ack frees room for one more
 # message) writes one WARNING at its first episode, then at most one per this many seconds, with the count since
 FULL_LOG_EVERY_S = 10.0
-# ... and up to this many bytes of rows (Producer's coalesce_max_bytes default): bench/pipeline.py on an H200 host
-# pinned to 2 cores (docs/PERFORMANCE.md, session 37), 16 MiB against 4 MiB: decode +11 to +37 % tokens/s in 4
-# pairs, the plugin's 16-step message +9 %, prefill +7 % (one pair each); 1 MiB lost 15-38 %.
+# ... and up to this many bytes of rows (Producer's coalesce_max_bytes default): large enough that a decode
+# message carries the whole COALESCE_MAX_STEPS at Qwen3-30B-A3B's row size, so the chain pays its per-message costs
+# once per 64 steps (bench/pipeline.py --coalesce-bytes; docs/PERFORMANCE.md, "Pipeline").
 COALESCE_MAX_BYTES = 16 << 20
 
 

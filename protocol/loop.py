@@ -17,7 +17,7 @@ except (ImportError, AttributeError):  # pragma: no cover - every pyzmq >= 25 ha
     _bsend = _brecv = None
 if not hasattr(zmq.Frame, "more"):     # pragma: no cover - recv_frames reads it (else recv_multipart)
     _brecv = None
-_SNDMORE = int(zmq.SNDMORE)             # plain ints: an IntFlag `|` builds an enum member (about 1 us each)
+_SNDMORE = int(zmq.SNDMORE)             # plain ints: an IntFlag `|` builds an enum member each time
 _FAST_TYPES = frozenset({bytes, memoryview, zmq.Frame, np.ndarray})
 
 
@@ -25,8 +25,8 @@ def send_frames(sock: zmq.Socket, frames: Sequence, flags: int = 0) -> None:
     """sock.send_multipart(frames, flags, copy=False), without pyzmq's Python layer around each frame.
 
     The same calls to the backend (frames under zmq.COPY_THRESHOLD are still copied, larger ones sent zero-copy),
-    the same errors (zmq.Again, zmq.ZMQError), without the sugar's per-frame wrapper and IntFlag arithmetic:
-    1.0 us for a two-frame message against 2.5 (bench/zmq_calls.py, this project's 2-core VM). Frames of any type
+    the same errors (zmq.Again, zmq.ZMQError), without the sugar's per-frame wrapper and IntFlag arithmetic
+    (bench/zmq_calls.py compares the two). Frames of any type
     but bytes, memoryview, zmq.Frame or ndarray go through send_multipart, which checks every frame before it
     sends the first (so no message is ever cut short by a frame that cannot be sent)."""
     if _bsend is None or not set(map(type, frames)) <= _FAST_TYPES:
@@ -42,7 +42,7 @@ def send_frames(sock: zmq.Socket, frames: Sequence, flags: int = 0) -> None:
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:
     """sock.recv_multipart(flags, copy=False) (a list of zmq.Frame) without pyzmq's Python layer: each frame's
-    `more` flag instead of a getsockopt(RCVMORE) per frame (1.8 us for two frames against 3.7, bench/zmq_calls.py)."""
+    `more` flag instead of a getsockopt(RCVMORE) per frame (bench/zmq_calls.py compares the two)."""
     if _brecv is None:
         return sock.recv_multipart(flags, copy=False)
     flags = int(flags)

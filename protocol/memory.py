@@ -3,8 +3,7 @@
 The broker and consumer handle messages of up to megabytes (libzmq allocates each received message, the broker
 gathers each owner's rows, the consumer builds records). With glibc's defaults a block above the dynamic mmap
 threshold is mapped fresh and unmapped when freed, and the top of the heap is trimmed, so every such message costs
-page faults (4 KiB each, about 1 GB/s on the 2-vCPU VM of docs/PERFORMANCE.md: measured there, faults were a third
-of the broker's CPU time). `keep_freed_memory()` fixes the mmap threshold at its maximum (32 MiB: smaller blocks
+page faults (4 KiB each: a large share of the broker's CPU time, docs/PERFORMANCE.md). `keep_freed_memory()` fixes the mmap threshold at its maximum (32 MiB: smaller blocks
 come from the heap and are reused) and keeps up to `trim_bytes` of freed heap before returning it to the system.
 It is process-wide; Broker.serve and Consumer.run call it (they own their process in every deployment: the CLI, the
 vLLM plugin's helper process); the producer does not (it lives in the engine's process).

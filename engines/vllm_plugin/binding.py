@@ -329,7 +329,7 @@ class CaptureBinding:
             held, last = self.held, len(self.layers) - 1
             if self.c_hooks and prev is None and not needs_dp:
                 # every MoE layer, the last one too: its tensor goes into its slot in C, no Python frame per layer
-                # and step (a Python hook cost 2-3 us a call inside vLLM's CPU build, the last one's drain 16-21).
+                # and step (a Python hook pays a frame per layer and step on the engine thread).
                 # It cannot look at `active`, so it also keeps the tensor of a step that is not captured: the
                 # worker empties the list at the end of such a step (`clear`) and before a captured one, and
                 # drains a captured step's list in post_step. Tensors are kept as the router made them (strided

@@ -4,8 +4,8 @@ ROUTING_REPLAY_BROKER=embedded means: no broker or consumer to start by hand, re
 ROUTING_REPLAY_NPZ_DIR and/or at ROUTING_REPLAY_SERVE while the engine runs. They run in a child process of the
 worker rather than as threads inside it because the consumer's work (accumulating rows of every request,
 writing npz files) is Python that would take the GIL from vLLM's engine thread, whose own step loop is Python
-too; measured on the CPU build, the threads cost several times more engine throughput than the same work in
-another process (docs/PERFORMANCE.md). The worker keeps only the producer thread.
+too: as threads they cost several times more engine throughput than the same work in another process
+(docs/PERFORMANCE.md). The worker keeps only the producer thread.
 
 Parent side: `PipelineProcess(npz_dir, serve)` starts `python -m routing_replay.engines.vllm_plugin.pipeline`, waits for
 its "ready" line, and exposes `frontend` (an ipc:// endpoint in a private temp dir). `close()` (after the

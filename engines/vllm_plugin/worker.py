@@ -669,7 +669,7 @@ def step_layout(runner, kind: str, views: list | None = None):
     forward. V1 keeps a persistent batch on the runner; V2 builds one per step and keeps it in
     `execute_model_state` until `sample_tokens`. `views` (V1, the caller's list of five): the views of the last
     step whose batch had as many requests are reused while the runner keeps its arrays (two numpy slices per step
-    fewer: cold, 4-13 us inside vLLM's CPU build)."""
+    fewer, each cold after the forward)."""
     if kind == "v1":
         ib = runner.input_batch
         n = ib.num_reqs
@@ -694,8 +694,8 @@ def _batch_refs(ib) -> tuple:
     """(V1's InputBatch, direct): direct when its `req_ids` property hands out its `_req_ids` list (changed in place,
     never replaced) and its `num_reqs` counts its `req_id_to_index` (vLLM 0.25 to 0.33). The engine thread then reads
     those two attributes itself each step: the properties are three Python frames of vLLM's module (`cast`
-    included), cold after every forward (with the frames _read_batch saves: 4-10 us a captured step inside vLLM's
-    CPU build, docs/PERFORMANCE.md session 50). Checked again for each new InputBatch."""
+    included), cold after every forward, like the frames _read_batch saves. Checked again for each new
+    InputBatch."""
     try:
         direct = ib.req_ids is ib._req_ids and type(ib._req_ids) is list and ib.num_reqs == len(ib.req_id_to_index)
     except (AttributeError, TypeError):
@@ -720,7 +720,7 @@ def ring_slots(settings: Settings, device: torch.device, data_parallel_size: int
     """The step ring's slots for a stamped engine whose settings ask for the ring (`ring`, or `auto`), or 0 with the
     reason logged: the ring needs one data-parallel rank (its slots follow the engine's own count of forwards, and
     dummy batches are forwards it does not count), and `auto` needs the ring's Triton kernels on `device` (the torch
-    slot write costs the compute stream ~4 µs more per step than stamps and a snapshot; docs/PERFORMANCE.md)."""
+    slot write costs the compute stream more per step than stamps and a snapshot; docs/PERFORMANCE.md)."""
     if not settings.step_ring:
         return 0
     if data_parallel_size > 1:
@@ -1121,8 +1121,8 @@ class WorkerCapture:
         step was an eager CPU step of the running batch handed over as its routers' tensors (_host_raw, which arms
         `_host_next`) and this one opens, ends, preempts and speculates nothing (plugin.py). Then nothing pre_step
         does has to precede the forward: the C hooks keep every layer's tensor whatever the binding says, in the
-        list the last post_step emptied. One entry into the plugin per step instead of two (inside vLLM's CPU
-        build each entry costs its cold cache lines; docs/PERFORMANCE.md, session 52). Here: pre_step's short
+        list the last post_step emptied. One entry into the plugin per step instead of two (right after a forward
+        each entry pays its cold cache lines). Here: pre_step's short
         path where a captured request ran, else all of pre_step (which then lets go of nothing)."""
         self._host_next = False
         n = so.total_num_scheduled_tokens
@@ -1179,7 +1179,7 @@ class WorkerCapture:
             st.quiet_steps += self._quiet
         if not (self.tracked or so.scheduled_new_reqs or self.fill or self._closing):
             # nothing captured runs, none starts, no prefix store: the step's counts and the forward, no more
-            # (an opt-out engine's every step; issue #16 asks <= 10 us for it on the engine thread)
+            # (an opt-out engine's every step: its cost on the engine thread is a target, docs/PERFORMANCE.md)
             if so.preempted_req_ids:
                 st.preempted += len(so.preempted_req_ids)
             if so.scheduled_spec_decode_tokens:
@@ -1228,7 +1228,7 @@ class WorkerCapture:
                 if info is not None and self.batch.parts:
                     # a request's rows go out before its finish: this one goes right after the batch that holds
                     # its last rows (_flush), not with a batch cut short here (a publish, and the batch's event,
-                    # per finish: 246-334 against 47-50 us per step in bench/worker_step_probe.py --churn 1)
+                    # per finish would cost the engine thread several times a step's work)
                     self._closing[key] = (rid, info)
                 else:
                     if self.batch.parts:        # (no note: the finish is the runner's view now, after the rows)
@@ -1249,8 +1249,8 @@ class WorkerCapture:
             if new.req_id not in tracked:
                 self._open_request(new)
         if self._opens and self.fill:
-            # with a prefix store, each step's opens go at once: waiting for the hand-over cost fill engines
-            # 13-30 us of engine-thread wall time per step on the H200 host (docs/PERFORMANCE.md, session 38)
+            # with a prefix store, each step's opens go at once: waiting for the hand-over costs fill engines
+            # engine-thread time every step (docs/VLLM.md, "Step ring")
             self._send_opens()
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
@@ -1434,7 +1434,7 @@ class WorkerCapture:
             if active and b.take_step is not None and not self.fill and all(map(_HOLDS, held)):
                 # CPU, enforce_eager: every layer's C hook kept its tensor (binding._make_hook); they go to the
                 # producer's thread as they are, where HostRows checks them (2-D, top_k columns, the step's rows,
-                # integer ids): no torch attribute is read here (cold, a step's shape checks cost 8-10 us)
+                # integer ids): no torch attribute is read here (cold after the forward, each read is costly)
                 tensors = held[:]
                 held[:] = [None] * len(held)
                 b.calls = len(tensors)
@@ -1513,8 +1513,8 @@ class WorkerCapture:
             first = qsl[:-1]
             count = qsl[1:] - first
             sel = None
-            # (count_nonzero, not count.all(): .all() and .sum() go through numpy's Python reduce wrappers, which
-            # took 15-26 us a call on the engine thread inside vLLM on the H100 host, cProfile, churn steps)
+            # (count_nonzero, not count.all(): .all() and .sum() go through numpy's Python reduce wrappers, Python
+            # frames on the engine thread every changed step)
             if uncaptured or np.count_nonzero(count) != len(count):
                 sel = np.array([k is not None for k in keys], dtype=bool) & (count > 0)
                 keys = [k for k, on in zip(keys, sel.tolist()) if on]
@@ -1579,7 +1579,7 @@ class WorkerCapture:
         if big:
             # rows [0, nt) copied whole (one launch; the rows of requests not captured are left out on the
             # producer's thread, which maps the ids to keys as for a ring step): no numpy call, no key, nothing
-            # per request here (a 16,384-token chunk's layout, keys and counts cost ~300 us after its forward)
+            # per request here (a large chunk's layout, keys and counts would cost the engine thread per token)
             pending = self.copier.submit([(0, nt)], mark=False)
             if pending.dropped:
                 self._copy_dropped(pending, last, rv)
@@ -1667,8 +1667,8 @@ class WorkerCapture:
         """A step's layout as it goes raw to the producer's thread: (engine ids, bytes of the computed positions,
         bytes of the query start locations, their dtypes). The ids are the last step's copy while the batch
         repeats them (one compare, C speed); the bytes are copied through memoryviews kept while the runner keeps
-        its arrays (inside vLLM's CPU build a numpy call right after the forward costs 7-12 us; `bytes` of a
-        memoryview, a few)."""
+        its arrays (a numpy call right after the forward runs cold; `bytes` of a memoryview is a single C
+        call)."""
         mv = self._raw_views
         if mv[0] is not qsl or mv[1] is not computed:
             mv = self._raw_views = (qsl, computed, memoryview(qsl), memoryview(computed), (qsl.dtype, computed.dtype))
@@ -1696,8 +1696,8 @@ class WorkerCapture:
                     held[:] = [None] * len(held)
                     return
                 # the prefix store takes the step's rows from the cache (its flush): recorded there too; the capture
-                # still goes by reference, not through a snapshot of the cache (copier.submit: 43 of 193 us per
-                # step in bench/worker_step_probe.py --eager --mode fill)
+                # still goes by reference, not through a snapshot of the cache (copier.submit would be the largest
+                # part of the step's work; bench/worker_step_probe.py --eager --mode fill)
         record_held(held, self.cache.record)
 
     def _cut_seen(self) -> None:
@@ -1735,8 +1735,8 @@ class WorkerCapture:
         t1 = time.thread_time_ns()
         w1 = time.perf_counter_ns()
         t2 = time.thread_time_ns()          # the clocks measured by themselves, here and now: what one read pair
-        w2 = time.perf_counter_ns()         # added to this section (the thread clock is a system call, ~0.4 us
-        st = self.stats                     # on a quiet VM, more inside a busy engine process)
+        w2 = time.perf_counter_ns()         # added to this section (the thread clock is a system call, dearer
+        st = self.stats                     # inside a busy engine process than on a quiet machine)
         st.host_ns += t1 - t0
         st.host_wall_ns += w1 - w0
         st.clock_ns += t2 - t1
