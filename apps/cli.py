@@ -170,6 +170,19 @@ def _check_binds(prog: str, endpoints: list, curve: bool, insecure: bool) -> str
     return None
 
 
+def _metrics_server(prog: str, address: str | None, collect):
+    """The `--metrics` endpoint (protocol/metrics.py), or None without one. ValueError: a bad or busy address."""
+    if not address:
+        return None
+    from routing_replay.protocol.metrics import MetricsServer
+    return MetricsServer(address, collect, name=prog)
+
+
+def metrics_arg(p) -> None:
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                   "(':PORT' listens on every interface, a bare PORT on loopback; default: off)")
+
+
 def cmd_broker(a) -> int:
     import zmq
     from routing_replay.broker import Broker
@@ -190,8 +203,17 @@ def cmd_broker(a) -> int:
     if err:
         b._close_sockets()
         return _die("broker", err)
+    try:
+        served = _metrics_server("broker", a.metrics, b.metrics)
+    except ValueError as e:
+        b._close_sockets()
+        return _die("broker", str(e))
     _on_signals(b.stop)
-    b.serve()
+    try:
+        b.serve()
+    finally:
+        if served is not None:
+            served.close()
     return 0
 
 
@@ -215,6 +237,10 @@ def cmd_consume(a) -> int:
                      adopt_min_bytes=None if a.copy_rows else a.keep_received_kb << 10)
     except ValueError as e:
         return _die("consume", str(e))
+    try:
+        served = _metrics_server("consume", a.metrics, c.metrics)
+    except ValueError as e:
+        return _die("consume", str(e))
     _on_signals(c.stop)
     try:
         c.run()
@@ -223,6 +249,8 @@ def cmd_consume(a) -> int:
     except zmq.ZMQError as e:
         return _die("consume", f"cannot connect {a.connect} / bind {a.serve}: {e}")
     finally:
+        if served is not None:
+            served.close()
         if c.writer is not None:
             c.writer.close()
             if c.progress is not None:
@@ -317,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0: each request by its own hash; at most 4096)")
     curve_server(p, "producers and consumers")
     common(p)
+    metrics_arg(p)
     p.set_defaults(fn=cmd_broker)
 
     p = sub.add_parser("consume", help="accumulate records from a broker; write npz and/or serve trainers",
@@ -357,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker-key", metavar="FILE", help="the broker's public cert (NAME.key), with --curve-secret")
     curve_server(p, "trainers on --serve")
     common(p)
+    metrics_arg(p)
     p.set_defaults(fn=cmd_consume)
 
     p = sub.add_parser("subscribe", help="print live records from consumers' trainer endpoints")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import zmq
@@ -38,7 +38,7 @@ import zmq
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
 from routing_replay.broker.ownership import OpenMsg, OpensEntry, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
-from routing_replay.protocol import memory, security, wire
+from routing_replay.protocol import memory, metrics, security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
 
 log = logging.getLogger("routing_replay.broker")
@@ -88,6 +88,17 @@ class BrokerStats:
     claims_out: int = 0              # `claim` questions to consumers that knew an earlier broker (a restart)
     claimed: int = 0                 # requests given back to the consumer that holds them (its `holds` answers)
     claims_refused: int = 0          # held requests another live consumer owned already (or closing)
+
+
+_BROKER_HELP = {
+    "msgs_in": "messages received from producers", "bytes_in": "bytes received from producers",
+    "msgs_out": "messages sent to consumers", "bytes_out": "bytes sent to consumers",
+    "requests_opened": "requests opened", "requests_closed": "requests closed (finish acked)",
+    "acks_in": "acks received from consumers", "acks_out": "acks sent to producers",
+    "dropped_bad": "data messages refused for good (bad header, body or payload)",
+    "dropped_no_consumer": "data messages dropped with no live consumer",
+    "reassigned": "requests moved to another consumer after their owner was lost",
+}
 
 
 class Held(NamedTuple):
@@ -286,6 +297,27 @@ class Broker(ServiceThread):
                  s.links_lost, s.producers_lost, s.claims_out, s.claimed, s.claims_refused,
                  s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad,
                  sum(self.bad.values()), dict(self.bad) if self.bad else "")
+
+    def metrics(self) -> list:
+        """The counters and queue depths of `log_stats` as Prometheus samples (protocol/metrics.py). Runs on the
+        metrics server's thread: it reads ints and copies containers, and a container that changes size under the
+        copy raises RuntimeError, which the server retries."""
+        s = self.stats
+        out = [metrics.counter(f"broker_{f.name}", _BROKER_HELP.get(f.name, f"broker counter {f.name}"),
+                               getattr(s, f.name)) for f in fields(s)]
+        out += [metrics.counter("broker_bad_messages", "messages dropped as bad, by reason", n, reason=r)
+                for r, n in dict(self.bad).items()]
+        out += [
+            metrics.gauge("broker_open_requests", "requests with an owner", len(self.ownership)),
+            metrics.gauge("broker_closing_requests", "requests whose finish is routed but not yet acked",
+                          self.ownership.closing),
+            metrics.gauge("broker_consumers", "live consumer links", len(self._live)),
+            metrics.gauge("broker_producers", "producers known to the intake", len(self.intake)),
+            metrics.gauge("broker_pending_messages", "data messages held for a live consumer", len(self._pending)),
+            metrics.gauge("broker_unacked_parts", "parts sent to consumers and not yet acked",
+                          sum(len(k.sent) for k in list(self.links.values()))),
+        ]
+        return out
 
     # ---- consumers ----------------------------------------------------------------------------------------------
 

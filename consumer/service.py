@@ -17,7 +17,7 @@ import enum
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple
 
 import zmq
@@ -26,7 +26,7 @@ from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator, En
 from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
-from routing_replay.protocol import memory, security, wire
+from routing_replay.protocol import memory, metrics, security, wire
 from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
 from routing_replay.protocol.ids import default_peer_id
 
@@ -116,6 +116,28 @@ class Timers:
     stats: float
 
 
+class RecordCounts:
+    """Own the counts of emitted records by outcome (the metrics endpoint reads them)."""
+
+    def __init__(self):
+        self.complete = 0
+        self.incomplete: dict[str, int] = defaultdict(int)    # by the record's reason
+        self.rows = 0
+        self.prefix_rows = 0          # prompt rows the engine's prefix cache served (num_cached_tokens)
+        self.prefix_filled = 0        # of them, filled from the engine's prefix store
+        self.missing_rows = 0
+
+    def count(self, rec: wire.Record) -> None:
+        if rec.complete:
+            self.complete += 1
+        else:
+            self.incomplete[rec.reason or "unknown"] += 1
+        self.rows += rec.prompt_routed_experts.shape[0] + rec.routed_experts.shape[0]
+        self.prefix_rows += rec.num_cached_tokens
+        self.prefix_filled += rec.num_prefix_filled
+        self.missing_rows += sum(hi - lo for lo, hi in rec.missing)
+
+
 class Consumer(ServiceThread):
     """Own a consumer's sockets (DEALER to the broker, optional ROUTER for trainers), its accumulator and sinks.
 
@@ -179,6 +201,7 @@ class Consumer(ServiceThread):
         self.acks_sent = 0
         self.bad: dict[str, int] = defaultdict(int)
         self.records_out = 0
+        self.out = RecordCounts()
         self.msgs_in = 0
         self.skipped_undecodable = 0              # link messages taken without being read (see module docstring)
         self._server: zmq.Socket | None = None
@@ -401,6 +424,46 @@ class Consumer(ServiceThread):
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
                  tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0)
 
+    def metrics(self) -> list:
+        """The counters and queue depths of `_log_stats` as Prometheus samples (protocol/metrics.py). Runs on the
+        metrics server's thread: it reads ints and copies containers (a change of size under the copy raises
+        RuntimeError, which the server retries)."""
+        s, st, tr, w, o = self.acc.stats, self.store, self.trainers, self.writer, self.out
+        out = [metrics.counter(f"consumer_{f.name}", f"accumulator counter {f.name}", getattr(s, f.name))
+               for f in fields(s)]
+        out += [
+            metrics.counter("consumer_records", "records emitted", o.complete, state="complete"),
+            *[metrics.counter("consumer_records", "records emitted", n, state="incomplete", reason=r)
+              for r, n in dict(o.incomplete).items()],
+            metrics.counter("consumer_record_rows", "rows (tokens) in emitted records", o.rows),
+            metrics.counter("consumer_prefix_rows", "prompt rows served from the engine's prefix cache",
+                            o.prefix_rows - o.prefix_filled, mode="sentinel"),
+            metrics.counter("consumer_prefix_rows", "prompt rows served from the engine's prefix cache",
+                            o.prefix_filled, mode="fill"),
+            metrics.counter("consumer_missing_rows", "rows never delivered (-1 in the record and in `missing`)",
+                            o.missing_rows),
+            metrics.counter("consumer_msgs_in", "messages received from the broker", self.msgs_in),
+            metrics.counter("consumer_acks_sent", "acks sent to the broker", self.acks_sent),
+            *[metrics.counter("consumer_bad_messages", "messages dropped as bad, by reason", n, reason=r)
+              for r, n in dict(self.bad).items()],
+            metrics.gauge("consumer_in_flight_requests", "requests open in the accumulator", self.acc.in_flight),
+            metrics.gauge("consumer_held_bytes", "bytes of rows held for open requests", self.acc.bytes_held),
+        ]
+        if st is not None:
+            out += [metrics.gauge("consumer_store_records", "records waiting for a trainer", len(st)),
+                    metrics.gauge("consumer_store_bytes", "bytes of records waiting for a trainer", st.bytes),
+                    metrics.counter("consumer_store_spilled", "records spilled to disk", st.spilled),
+                    metrics.counter("consumer_store_evicted", "records evicted unfetched", st.evicted)]
+        if tr is not None:
+            out += [metrics.gauge("consumer_trainer_waiters", "trainer fetches waiting", len(tr.waiters)),
+                    metrics.gauge("consumer_trainer_outbox", "replies queued for trainers", tr.queued),
+                    metrics.counter("consumer_subscriber_drops", "records a subscriber missed", self.subscriber_drops)]
+        if w is not None:
+            out += [metrics.counter("consumer_npz_records_written", "records written to npz", w.records),
+                    metrics.counter("consumer_npz_write_failed", "npz writes that failed", w.write_failed),
+                    metrics.gauge("consumer_npz_retry_pending", "records waiting for a write retry", w.retry_pending)]
+        return out
+
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1
         n = self.bad[reason]
@@ -480,6 +543,7 @@ class Consumer(ServiceThread):
 
     def _emit(self, rec: wire.Record) -> None:
         self.records_out += 1
+        self.out.count(rec)
         if not rec.complete:
             log.warning("consumer %s record %r incomplete: reason=%s missing=%s", self.consumer_id,
                         rec.request_id[:64], rec.reason, rec.missing[:4])
