@@ -1,13 +1,13 @@
 """Time CaptureBinding's drain, which checks every MoE layer's top-k tensor and hands the step to the worker
 (CaptureBinding's drain -> WorkerCapture._take_step), after the last layer's hook, plus a second drain of the then
-empty list: µs per step with warm caches, median of --reps. The hooks (C calls) run untimed. Since session 40 the
+empty list: µs per step with warm caches, median of --reps. The hooks (C calls) run untimed. The
 CPU build's post_step hands a step of C hooks over without this check (HostRows checks the tensors on the
 producer's thread); the drain measured here is the path of a Python last hook (a foreign hook chained on the last
 MoE layer, or data parallelism) and of steps that do not go by reference.
 
 Usage: python bench/eager_drain.py [--layers 48] [--tokens 64] [--top-k 8] [--steps 20000] [--reps 7] [--json FILE]
 
-To compare two trees, run this file from each with its tree on PYTHONPATH (docs/PERFORMANCE.md, session 39).
+To compare two trees, run this file from each with its tree on PYTHONPATH (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--contend", type=int, default=0, help="busy pure-Python threads beside the engine thread")
     ap.add_argument("--event-per-step", action="store_true",
-                    help="submit() records an event every step (before session 15) instead of one per 16-step batch")
+                    help="submit() records an event every step (the older scheme) instead of one per 16-step batch")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     stop = threading.Event()

@@ -5,7 +5,7 @@ Maps `--mib` MiB, writes one byte per 4 KiB page, unmaps it, then waits and does
 this project's Firecracker CPU machine) a page freed seconds ago must be faulted in by the host again, and one
 touch costs several times what it costs right after a free. Every byte of a record a consumer assembles is such a
 touch; bench/pipeline.py prints the cost (`page_us`) as each measured batch starts, and each process's first
-touches (`faults_k`). Figures: docs/PERFORMANCE.md, session 48.
+touches (`faults_k`). Figures: docs/PERFORMANCE.md.
 
     python bench/page_touch.py [--mib 1024] [--waits 0,0,0,2,5,10,20,0,0]
 """

@@ -12,8 +12,8 @@ Chains (each role a separate process, loopback tcp):
   proxy   : PUSH -> zmq.proxy(PULL, PUSH) -> 2 x PULL counting bytes (libzmq's C forwarder: one hop's limit)
   copy    : the proxy chain whose 2 consumers also copy every payload byte once into memory they keep (a 256 MiB
             buffer, faulted in before the clock starts, written round-robin): what a consumer that copies the
-            rows it holds does, with no Python per request (ours keeps a prefill message's rows as received since
-            session 36, so ours/copy can pass 1 there)
+            rows it holds does, with no Python per request (ours keeps a prefill message's rows as received,
+            so ours/copy can pass 1 there)
   ours    : Producer -> Broker -> 2 x Consumer (full accumulation and records, no sink)
 Then latency at an offered load of 100k tokens/s (decode steps), p50/p99: ours from publish() to applied in both
 consumers, and beside it (--latency-chains, default ours,proxy; --repeat times each, alternated) the proxy chain
@@ -89,7 +89,7 @@ def fresh_page_us(mib: int = 32) -> float:
     and written once here. On a VM whose guest reports freed memory back to its host (virtio-balloon free page
     reporting: this project's CPU machine) it moves 4-5x with how long ago the memory was freed (1.5 µs a page right
     after, 5-7 after 5-20 s idle); every record byte a consumer holds is such a touch, the proxy chain's are not
-    (docs/PERFORMANCE.md, session 48). bench/page_touch.py's touch()."""
+    (docs/PERFORMANCE.md). bench/page_touch.py's touch()."""
     import mmap
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:

@@ -293,7 +293,7 @@ def _rpc_stats(worker) -> dict:
     st, cop, prod = cap.stats, cap.copier.stats, cap.producer.stats
     cfg = worker.vllm_config
     d.update(capture=True, steps=st.steps, active_steps=st.active_steps, ring_steps=st.ring_steps,
-             copied_steps=getattr(st, "copied_steps", 0), rows=st.rows,       # (0 in trees before session 44)
+             copied_steps=getattr(st, "copied_steps", 0), rows=st.rows,       # (0 from trees without the counter)
              host_ns=st.host_ns, host_wall_ns=st.host_wall_ns, clock_ns=st.clock_ns, clock_wall_ns=st.clock_wall_ns,
              timed_sections=st.timed_sections, quiet_steps=st.quiet_steps, quiet_sections=st.quiet_sections,
              quiet_host_ns=st.quiet_host_ns, quiet_host_wall_ns=st.quiet_host_wall_ns,

@@ -8,7 +8,7 @@
 #   bash bench/vllm_gpu.sh r3 [ARGS]    R3 at layer width (bench/r3_gpu.py: generated 8-layer Qwen3-30B-A3B-shaped
 #                                       model, bf16 engine and trainer; about 4 minutes, R3_TIMEOUT_S caps it at 480 s):
 #                                       r3_gpu.json/.txt and the log r3_gpu.log in $OUT; not part of `all`
-# On the lent H100, vLLM 0.25.1 comes from the carried pieces (docs/PERFORMANCE.md, ../shared/gpu-vllm/RECIPE.md):
+# On the lent H100, vLLM 0.25.1 comes from the carried pieces (../shared/gpu-vllm/RECIPE.md):
 # this script runs .carry/whl/install.sh when `vllm` is not importable. pytest comes from the environment, else from
 # .carry/capture_pylib (a pure-Python copy). The plugin's entry point is declared through a dist-info directory in
 # $HOME/rr-meta when the repository is not pip-installed, so that any engine process vLLM spawns loads it too.

@@ -128,8 +128,7 @@ def micro(num_layers: int = 4, top_k: int = 2, reqs: int = 64, steps: int = 2000
     """Warm-cache cost of the plugin's own engine-thread work for one decode step of `reqs` captured requests, outside
     vLLM: the real WorkerCapture.pre_step/post_step and router hooks of an eager CPU engine, as
     bench/worker_step_probe.py drives them (--eager --evict-mib 0; its producer publishes to an endpoint nobody
-    binds). Before session 49 this line timed a hand-written copy of an earlier post_step, which the worker no longer
-    runs. Returns µs per step: pre_step + post_step as called from outside (CPU), and the hooks."""
+    binds). Returns µs per step: pre_step + post_step as called from outside (CPU), and the hooks."""
     import logging
 
     here = str(Path(__file__).resolve().parent)

@@ -4,7 +4,7 @@ Each step sends one 6.3 MB frame (a prefill-like step of 8192 tokens x 768 B) an
 (stand-ins for per-request announcements: opens, finishes), either as separate messages or bundled as extra
 frames of the step's message. Every role is its own process; the sink counts messages and frames exactly. The
 question it answers: would bundling a step's announcements into fewer ZeroMQ messages make the pipeline cheaper,
-or is the per-request cost Python above ZeroMQ? (docs/PERFORMANCE.md, session 34.)
+or is the per-request cost Python above ZeroMQ? (docs/PERFORMANCE.md.)
 
     python bench/zmq_small_messages.py [--steps 400] [--small 0,8,32] [--repeat 2]
 """

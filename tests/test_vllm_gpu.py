@@ -312,8 +312,7 @@ def test_embedded_hook_lost_for_one_step_under_graphs_costs_that_delta_only(env,
     thread (its step stamp is one flush behind), and the check then takes the device's count: layer 1's hook is
     taken off for one request whose 1,000-token prefill runs outside the graphs (hooks in Python), then put back.
     That request's record is incomplete with reason `producer_refused`, its rows outside `missing` exact; every
-    record after it complete and exact against HF transformers. (Before session 45 every later delta of the engine
-    was refused.)"""
+    record after it complete and exact against HF transformers: later deltas of the engine are not refused."""
     npz, model, llm = embedded_engine(env, tmp_path, step_stamp)
     rnd = random.Random(45)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -436,7 +436,7 @@ def test_the_last_hook_passes_the_shape_and_dtype_its_layers_share_or_none():
 
 
 def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_path):
-    """bench/eager_drain.py (docs/PERFORMANCE.md, session 39): the real binding and worker, every step checked (all
+    """bench/eager_drain.py (docs/PERFORMANCE.md): the real binding and worker, every step checked (all
     layers counted, the step taken by reference); its JSON is what it printed."""
     import json
     import subprocess
