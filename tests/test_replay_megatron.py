@@ -1,5 +1,8 @@
 """replay.megatron: the set_replay_data list in Megatron's token order, fed to Megatron-Core's own RouterReplay
-(skipped when megatron-core is not installed); -1 never reaches it."""
+and TopKRouter (skipped when megatron-core is not installed); -1 never reaches it; every router configuration
+that routes around RouterReplay refused, and a router that did not take its ids noticed.
+
+Run against megatron-core 0.16.1 (.venv) and 0.19.2 (`make test-megatron-latest`)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import pytest
 import torch
 
 from routing_replay.replay import packed, padded
-from routing_replay.replay.megatron import MicroBatchReplay, check_megatron_config, megatron_replay_data
+from routing_replay.replay.megatron import (MicroBatchReplay, check_megatron_config, megatron_replay_data,
+                                            megatron_routers)
 from tests.test_replay_tensors import K, L, record
 
 
@@ -89,6 +93,27 @@ def test_check_megatron_config_refuses_each_silent_skip():
                                          r"routing never calls RouterReplay; moe_expert_capacity_factor=1.5: token "
                                          r"dropping discards replayed routes$"):
         check_megatron_config(cfg)
+    cfg = tc.TransformerConfig(**base, moe_enable_routing_replay=True)
+    cfg.moe_router_load_balancing_type, cfg.moe_router_force_load_balancing = "quantile_balancing", True
+    cfg.moe_router_force_biased, cfg.cuda_graph_impl = 0.5, "full_iteration"
+    with pytest.raises(ValueError, match=r"^routing replay cannot run on this TransformerConfig: "
+                                         r"moe_router_load_balancing_type='quantile_balancing': its own top-k is passed "
+                                         r"as precomputed_indices without RouterReplay \(replay silently skipped\); "
+                                         r"moe_router_force_load_balancing=True: random logits replace the router's "
+                                         r"\(benchmark only\); moe_router_force_biased=0.5: random biases change the "
+                                         r"router's logits; cuda_graph_impl='full_iteration': the captured router "
+                                         r"replays the ids it was captured with$"):
+        check_megatron_config(cfg)
+    field = "cuda_graph_modules" if hasattr(cfg, "cuda_graph_modules") else "cuda_graph_scope"
+    for scope, refused in (([], True), (["attn"], False), (["attn", "moe_router"], True), ("full", True)):
+        cfg = tc.TransformerConfig(**base, moe_enable_routing_replay=True)
+        cfg.cuda_graph_impl = "transformer_engine"
+        setattr(cfg, field, scope)
+        if refused:
+            with pytest.raises(ValueError, match=rf"cuda_graph_impl='transformer_engine' with {field}="):
+                check_megatron_config(cfg)
+        else:
+            check_megatron_config(cfg)
 
 
 def _one_f_one_b(replay, routers, scores, recomputed, naive=None):
@@ -154,11 +179,138 @@ def test_micro_batch_replay_keeps_forward_and_recompute_aligned_under_1f1b():
                 pass
         for i in range(3):
             with replay.forward():
-                pass
+                for r in routers:
+                    r.get_replay_topk(scores[:4], K)
         routers[0].replay_backward_list.pop(0)            # recomputed for one micro-batch only
         with pytest.raises(ValueError, match=r"routers \[0\] have \[2\] of 3 backward entries left"):
             replay.finish()
         with pytest.raises(ValueError, match=r"micro-batch 0 has 2 layers of replay data, 3 routers"):
             MicroBatchReplay(routers, Action, [mbs[0][:2]])
+        RouterReplay.clear_global_indices()
+
+        replay = MicroBatchReplay(routers, Action, mbs[:1])
+        with pytest.raises(ValueError, match=r"router 1 routes 6 tokens, its replay ids have 4 rows \(the rest would "
+                                             r"reach no expert\)"):
+            with replay.forward():
+                routers[0].get_replay_topk(scores[:4], K)
+                routers[1].get_replay_topk(scores, K)
+        RouterReplay.clear_global_indices()
+        replay = MicroBatchReplay(routers, Action, mbs[:1])
+        with replay.forward():                            # router 2 never asked for its ids
+            routers[0].get_replay_topk(scores[:4], K)
+            routers[1].get_replay_topk(scores[:4], K)
+        with pytest.raises(ValueError, match=r"^4 router rows did not follow the replayed ids \(router 2 forward 0: "
+                                             r"0 of 4 rows follow\)"):
+            replay.finish()
+        assert all(r.get_replay_topk.__func__ is RouterReplay.get_replay_topk for r in routers)   # unwrapped
     finally:
         RouterReplay.clear_global_router_replay_instances()
+
+
+@pytest.fixture
+def topk_router(tmp_path, monkeypatch):
+    """Real Megatron-Core TopKRouters on the CPU: a one-process gloo group (file store) for the router's process
+    groups; `torch.cuda.current_device` answers "cpu" because the router allocates its buffers there (the only
+    stand-in: no CUDA here)."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):         # 0.16.1's gate names it unbound without TransformerEngine
+        pytest.skip("this megatron-core's router gate needs TransformerEngine")
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    g = dist.group.WORLD
+    names = ("tp", "cp", "ep", "tp_cp", "tp_dp_cp", "dp", "dp_cp", "tp_ep", "expt_tp", "expt_dp")
+    pg = ProcessGroupCollection(**{n: g for n in names})
+    RouterReplay.clear_global_router_replay_instances()
+
+    def make(layer_number=1, **cfg):
+        config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
+                                   moe_router_topk=K, moe_enable_routing_replay=True, moe_aux_loss_coeff=0.0, **cfg)
+        torch.manual_seed(layer_number)
+        r = TopKRouter(config, pg_collection=pg)
+        r.set_layer_number(layer_number)
+        return r
+    try:
+        yield make
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        dist.destroy_process_group()
+
+
+def _ids(n, seed):
+    """(n, K) distinct expert ids out of 8."""
+    return torch.rand(n, 8, generator=torch.Generator().manual_seed(seed)).argsort(1)[:, :K].contiguous()
+
+
+def test_topk_router_takes_the_ids_and_quantile_balancing_is_refused_and_noticed(topk_router):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction as Action
+    x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(3))    # [s, b, h]: 16 tokens
+    ids = _ids(16, 4)
+    router = topk_router()
+    replay = MicroBatchReplay([router], Action, [[ids]])
+    with replay.forward():
+        probs, routing_map = router(x)
+    assert torch.equal(routing_map, torch.zeros(16, 8, dtype=torch.bool).scatter(1, ids, True))
+    assert replay.finish() == [1]                         # not recomputed: its one entry left, cleared
+    if not hasattr(router, "quantile_balancing"):
+        pytest.skip("quantile balancing came after this megatron-core")
+    qb = topk_router(moe_router_load_balancing_type="quantile_balancing")
+    with pytest.raises(ValueError, match=r"moe_router_load_balancing_type='quantile_balancing': its own top-k"):
+        check_megatron_config(qb.config)
+    for given in (qb, qb.router_replay):                  # the module (rows compared) or its RouterReplay alone
+        replay = MicroBatchReplay([given], Action, [[ids]])
+        with replay.forward():
+            _, routing_map = qb(x)
+        assert not bool((routing_map == torch.zeros(16, 8, dtype=torch.bool).scatter(1, ids, True)).all(1).any())
+        with pytest.raises(ValueError, match=r"^16 router rows did not follow the replayed ids \(router 0 forward 0: "
+                                             r"0 of 16 rows follow\): the router chose its experts around "
+                                             r"RouterReplay \(quantile balancing"):
+            replay.finish()
+
+
+def test_mtp_routers_are_mapped_apart_and_route_on_their_own(topk_router):
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction as Action
+
+    def layer(router):
+        m = torch.nn.Module()
+        m.mlp = torch.nn.Module()
+        m.mlp.router = router
+        return m
+    model = torch.nn.Module()                             # GPTModel's names: decoder.layers.N, mtp.layers.N
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer(topk_router(1)), layer(topk_router(3))])
+    model.mtp = torch.nn.Module()
+    model.mtp.layers = torch.nn.ModuleList([layer(topk_router(1))])   # MTP layers number their own from 1
+    routers = megatron_routers(model)
+    assert routers.layers == [0, 2] and len(routers.mtp) == 1
+    assert routers.decoder + routers.mtp == RouterReplay.global_router_replay_instances
+    x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(5))
+    data = [_ids(8, 6), _ids(8, 7)]
+
+    RouterReplay.set_replay_data(data + [_ids(8, 8)])     # the global call sets the MTP router's ids too
+    with pytest.raises(ValueError, match=r"^MTP routers \[0\] hold replay ids or an action before the step "
+                                         r"\(entries \[1\], actions \['None'\]\)"):
+        MicroBatchReplay(routers.decoder, Action, [data], mtp_routers=routers.mtp)
+    RouterReplay.clear_global_indices()
+
+    mtp_router = model.mtp.layers[0].mlp.router
+    own = mtp_router(x)[1]
+    decoder_modules = [model.decoder.layers[0].mlp.router, model.decoder.layers[1].mlp.router]
+    replay = MicroBatchReplay(decoder_modules, Action, [data], mtp_routers=routers.mtp)
+    with replay.forward():
+        maps = [r(x)[1] for r in decoder_modules]
+        assert torch.equal(mtp_router(x)[1], own)         # the MTP router's own top-k
+    for got, ids in zip(maps, data):
+        assert torch.equal(got, torch.zeros(8, 8, dtype=torch.bool).scatter(1, ids, True))
+    assert replay.finish() == [1, 1]
+    replay = MicroBatchReplay(routers.decoder, Action, [data], mtp_routers=routers.mtp)
+    with replay.forward():
+        for r in decoder_modules:
+            r(x)
+        RouterReplay.set_global_router_replay_action(Action.REPLAY_FORWARD)   # reaches the MTP router too
+    with pytest.raises(ValueError, match=r"^MTP routers \[0\] hold replay ids or an action after the step"):
+        replay.finish()
