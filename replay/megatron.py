@@ -89,6 +89,13 @@ def megatron_replay_data(rt: ReplayTensors, *, padding_side: str = "right", laye
         lo, hi = layers
         ids, mask = ids[:, lo:hi], mask[:, lo:hi]
     N, L, K = ids.shape
+    never = mask.all(0)                                   # a column without routing in any token
+    if bool(never.any()) and not bool(never.all()):
+        cols = never.nonzero()[:, 0].tolist()
+        model_layers = rt.layer_ids[lo:hi] if layers is not None else rt.layer_ids
+        raise ValueError(f"columns {cols} (model layers {[int(model_layers[c]) for c in cols]}) have no routing in "
+                         f"any token: dense layers of an 'all'-layout tensor? megatron_replay_data takes the 'moe' "
+                         f"layout (one column per MoE layer, in the routers' order)")
     filler = torch.arange(K, dtype=torch.int64).expand(N, K)
     harmless = (~real | last)[:, None] & mask             # padding and last tokens
     needs = mask & ~harmless                       # real context rows without routing

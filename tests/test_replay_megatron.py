@@ -314,3 +314,12 @@ def test_mtp_routers_are_mapped_apart_and_route_on_their_own(topk_router):
         RouterReplay.set_global_router_replay_action(Action.REPLAY_FORWARD)   # reaches the MTP router too
     with pytest.raises(ValueError, match=r"^MTP routers \[0\] hold replay ids or an action after the step"):
         replay.finish()
+
+
+def test_an_all_layout_tensor_is_refused_for_its_dense_columns():
+    t = packed([record("a", 3, 2)], layout="all")         # layers 0..3, layer 1 dense
+    with pytest.raises(ValueError, match=r"^columns \[1\] \(model layers \[1\]\) have no routing in any token: dense "
+                                         r"layers of an 'all'-layout tensor\? megatron_replay_data takes the 'moe' "
+                                         r"layout"):
+        megatron_replay_data(t)
+    assert len(megatron_replay_data(packed([record("a", 3, 2)], layout="all"), layers=(2, 4))) == 2
