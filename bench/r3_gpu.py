@@ -623,9 +623,9 @@ def table(r: dict) -> str:
     if fp:
         one, every = fp["one_layer"], fp["all_layers"]
         lines += [
-            f"flip probe ({fp['samples']} samples, {fp['response_tokens']:,} response tokens): the K-th expert (mean "
-            f"routing weight {fp['kth_weight_mean']:.3f}, median router-logit gap to the (K+1)-th "
-            f"{fp['kth_gap_logit_median']:.3f}) swapped for the (K+1)-th",
+            f"flip probe ({fp['samples']} samples, {fp['response_tokens']:,} response tokens): the weakest selected "
+            f"expert (mean routing weight {fp['kth_weight_mean']:.3f}, median router-logit gap to the best unselected "
+            f"one {fp['kth_gap_logit_median']:.3f}) swapped for that one",
             f"  in MoE layer {one['moe_layers'][0]}: KL {one['kl_mean']:.3e}, |dlogp| mean "
             f"{one['abs_dlogp_mean']:.4f}, p99 {one['abs_dlogp_p99']:.3f}; in all: KL {every['kl_mean']:.3e}, "
             f"|dlogp| mean {every['abs_dlogp_mean']:.4f}, p99 {every['abs_dlogp_p99']:.3f}",

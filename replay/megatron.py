@@ -26,6 +26,9 @@ Traps, each handled here (read in megatron-core 0.16.1 and 0.19.2):
   `check_megatron_config(config)` refuses each. `MicroBatchReplay` also checks, per router and micro-batch, that the
   router took the ids it was given (given the router modules, that its routing map is exactly those ids), so a
   path around RouterReplay that this list does not know is reported by `finish()` instead of training silently.
+- Under replay the auxiliary load-balancing losses (and `moe_router_enable_expert_bias`'s token counts for
+  the bias update) count what they count without replay: the aux losses take the router's own top-k
+  (`compute_routing_scores_for_aux_loss`), the bias update the replayed routing map. Nothing here changes that.
 - Multi-token prediction (`mtp_num_layers`): each MTP layer's router owns a RouterReplay too, created after the
   decoder's, so `RouterReplay.global_router_replay_instances` is longer than the record's MoE layers, and a
   repeated MTP layer (`mtp_use_repeated_layer`) calls its one router `mtp_num_layers` times per forward. The

@@ -212,9 +212,7 @@ def topk_router(tmp_path, monkeypatch):
     """Real Megatron-Core TopKRouters on the CPU: a one-process gloo group (file store) for the router's process
     groups; `torch.cuda.current_device` answers "cpu" because the router allocates its buffers there (the only
     stand-in: no CUDA here)."""
-    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):         # 0.16.1's gate names it unbound without TransformerEngine
-        pytest.skip("this megatron-core's router gate needs TransformerEngine")
+    pytest.importorskip("megatron.core.transformer.moe.router")
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.router import TopKRouter
@@ -241,6 +239,14 @@ def topk_router(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+def _needs_gate():
+    """Skip where the router's forward cannot run here: 0.16.1's gate names `te_general_gemm`, unbound without
+    TransformerEngine."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        pytest.skip("this megatron-core's router gate needs TransformerEngine")
+
+
 def _ids(n, seed):
     """(n, K) distinct expert ids out of 8."""
     return torch.rand(n, 8, generator=torch.Generator().manual_seed(seed)).argsort(1)[:, :K].contiguous()
@@ -248,6 +254,7 @@ def _ids(n, seed):
 
 def test_topk_router_takes_the_ids_and_quantile_balancing_is_refused_and_noticed(topk_router):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction as Action
+    _needs_gate()
     x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(3))    # [s, b, h]: 16 tokens
     ids = _ids(16, 4)
     router = topk_router()
@@ -288,6 +295,7 @@ def test_mtp_routers_are_mapped_apart_and_route_on_their_own(topk_router):
     routers = megatron_routers(model)
     assert routers.layers == [0, 2] and len(routers.mtp) == 1
     assert routers.decoder + routers.mtp == RouterReplay.global_router_replay_instances
+    assert megatron_routers([model]) == routers                                       # a list of model chunks
     x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(5))
     data = [_ids(8, 6), _ids(8, 7)]
 
@@ -297,6 +305,7 @@ def test_mtp_routers_are_mapped_apart_and_route_on_their_own(topk_router):
         MicroBatchReplay(routers.decoder, Action, [data], mtp_routers=routers.mtp)
     RouterReplay.clear_global_indices()
 
+    _needs_gate()
     mtp_router = model.mtp.layers[0].mlp.router
     own = mtp_router(x)[1]
     decoder_modules = [model.decoder.layers[0].mlp.router, model.decoder.layers[1].mlp.router]
