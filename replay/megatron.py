@@ -61,11 +61,15 @@ from routing_replay.replay.tensors import ReplayTensors
 
 
 def megatron_replay_data(rt: ReplayTensors, *, padding_side: str = "right", layers: tuple[int, int] | None = None,
-                         fallback: Sequence[torch.Tensor] | None = None, device=None) -> list[torch.Tensor]:
-    """One (tokens, K) int64 tensor per MoE layer of axis L (or of [lo, hi)), tokens in Megatron's order.
+                         model_layers: Sequence[int] | None = None, fallback: Sequence[torch.Tensor] | None = None,
+                         device=None) -> list[torch.Tensor]:
+    """One (tokens, K) int64 tensor per MoE layer of axis L (or of [lo, hi), or per entry of `model_layers`), tokens
+    in Megatron's order.
 
     rt: from `replay.padded` (tokens = S * B, sequence-major) or `replay.packed` (tokens = T), "moe" layout.
     padding_side: the side `padded` was called with (to tell padding rows from last tokens).
+    model_layers: the 0-based model layer of each router to feed (`megatron_routers(model).layers`): the column of
+    `rt.layer_ids` naming that layer, refused when the record has none.
     fallback: per layer (tokens, K) ids for unrouted context rows, in the same token order.
     """
     ids, mask = rt.expert_ids, rt.no_routing
@@ -88,15 +92,24 @@ def megatron_replay_data(rt: ReplayTensors, *, padding_side: str = "right", laye
         last[rt.cu_seqlens[1:].to(torch.int64) - 1] = True
     else:
         raise ValueError(f"expert_ids have shape {tuple(ids.shape)}, expected (B, S, L, K) or (T, L, K)")
+    column_layers = rt.layer_ids.tolist()
+    if layers is not None and model_layers is not None:
+        raise ValueError("pass layers=(lo, hi) or model_layers=, not both")
     if layers is not None:
         lo, hi = layers
-        ids, mask = ids[:, lo:hi], mask[:, lo:hi]
+        ids, mask, column_layers = ids[:, lo:hi], mask[:, lo:hi], column_layers[lo:hi]
+    if model_layers is not None:
+        absent = [int(x) for x in model_layers if int(x) not in column_layers]
+        if absent:
+            raise ValueError(f"routers of model layers {absent} have no column in the replay data (its layer_ids are "
+                             f"{column_layers}): a dense layer in the record, or another model")
+        cols = [column_layers.index(int(x)) for x in model_layers]
+        ids, mask, column_layers = ids[:, cols], mask[:, cols], [column_layers[c] for c in cols]
     N, L, K = ids.shape
     never = mask.all(0)                                   # a column without routing in any token
     if bool(never.any()) and not bool(never.all()):
         cols = never.nonzero()[:, 0].tolist()
-        model_layers = rt.layer_ids[lo:hi] if layers is not None else rt.layer_ids
-        raise ValueError(f"columns {cols} (model layers {[int(model_layers[c]) for c in cols]}) have no routing in "
+        raise ValueError(f"columns {cols} (model layers {[column_layers[c] for c in cols]}) have no routing in "
                          f"any token: dense layers of an 'all'-layout tensor? megatron_replay_data takes the 'moe' "
                          f"layout (one column per MoE layer, in the routers' order)")
     filler = torch.arange(K, dtype=torch.int64).expand(N, K)
@@ -192,10 +205,13 @@ class MegatronRouters(NamedTuple):
 def megatron_routers(model_chunks) -> MegatronRouters:
     """The routers of one rank's model chunks (a module or a list, in virtual-pipeline order), split into the
     decoder's and the MTP layers'. A router is an MTP router when it says so (`is_mtp_layer`, 0.19) or sits under a
-    module named `mtp` (GPTModel.mtp). `layers` are `router.layer_number - 1`: with pipeline parallelism the global
-    layer index, so `megatron_replay_data(t, layers=(layers[0], layers[-1] + 1))` picks this stage's columns of a
-    "moe"-layout tensor whose axis L is every MoE layer in order only when every decoder layer is MoE; otherwise
-    select the record's columns with `layers` against `t.layer_ids`."""
+    module named `mtp` (GPTModel.mtp). `layers` are `router.layer_number - 1`, the global 0-based decoder layer
+    under pipeline parallelism too: `megatron_replay_data(t, model_layers=routers.layers)` gives this rank's
+    routers their columns of the record, in their order.
+
+        routers = megatron_routers(model_chunks)
+        data = [megatron_replay_data(t, model_layers=routers.layers) for t in micro_batches]
+        replay = MicroBatchReplay(routers.decoder, RouterReplayAction, data, mtp_routers=routers.mtp)"""
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     decoder, layers, mtp = [], [], []
     for chunk in chunks:
@@ -269,8 +285,8 @@ class MicroBatchReplay:
     clears at the end.
 
         routers = megatron_routers(model)
-        replay = MicroBatchReplay(routers.decoder, RouterReplayAction, [megatron_replay_data(t) for t in mbs],
-                                  mtp_routers=routers.mtp)
+        data = [megatron_replay_data(t, model_layers=routers.layers) for t in mbs]
+        replay = MicroBatchReplay(routers.decoder, RouterReplayAction, data, mtp_routers=routers.mtp)
         def forward_step(data_iterator, model):       # Megatron calls it once per micro-batch, in order
             with replay.forward():
                 output = model(...)

@@ -296,6 +296,9 @@ def test_mtp_routers_are_mapped_apart_and_route_on_their_own(topk_router):
     assert routers.layers == [0, 2] and len(routers.mtp) == 1
     assert routers.decoder + routers.mtp == RouterReplay.global_router_replay_instances
     assert megatron_routers([model]) == routers                                       # a list of model chunks
+    t = packed([record("a", 3, 2)])                       # record layer_ids [0, 2, 3]: the routers take 0 and 2
+    mapped = megatron_replay_data(t, model_layers=routers.layers)
+    assert [torch.equal(a, b) for a, b in zip(mapped, megatron_replay_data(t, layers=(0, 2)))] == [True, True]
     x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(5))
     data = [_ids(8, 6), _ids(8, 7)]
 
@@ -332,3 +335,16 @@ def test_an_all_layout_tensor_is_refused_for_its_dense_columns():
                                          r"layout"):
         megatron_replay_data(t)
     assert len(megatron_replay_data(packed([record("a", 3, 2)], layout="all"), layers=(2, 4))) == 2
+
+
+def test_model_layers_pick_each_routers_column_by_layer_id():
+    t = packed([record("a", 3, 2), record("b", 2, 2)])   # layer_ids [0, 2, 3]
+    full = megatron_replay_data(t)
+    picked = megatron_replay_data(t, model_layers=[3, 0])  # e.g. a stage holding model layers 3, then 0
+    assert len(picked) == 2 and torch.equal(picked[0], full[2]) and torch.equal(picked[1], full[0])
+    with pytest.raises(ValueError, match=r"^routers of model layers \[1\] have no column in the replay data \(its "
+                                         r"layer_ids are \[0, 2, 3\]\): a dense layer in the record, or another "
+                                         r"model$"):
+        megatron_replay_data(t, model_layers=[0, 1])
+    with pytest.raises(ValueError, match=r"pass layers=\(lo, hi\) or model_layers=, not both"):
+        megatron_replay_data(t, layers=(0, 1), model_layers=[0])
