@@ -117,7 +117,7 @@ MEGATRON_ENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/megatron-$
 $(MEGATRON_ENV)/.installed:
 	rm -rf $(@D)
 	$(PY) -m venv $(@D)
-	$(@D)/bin/pip install -q $(TORCH_PKG) numpy packaging pytest msgpack pyzmq einops
+	$(@D)/bin/pip install -q $(or $(TORCH_PKG),torch) numpy packaging pytest msgpack pyzmq einops
 	$(@D)/bin/python -c "import triton" 2>/dev/null || $(@D)/bin/pip install -q --no-deps triton
 	$(@D)/bin/pip install -q --no-deps --ignore-requires-python megatron-core==$(MEGATRON_LATEST)
 	touch $@
