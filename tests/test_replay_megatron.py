@@ -6,6 +6,7 @@ Run against megatron-core 0.16.1 (.venv) and 0.19.2 (`make test-megatron-latest`
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,3 +349,49 @@ def test_model_layers_pick_each_routers_column_by_layer_id():
         megatron_replay_data(t, model_layers=[0, 1])
     with pytest.raises(ValueError, match=r"pass layers=\(lo, hi\) or model_layers=, not both"):
         megatron_replay_data(t, layers=(0, 1), model_layers=[0])
+
+
+@pytest.fixture
+def gpt_with_mtp(tmp_path, monkeypatch):
+    """A real Megatron-Core GPTModel on the CPU (local layer specs, no TransformerEngine): 3 decoder layers, layer 0
+    dense, 1 and 2 MoE, and one MTP layer, with routing replay on; model parallel state of one gloo process (file
+    store); `torch.cuda.current_device` answers "cpu" as in `topk_router`."""
+    pytest.importorskip("megatron.core.models.gpt.gpt_model")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    RouterReplay.clear_global_router_replay_instances()
+    try:
+        parallel_state.initialize_model_parallel()
+        cfg = TransformerConfig(num_layers=3, hidden_size=16, num_attention_heads=2, num_moe_experts=8,
+                                moe_router_topk=K, moe_enable_routing_replay=True, moe_aux_loss_coeff=0.0,
+                                mtp_num_layers=1, moe_layer_freq=[0, 1, 1], use_cpu_initialization=True,
+                                moe_token_dispatcher_type="allgather")
+        layer = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+        yield GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False), vocab_size=64,
+                       max_sequence_length=32,
+                       mtp_block_spec=get_gpt_mtp_block_spec(cfg, layer, use_transformer_engine=False))
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_megatron_routers_split_a_gpt_models_decoder_and_mtp_routers(gpt_with_mtp):
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    routers = megatron_routers(gpt_with_mtp)
+    named = {n: m for n, m in gpt_with_mtp.named_modules() if getattr(m, "router_replay", None) is not None}
+    assert sorted(named) == ["decoder.layers.1.mlp.router", "decoder.layers.2.mlp.router",
+                             next(n for n in named if n.startswith("mtp.layers.0."))]
+    assert routers.layers == [1, 2] and len(routers.mtp) == 1    # 0.16.1 numbers its MTP router's layer 4
+    assert routers.decoder == [named["decoder.layers.1.mlp.router"].router_replay,
+                               named["decoder.layers.2.mlp.router"].router_replay]
+    assert routers.decoder + routers.mtp == RouterReplay.global_router_replay_instances
+    t = packed([record("a", 3, 2, layer_ids=np.array([1, 2], np.int32))])
+    assert [d.shape for d in megatron_replay_data(t, model_layers=routers.layers)] == [(5, K), (5, K)]
