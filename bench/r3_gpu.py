@@ -107,7 +107,8 @@ def parse_args(argv=None):
     g.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     g = ap.add_argument_group("trainer")
     g.add_argument("--trainer-batch", type=int, default=16, help="samples per trainer forward (right padding)")
-    g.add_argument("--probe-samples", type=int, default=8, help="samples in the flip probe and the self-check (0: neither)")
+    g.add_argument("--probe-samples", type=int, default=8,
+                   help="samples in the flip probe and the self-check (0: neither)")
     a = ap.parse_args(argv)
     a.model_dtype = "bfloat16"
     if a.tiny:

@@ -98,8 +98,8 @@ def test_check_megatron_config_refuses_each_silent_skip():
     cfg.moe_router_load_balancing_type, cfg.moe_router_force_load_balancing = "quantile_balancing", True
     cfg.moe_router_force_biased, cfg.cuda_graph_impl = 0.5, "full_iteration"
     with pytest.raises(ValueError, match=r"^routing replay cannot run on this TransformerConfig: "
-                                         r"moe_router_load_balancing_type='quantile_balancing': its own top-k is passed "
-                                         r"as precomputed_indices without RouterReplay \(replay silently skipped\); "
+                                         r"moe_router_load_balancing_type='quantile_balancing': its own top-k is "
+                                         r"passed as precomputed_indices without RouterReplay \(replay silently skipped\); "
                                          r"moe_router_force_load_balancing=True: random logits replace the router's "
                                          r"\(benchmark only\); moe_router_force_biased=0.5: random biases change the "
                                          r"router's logits; cuda_graph_impl='full_iteration': the captured router "
