@@ -108,6 +108,24 @@ test-vllm-%: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed
 
 test-vllm-versions: $(VLLM_TEST_VERSIONS:%=test-vllm-%)
 
+# tests/test_replay_megatron.py against the newest megatron-core checked (.venv has 0.16.1), in its own virtual
+# environment under the cache dir: megatron-core --no-deps (its resolver never swaps the torch build) and
+# --ignore-requires-python (0.19.2 says >=3.12 yet ships a cp311 wheel); its MoE router imports triton and einops.
+MEGATRON_LATEST ?= 0.19.2
+MEGATRON_ENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/megatron-$(MEGATRON_LATEST)
+
+$(MEGATRON_ENV)/.installed:
+	rm -rf $(@D)
+	$(PY) -m venv $(@D)
+	$(@D)/bin/pip install -q $(or $(TORCH_PKG),torch) numpy packaging pytest msgpack pyzmq einops
+	$(@D)/bin/python -c "import triton" 2>/dev/null || $(@D)/bin/pip install -q --no-deps triton
+	$(@D)/bin/pip install -q --no-deps --ignore-requires-python megatron-core==$(MEGATRON_LATEST)
+	touch $@
+
+.PHONY: test-megatron-latest
+test-megatron-latest: $(MEGATRON_ENV)/.installed
+	PYTHONPATH=$(CURDIR) $(MEGATRON_ENV)/bin/python -m pytest -q tests/test_replay_megatron.py
+
 run: venv
 	$(BIN)/routing-replay demo --out ./out
 

@@ -12,7 +12,11 @@ router at `--router-logit-std` (default 2.0: the top-8 share the weight, the 8th
 it, as in a trained router; at std 11, the tiny model's, the top-1 takes nearly all of it and a boundary flip
 moves nothing). The flip probe checks it on every run: the trainer is run with its own expert sets replayed, then
 with the lowest-ranked of the K experts swapped for the (K+1)-th (what a near tie flips), in one MoE layer and in
-all; the next-token distribution's KL and the sampled tokens' |delta logprob| between the two are reported.
+all; the next-token distribution's KL and the sampled tokens' |delta logprob| between the two are reported. The
+self-check replays the model's own choices: the expert ids each router selected, read from its output (not a
+top-k recomputed beside it, which can break exact bf16 ties another way), in the bf16 trainer and in a float32
+load of the same checkpoint; the largest |logit| and |log-prob| difference over the real positions (padding left
+out) is reported per dtype, 0 meaning replay is exact.
 
 Engine: vLLM in bf16 as RL rollouts run it: CUDA graphs and torch.compile on (enforce_eager False), prefix caching
 on, multi-process engine core, the plugin with the embedded broker writing npz records
@@ -103,7 +107,8 @@ def parse_args(argv=None):
     g.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     g = ap.add_argument_group("trainer")
     g.add_argument("--trainer-batch", type=int, default=16, help="samples per trainer forward (right padding)")
-    g.add_argument("--probe-samples", type=int, default=8, help="samples in the flip probe (0: no probe)")
+    g.add_argument("--probe-samples", type=int, default=8,
+                   help="samples in the flip probe and the self-check (0: neither)")
     a = ap.parse_args(argv)
     a.model_dtype = "bfloat16"
     if a.tiny:
@@ -184,19 +189,12 @@ def on_device(model, device):
     return OnDevice().eval()
 
 
-def flip_probe(model, records, device, pad_id: int) -> dict:
-    """Does a flipped expert change the next-token distribution? Run the trainer on `records` (prompt + response)
-    with its own routing recorded (router probabilities, top K+1 per row), then twice under replay_routing: A with
-    its own top-K sets (must reproduce the own pass exactly), B with the K-th ranked expert (the smallest routing
-    weight) swapped for the (K+1)-th, in the middle MoE layer only and in every MoE layer. Reported over the
-    response positions: mean KL(A || B) of the next-token distribution, the sampled tokens' |logp_B - logp_A|
-    (mean, p99, share > ln 2), and what the swap moves: the K-th expert's renormalised routing weight and the
-    router-logit gap between ranks K and K+1."""
+def _probe_batch(records, device, pad_id: int):
+    """Right-padded (B, S) input ids and attention mask of `records` (prompt + response) on `device`, the (B, S)
+    mask of real positions, of response positions (position p predicts token p + 1; the response's tokens are
+    P .. P + G - 1) and the next token at each position."""
     import numpy as np
     import torch
-
-    from routing_replay.apps.r3 import LN2, P99, quantile
-    from routing_replay.replay.hf import find_moe_blocks, replay_routing
 
     toks = [np.concatenate([r.prompt_token_ids, r.output_token_ids]).astype(np.int64) for r in records]
     B, S = len(toks), max(len(t) for t in toks)
@@ -206,60 +204,108 @@ def flip_probe(model, records, device, pad_id: int) -> dict:
         ids[b, :len(t)] = torch.from_numpy(t)
         mask[b, :len(t)] = 1
     ids, mask = ids.to(device), mask.to(device)
-    blocks = find_moe_blocks(model)
-    routers = [getattr(b, spec.router_attr) for _, b, spec in blocks]
-    K = int(routers[0].top_k)
-    top: dict[int, tuple] = {}
-
-    def hook(m):
-        def f(_mod, _inp, out):
-            p = torch.softmax(out[0].float(), dim=-1)
-            v, i = torch.topk(p, K + 1, dim=-1)
-            lg = out[0].float().gather(1, i[:, K - 1:K + 1])
-            top[m] = (i.reshape(B, S, K + 1), v.reshape(B, S, K + 1), (lg[:, 0] - lg[:, 1]).reshape(B, S))
-        return f
-
-    def logp(replay_ids=None):
-        with torch.no_grad():
-            if replay_ids is None:
-                hs = [r.register_forward_hook(hook(m)) for m, r in enumerate(routers)]
-                try:
-                    lg = model(input_ids=ids, attention_mask=mask).logits
-                finally:
-                    for h in hs:
-                        h.remove()
-            else:
-                with replay_routing(model, replay_ids):
-                    lg = model(input_ids=ids, attention_mask=mask).logits
-        return torch.log_softmax(lg.float(), dim=-1)
-
-    own = logp()
-    L = len(routers)
-    top_ids = torch.stack([top[m][0] for m in range(L)], dim=2)                   # (B, S, L, K+1)
-    top_p = torch.stack([top[m][1] for m in range(L)], dim=2)
-    gap = torch.stack([top[m][2] for m in range(L)], dim=2)                       # (B, S, L)
-    base = top_ids[..., :K].contiguous()
-    a_lp = logp(base)
-    # response positions: position p predicts token p + 1; the response's tokens are P .. P + G - 1
     sel = torch.zeros((B, S), dtype=torch.bool, device=device)
     nxt = torch.zeros((B, S), dtype=torch.long, device=device)
-    real = torch.zeros((B, S), dtype=torch.bool, device=device)
     for b, r in enumerate(records):
         P, n = len(r.prompt_token_ids), len(toks[b])
         sel[b, P - 1:n - 1] = True
-        real[b, :n] = True
         nxt[b, :n - 1] = ids[b, 1:n]
+    return ids, mask, mask.bool(), sel, nxt
+
+
+def _own_pass(model, ids, mask):
+    """The model's own forward, reading each router's output: the logits (B, S, V), per MoE layer the router
+    logits (B, S, E) and the expert ids the router selected (B, S, K) (its third output, the ids its experts
+    get): these, not a top-k recomputed here, are what the model used, ties broken as the model broke them."""
+    import torch
+
+    from routing_replay.replay.hf import find_moe_blocks
+
+    B, S = ids.shape
+    routers = [getattr(b, spec.router_attr) for _, b, spec in find_moe_blocks(model)]
+    seen: dict[int, tuple] = {}
+
+    def hook(m):
+        def f(_mod, _inp, out):
+            seen[m] = (out[0].detach().reshape(B, S, -1), out[2].detach().reshape(B, S, -1).to(torch.long))
+        return f
+
+    hs = [r.register_forward_hook(hook(m)) for m, r in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+    finally:
+        for h in hs:
+            h.remove()
+    router_logits = torch.stack([seen[m][0] for m in range(len(routers))], dim=2)     # (B, S, L, E)
+    chosen = torch.stack([seen[m][1] for m in range(len(routers))], dim=2)            # (B, S, L, K)
+    return logits, router_logits, chosen
+
+
+def _replayed(model, ids, mask, expert_ids):
+    import torch
+
+    from routing_replay.replay.hf import replay_routing
+
+    with torch.no_grad(), replay_routing(model, expert_ids):
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def self_check(model, records, device, pad_id: int) -> dict:
+    """Replay the model's own choices: one forward reading the expert ids each router selected, one replaying
+    exactly those ids; over the real positions (padding left out), the largest |logit| and |log-prob| difference
+    and whether they are 0 (replay exact in the model's dtype)."""
+    import torch
+
+    ids, mask, real, _, _ = _probe_batch(records, device, pad_id)
+    own, _, chosen = _own_pass(model, ids, mask)
+    rep = _replayed(model, ids, mask, chosen)
+    dlogit = float((rep.float() - own.float())[real].abs().max())
+    dlogp = float((torch.log_softmax(rep.float(), -1) - torch.log_softmax(own.float(), -1))[real].abs().max())
+    return {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "positions": int(real.sum()),
+            "max_abs_dlogit": dlogit, "max_abs_dlogp": dlogp, "exact": dlogit == 0.0}
+
+
+def flip_probe(model, records, device, pad_id: int) -> dict:
+    """Does a flipped expert change the next-token distribution? Run the trainer on `records` (prompt + response)
+    reading the expert ids each router selected, then twice under replay_routing: A with exactly those ids (must
+    reproduce the own pass: `self_check`), B with the selected expert of the smallest routing probability swapped
+    for the most probable expert not selected (what a near tie flips), in the middle MoE layer only and in every
+    MoE layer. Reported over the response positions: mean KL(A || B) of the next-token distribution, the sampled
+    tokens' |logp_B - logp_A| (mean, p99, share > ln 2), and what the swap moves: the swapped expert's
+    renormalised routing probability and the router-logit gap between it and its replacement."""
+    import numpy as np
+    import torch
+
+    from routing_replay.apps.r3 import LN2, P99, quantile
+    from routing_replay.replay.hf import find_moe_blocks
+
+    ids, mask, real, sel, nxt = _probe_batch(records, device, pad_id)
+    B = ids.shape[0]
+    blocks = find_moe_blocks(model)
+    own_logits, router_logits, chosen = _own_pass(model, ids, mask)
+    L, K = chosen.shape[2], chosen.shape[3]
+    p = torch.softmax(router_logits.float(), dim=-1)                              # (B, S, L, E)
+    p_chosen = p.gather(-1, chosen)
+    weakest = p_chosen.argmin(-1, keepdim=True)                                   # slot of the weakest chosen
+    outside = p.scatter(-1, chosen, -1.0).argmax(-1, keepdim=True)                # best expert not chosen
+    lg = router_logits.float()
+    gap = (lg.gather(-1, chosen.gather(-1, weakest)) - lg.gather(-1, outside)).squeeze(-1)   # (B, S, L)
+    own = torch.log_softmax(own_logits.float(), dim=-1)
+    a_lp = torch.log_softmax(_replayed(model, ids, mask, chosen).float(), dim=-1)
     la = a_lp[sel]
     tok = nxt[sel]
-    res = {"samples": B, "response_tokens": int(sel.sum()), "top_k": K,
-           "replay_own_max_abs_diff": float((a_lp - own).abs().max()),
-           "kth_weight_mean": float((top_p[..., K - 1] / top_p[..., :K].sum(-1))[real].mean()),
+    res = {"samples": B, "response_tokens": int(sel.sum()), "top_k": K, "selected_ids_from": "router output",
+           "real_positions": int(real.sum()),
+           "replay_own_max_abs_diff": float((a_lp - own)[real].abs().max()),
+           "kth_weight_mean": float((p_chosen.gather(-1, weakest).squeeze(-1) / p_chosen.sum(-1))[real].mean()),
            "kth_gap_logit_median": float(gap[real].median())}
     mid = L // 2
     for name, layers in (("one_layer", [mid]), ("all_layers", list(range(L)))):
-        flipped = base.clone()
-        flipped[:, :, layers, K - 1] = top_ids[:, :, layers, K]
-        lb = logp(flipped)[sel]
+        flipped = chosen.clone()
+        swap = flipped.scatter(-1, weakest, outside)
+        flipped[:, :, layers] = swap[:, :, layers]
+        lb = torch.log_softmax(_replayed(model, ids, mask, flipped).float(), dim=-1)[sel]
         kl = (la.exp() * (la - lb)).sum(-1)
         d = (lb.gather(1, tok[:, None]) - la.gather(1, tok[:, None])).squeeze(1).abs().double().cpu().numpy()
         res[name] = {"moe_layers": [int(blocks[m][0]) for m in layers], "kl_mean": float(kl.mean()),
@@ -503,6 +549,17 @@ def run(a, out: Path, work: Path) -> int:
         T["flip_probe"] = time.monotonic() - t
         if on_cuda:
             res["gpu_memory_gib"]["trainer_peak_allocated"] = _gib(torch.cuda.max_memory_allocated(a.device))
+        # replaying the model's own selected ids, in bf16 (the trainer) and float32 (the same checkpoint)
+        t = time.monotonic()
+        res["self_check"] = {"bfloat16": self_check(trainer, sub, a.device, pad_id)}
+        del trainer
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
+        trainer32 = load_trainer(model_dir, "float32").to(a.device)
+        res["self_check"]["float32"] = self_check(trainer32, sub, a.device, pad_id)
+        del trainer32
+        T["self_check"] = time.monotonic() - t
     res["device"] = _device_name(a.device)
     res["ok"] = not res["problems"]
     save()
@@ -567,14 +624,19 @@ def table(r: dict) -> str:
     if fp:
         one, every = fp["one_layer"], fp["all_layers"]
         lines += [
-            f"flip probe ({fp['samples']} samples, {fp['response_tokens']:,} response tokens): the K-th expert (mean "
-            f"routing weight {fp['kth_weight_mean']:.3f}, median router-logit gap to the (K+1)-th "
-            f"{fp['kth_gap_logit_median']:.3f}) swapped for the (K+1)-th",
+            f"flip probe ({fp['samples']} samples, {fp['response_tokens']:,} response tokens): the weakest selected "
+            f"expert (mean routing weight {fp['kth_weight_mean']:.3f}, median router-logit gap to the best unselected "
+            f"one {fp['kth_gap_logit_median']:.3f}) swapped for that one",
             f"  in MoE layer {one['moe_layers'][0]}: KL {one['kl_mean']:.3e}, |dlogp| mean "
             f"{one['abs_dlogp_mean']:.4f}, p99 {one['abs_dlogp_p99']:.3f}; in all: KL {every['kl_mean']:.3e}, "
-            f"|dlogp| mean {every['abs_dlogp_mean']:.4f}, p99 {every['abs_dlogp_p99']:.3f} (replaying its own "
-            f"sets: max |dlogp| {fp['replay_own_max_abs_diff']:.2e})",
+            f"|dlogp| mean {every['abs_dlogp_mean']:.4f}, p99 {every['abs_dlogp_p99']:.3f}",
         ]
+    sc = r.get("self_check")
+    if sc:
+        lines.append("replaying the model's own selected ids (read from the routers' output), "
+                     f"{next(iter(sc.values()))['positions']:,} real positions: " + "; ".join(
+                         f"{d}: max |dlogit| {c['max_abs_dlogit']:.2e}, max |dlogp| {c['max_abs_dlogp']:.2e} "
+                         f"({'exact' if c['exact'] else 'NOT exact'})" for d, c in sc.items()))
     mem = r["gpu_memory_gib"]
     lines.append("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in T.items() if k != "total")
                  + f"; total {T['total']:.0f} s"

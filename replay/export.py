@@ -5,12 +5,18 @@ prompt + generation, no shift) in one of the two layouts: "moe" (axis L is the M
 or "all" (axis L is every decoder layer, `num_layers` of them, MoE layer `moe_layer_ids[m]` fed by column m, the
 dense layers filled as the framework expects). Read from their own code:
 
-verl 0.9.0 (PyPI wheel): `verl/experimental/agent_loop/agent_loop.py` builds the `routed_experts` batch key as
-[B, prompt_length + response_length, L, K]: the prompt left-padded to `prompt_length`, the response right-padded
-to `response_length` (the same layout as `input_ids`), zeros in padding rows and in rows the engine never fed.
-`verl/utils/megatron/router_replay_utils.py::set_router_replay_data` indexes axis L by absolute layer when it
-has `num_layers` entries (all layers) and by MoE ordinal otherwise; it replays every row but each sample's last
-(`build_r3_replay_mask`). `verl/workers/utils/padding.py` narrows the key to uint8 when the ids are <= 255.
+verl (PyPI wheels 0.9.0 and 0.9.1) takes `routed_experts` in two forms. Padded: `verl/experimental/agent_loop/
+agent_loop.py` builds the batch key as [B, prompt_length + response_length, L, K] int16, the prompt left-padded
+to `prompt_length`, the response right-padded to `response_length` (the layout of `input_ids`), zeros in padding
+rows and in rows the engine never fed (0.9.0's `verl/workers/utils/padding.py` narrowed it to uint8 when the ids
+are <= 255). Jagged (0.9.1): `verl/workers/utils/padding.py::left_right_2_no_padding` turns that key into a
+`torch.nested` jagged tensor, one (tokens, L, K) component per sample holding only its real tokens, and passes
+through one that already is nested; the Megatron engine records and replays that form
+(`verl/utils/megatron/router_replay_utils.py`: `align_r3_router_replay_data` accepts `tokens` or `tokens - 1` rows
+per sample, `build_r3_replay_mask` replays every row but each sample's last). `set_router_replay_data` indexes axis
+L by absolute layer when it has `tf_config.num_layers` entries (all layers) and by MoE ordinal otherwise, so the
+"all" layout must have exactly the model's decoder layer count: the record's `moe_layer_ids` cannot say whether
+dense layers follow the last MoE layer, so "all" needs `num_layers`.
 
 NeMo-RL (NVIDIA-NeMo/RL `nemo_rl/utils/routed_experts_codec.py`, read through the code search; the PyPI
 `nemo-rl` package is an empty placeholder): the string envelope `"nrlre1:<dtype>:<S>x<L>x<K>:<base64 of the
@@ -56,7 +62,11 @@ def sample_rows(rec: wire.Record, *, layout: str = "moe", num_layers: int | None
     if layout == "moe":
         return moe
     ids = np.asarray(rec.moe_layer_ids, np.int64)
-    total = int(ids.max()) + 1 if num_layers is None else int(num_layers)
+    if num_layers is None:
+        raise ValueError(f"record {rec.request_id!r}: layout='all' needs num_layers (the model's decoder layer "
+                         f"count, e.g. config.num_hidden_layers): moe_layer_ids {ids.tolist()} end at layer "
+                         f"{int(ids.max())} and cannot say whether dense layers follow; or use layout='moe'")
+    total = int(num_layers)
     if len(ids) != moe.shape[1] or total <= int(ids.max()) or len(np.unique(ids)) != len(ids):
         raise ValueError(f"record {rec.request_id!r}: moe_layer_ids {ids.tolist()} do not fit num_layers={total} "
                          f"with {moe.shape[1]} MoE columns")
@@ -132,13 +142,43 @@ def to_verl(records, *, prompt_length: int, response_length: int, layout: str = 
     return out
 
 
+def to_verl_jagged(records, *, layout: str = "all", num_layers: int | None = None):
+    """verl's jagged `routed_experts` (0.9.1): a `torch.nested` jagged int16 tensor, component b = (P_b + G_b, L, K),
+    row p the routing of sample b's input position p (its real tokens only, no padding), as
+    `left_right_2_no_padding` makes of the padded key and the Megatron engine records. Dense layers ("all") and each
+    sample's last row (never fed; verl's R3 mask leaves it to the model) hold 0. Unrouted context rows refused."""
+    import torch
+
+    records = list(records.values()) if isinstance(records, dict) else list(records)
+    if not records:
+        raise ValueError("no records")
+    parts = []
+    for rec in records:
+        rows = sample_rows(rec, layout=layout, num_layers=num_layers, dense_fill=0)
+        if parts and rows.shape[1:] != parts[0].shape[1:]:
+            raise ValueError(f"record {rec.request_id!r} has (L, K) {rows.shape[1:]}, the first {parts[0].shape[1:]}")
+        if rows.shape[0] == 0:
+            raise ValueError(f"record {rec.request_id!r} has no tokens")
+        if int(rows.max(initial=0)) > np.iinfo(np.int16).max:
+            raise ValueError(f"record {rec.request_id!r}: expert id {int(rows.max())} does not fit int16")
+        _refuse_unrouted_context(rec, rows, _moe_columns(rec, layout, num_layers), "verl")
+        rows = rows.copy()
+        rows[-1] = np.maximum(rows[-1], 0)
+        parts.append(torch.from_numpy(rows.astype(np.int16)))
+    return torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+
+
 # ---- NeMo-RL ------------------------------------------------------------------------------------------------
 
 def to_nemo_rl(rec: wire.Record, *, seq_len: int | None = None, layout: str = "moe", num_layers: int | None = None,
                num_experts: int | None = None) -> np.ndarray:
     """NeMo-RL's aligned (S, L, K) routed experts for one sample: row p = input position p, all -1 where the engine
-    computed none (the trainer's own router decides there), rows past P + G up to seq_len (padding) `arange(K)`,
-    dense layers ("all" layout) -1. dtype the narrowest of int8 / int16 / int32 (the codec's dtypes)."""
+    computed none (the trainer's own router decides there), rows past P + G up to seq_len (padding) `arange(K)`.
+    Axis L is the MoE layers: the `nrlre1` payload is [tokens, num_moe_layers, topk], so layout="all" is refused.
+    dtype the narrowest of int8 / int16 / int32 (the codec's dtypes)."""
+    if layout != "moe":
+        raise ValueError(f"layout={layout!r}: NeMo-RL's nrlre1 payload is [tokens, num_moe_layers, topk], "
+                         f"only layout='moe' fits it")
     rows = sample_rows(rec, layout=layout, num_layers=num_layers, dense_fill=-1)
     n = rows.shape[0]
     S = n if seq_len is None else int(seq_len)

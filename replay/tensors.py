@@ -221,6 +221,10 @@ def _check_record(rec: wire.Record, b: int, L: int, K: int, layer_ids: np.ndarra
     if not np.array_equal(np.asarray(rec.moe_layer_ids, np.int64), layer_ids):
         raise ValueError(f"record {b} ({rec.request_id!r}) has moe_layer_ids {np.asarray(rec.moe_layer_ids).tolist()}, "
                          f"record 0 has {layer_ids.tolist()}")
+    for name, toks, rows in (("prompt", rec.prompt_token_ids, pr), ("output", rec.output_token_ids, ge)):
+        if toks is not None and len(toks) != rows.shape[0]:      # every later position would take a shifted row
+            raise ValueError(f"record {b} ({rec.request_id!r}) has {len(toks)} {name} token ids but {rows.shape[0]} "
+                             f"{name} rows: its rows do not line up with its tokens")
     if not rec.complete and not allow_incomplete:
         raise ValueError(f"record {b} ({rec.request_id!r}) is incomplete ({rec.reason!r}, missing "
                          f"{[tuple(m) for m in rec.missing]}); pass allow_incomplete=True to mask those rows")

@@ -86,12 +86,12 @@ def test_tiny_cpu_run(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads((out / "r3_gpu.json").read_text())
     for k in ("ok", "problems", "timings_s", "gpu_memory_gib", "model", "engine", "workload", "tokens",
-              "minus_one_rows", "r3", "anchor", "flip_probe", "device"):
+              "minus_one_rows", "r3", "anchor", "flip_probe", "self_check", "device"):
         assert k in r, k
     for k in ("agreement", "rows", "same", "tokens", "abs_dlogp_mean", "abs_dlogp_p99", "over_ln2", "k3"):
         assert k in r["r3"]["own"] and k in r["r3"]["replay"], k
     for k in ("model_generate", "model_save", "engine_start", "rollout", "trainer_load", "trainer_passes",
-              "flip_probe", "total"):
+              "flip_probe", "self_check", "total"):
         assert k in r["timings_s"], k
     assert r["ok"] and r["problems"] == []
     r3, tk, mo, m = r["r3"], r["tokens"], r["minus_one_rows"], r["model"]
@@ -116,8 +116,43 @@ def test_tiny_cpu_run(tmp_path):
     # the flip probe: replaying the trainer's own sets is the identity on CPU; a flipped expert moves the output
     fp = r["flip_probe"]
     assert fp["replay_own_max_abs_diff"] == 0.0 and fp["one_layer"]["kl_mean"] > 0
+    sc = r["self_check"]                                  # the routers' own ids replayed: exact in both dtypes
+    assert [(d, c["dtype"], c["exact"], c["max_abs_dlogit"]) for d, c in sc.items()] == \
+        [("bfloat16", "bfloat16", True, 0.0), ("float32", "float32", True, 0.0)]
+    assert sc["bfloat16"]["positions"] == sc["float32"]["positions"] == fp["real_positions"]
     assert fp["all_layers"]["kl_mean"] > fp["one_layer"]["kl_mean"] * 0.5
     assert r3["k3_replay_over_own"] == pytest.approx(r3["replay"]["k3"] / r3["own"]["k3"])
     text = (out / "r3_gpu.txt").read_text()
     assert "routing agreement (recorded rows)" in text and "100.000%" in text and "Qwen3-30B-A3B" in text
     assert "\nOK\n" in p.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_self_check_replays_the_ids_the_routers_selected_exactly(tmp_path, dtype):
+    """The self-check reads the expert ids from each router's output and replays those: exact (logits equal at
+    every real position) in bf16 and float32, also where router logits tie exactly (two experts with one router
+    row: a top-k recomputed apart from the router's may break those ties the other way)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from routing_replay.apps.models import make_tiny_model
+    from routing_replay.apps.r3 import load_trainer
+    from routing_replay.replay.hf import find_moe_blocks
+
+    b = _bench()
+    model = load_trainer(make_tiny_model(tmp_path / "m", "qwen3_moe", peaked=True), dtype)
+    for _, blk, spec in find_moe_blocks(model):           # experts 2 and 3 score the same for every token
+        w = getattr(blk, spec.router_attr).weight
+        with torch.no_grad():
+            w[3] = w[2]
+    recs = _records(L=4, K=2, E=8, n=5, seed=2)
+    sc = b.self_check(model, recs, "cpu", pad_id=257)
+    n_real = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in recs)
+    assert sc == {"dtype": dtype, "positions": n_real, "max_abs_dlogit": 0.0, "max_abs_dlogp": 0.0, "exact": True}
+    ids, mask, real, _, _ = b._probe_batch(recs, "cpu", 257)
+    _, router_logits, chosen = b._own_pass(model, ids, mask)
+    tied = router_logits[..., 2] == router_logits[..., 3]                  # (B, S, L)
+    assert bool(tied[real].all())                         # the ties are there, on every real position
+    fp = b.flip_probe(model, recs, "cpu", 257)
+    assert fp["replay_own_max_abs_diff"] == 0.0 and fp["selected_ids_from"] == "router output"
+    assert fp["real_positions"] == n_real and fp["one_layer"]["kl_mean"] > 0

@@ -167,3 +167,16 @@ def test_no_routing_flags_a_negative_id_in_any_slot(k):
     assert torch.equal(t.no_routing, want)
     a = packed([rec], layout="all", layers=(1, 4))            # dense layer 1, then MoE layers 2, 3
     assert torch.equal(a.no_routing, torch.cat([torch.ones(10, 1, dtype=torch.bool), want[:, 1:]], 1))
+
+
+def test_rows_that_do_not_line_up_with_the_records_own_tokens_are_refused():
+    short = record("s", 3, 2)                             # 3 prompt rows, but 4 prompt token ids
+    short.prompt_token_ids = np.arange(1000, 1004, dtype=np.int32)
+    for call in (padded, packed):
+        with pytest.raises(ValueError, match=r"^record 1 \('s'\) has 4 prompt token ids but 3 prompt rows: its rows "
+                                             r"do not line up with its tokens$"):
+            call([record("a", 3, 2), short])
+    long = record("g", 3, 2)
+    long.output_token_ids = np.arange(2000, 2001, dtype=np.int32)
+    with pytest.raises(ValueError, match=r"^record 0 \('g'\) has 1 output token ids but 2 output rows"):
+        padded([long])
