@@ -63,8 +63,9 @@ _CONFORMING: set = set()          # (router class, family name) checked against 
 def _loaded_class(name: str):
     """The transformers class of that name among the modeling modules already imported, or None."""
     for modname, mod in list(sys.modules.items()):
-        if modname.startswith("transformers.models.") and isinstance(getattr(mod, name, None), type):
-            return getattr(mod, name)
+        if modname.startswith("transformers.models.") and ".modeling_" in modname \
+                and isinstance(vars(mod).get(name), type):
+            return vars(mod)[name]
     return None
 
 

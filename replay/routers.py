@@ -143,9 +143,10 @@ def _llama4(router, forced, hidden_states):
 
 
 def _llama4_ids(router, out):
-    # The scores hold sigmoid(logit) at the selected experts, which can underflow to 0 like the others; the
-    # router's own top-k of its logits (out[1]) is the same op on the same tensor, so the same ids.
-    return torch.topk(out[1], router.top_k, dim=1).indices
+    # The dense scores are sigmoid(logit) > 0 at the selected experts and exactly 0 elsewhere: their top-k is the
+    # selected set (in descending score order; the block's arithmetic does not depend on the order). Exact for
+    # top_k=1 (every Llama-4 checkpoint) unless a selected logit is below float's sigmoid underflow (about -88).
+    return torch.topk(out[0], router.top_k, dim=1).indices
 
 
 # ---- sigmoid (or softmax) scores, bias-corrected and group-masked selection, weights from the plain scores --------
