@@ -55,6 +55,27 @@ FAMILY = {"qwen3_moe": "softmax_topk", "qwen2_moe": "softmax_topk", "qwen3_next"
           "granitemoe": "granite", "granitemoeshared": "granite"}
 
 
+# Architectures whose router code is (by fingerprint) one of the families above: the same checks, one test each.
+_DS = dict(n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1)
+COPIES = {
+    "flex_olmo": ("flex_olmo", dict(num_experts=E)),
+    "mellum": ("mellum", dict(num_experts=E)),
+    "minimax": ("minimax", dict(num_local_experts=E, layer_types=["linear_attention", "full_attention"])),
+    "granitemoehybrid": ("granitemoehybrid", dict(num_local_experts=E, layer_types=["mamba", "attention"],
+                                                  mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                                                  mamba_n_groups=1)),
+    "glm4_moe_lite": ("glm4_moe_lite", dict(**_DS, **_MLA)),
+    "deepseek_v32": ("deepseek_v32", dict(**_DS, **_MLA)),
+    "glm_moe_dsa": ("glm_moe_dsa", dict(**_DS, **_MLA)),
+    "axk1": ("axk1", dict(**_DS, **_MLA)),
+    "exaone_moe": ("exaone_moe", dict(num_experts=E, n_group=2, topk_group=1, first_k_dense_replace=0)),
+    "solar_open": ("solar_open", dict(_DS)),
+    "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=E, n_group=2, topk_group=1)),
+    "hy_v4": ("hy_v4", dict(num_experts=E, n_group=2, topk_group=1)),
+    "nemotron_h": ("nemotron_h", dict(n_routed_experts=E, n_group=2, topk_group=1, hybrid_override_pattern="*E")),
+}
+
+
 def build(model_type: str, seed: int = 0, **over):
     """A tiny random model: router weights N(0, 0.5) (logits of a few units: decisive top-k, sigmoids far from
     saturation), score-correction biases N(0, 0.3) (they change the selection), other weights N(0, 0.05)."""
@@ -130,7 +151,11 @@ def test_routers_are_found_by_their_code(arch):
 
 
 def test_replayed_ids_reach_every_moe_block_bit_for_bit(arch):
-    model = _MODELS[arch].eval()
+    check_replayed_ids(_MODELS[arch], arch)
+
+
+def check_replayed_ids(model, arch):
+    model.eval()
     blocks = find_moe_blocks(model)
     L, k = len(blocks), k_of(model)
     ids = random_sets(B * S, L, k).reshape(B, S, L, k)
@@ -164,7 +189,11 @@ def test_replayed_ids_reach_every_moe_block_bit_for_bit(arch):
 
 
 def test_own_ids_replay_to_the_unpatched_model_exactly(arch):
-    model = _MODELS[arch].train()
+    check_own_ids_exact(_MODELS[arch])
+
+
+def check_own_ids_exact(model):
+    model.train()
     x = tokens()
     lo0, g0, _, own = run(model, x)
     L = len(own)
@@ -179,9 +208,13 @@ def test_own_ids_replay_to_the_unpatched_model_exactly(arch):
 
 
 def test_fallback_rows_select_what_the_model_selects(arch):
+    check_fallback(_MODELS[arch])
+
+
+def check_fallback(model):
     """Masked rows and -1 rows: the router's own choice on the inputs it is given under replay (deeper layers
     see other hidden states than unpatched), computed by its unpatched forward."""
-    model = _MODELS[arch].eval()
+    model.eval()
     blocks = find_moe_blocks(model)
     L, k = len(blocks), k_of(model)
     ids = random_sets(B * S, L, k, seed=3)
@@ -216,7 +249,11 @@ def test_fallback_rows_select_what_the_model_selects(arch):
 
 
 def test_router_gradients_flow(arch):
-    model = _MODELS[arch].train()
+    check_router_grads(_MODELS[arch])
+
+
+def check_router_grads(model):
+    model.train()
     blocks = find_moe_blocks(model)
     L, k = len(blocks), k_of(model)
     ids = random_sets(B * S, L, k, seed=5)
@@ -226,6 +263,17 @@ def test_router_gradients_flow(arch):
         used = ids.reshape(B, S, L, k)[:, :S - 1, m].unique()         # the last position has no label
         assert w.grad is not None and (w.grad[used].abs().sum(1) > 0).all(), m
     model.eval()
+
+
+@pytest.mark.parametrize("name", sorted(COPIES))
+def test_router_copies_replay_exactly(name):
+    model_type, over = COPIES[name]
+    model = build(model_type, **over)
+    assert {spec.family.name for _, _, spec in find_moe_blocks(model)} <= set(FAMILY.values())
+    check_replayed_ids(model, name)
+    check_own_ids_exact(model)
+    check_fallback(model)
+    check_router_grads(model)
 
 
 @pytest.mark.parametrize("n_group,topk_group,bias", [(1, 1, 0.0), (4, 2, 0.0), (1, 1, 0.3), (4, 2, 0.3)],
