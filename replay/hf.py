@@ -134,7 +134,7 @@ def find_moe_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, 
         routers.add(name)
     unknown = []
     for name, mod in mods.items():
-        if name in routers or name in found or type(mod) in (torch.nn.Linear,):
+        if not name or name in routers or name in found or type(mod) in (torch.nn.Linear,):
             continue
         cname = type(mod).__name__
         routerish = _ROUTERISH_RE.search(cname) and "Forget" not in cname and "Shared" not in cname
@@ -242,7 +242,7 @@ def replay_routing(model: torch.nn.Module, expert_ids: torch.Tensor, no_routing:
         if int(router.top_k) != K:
             raise ValueError(f"expert_ids have K={K}, the router of layer {layer} picks top_k={int(router.top_k)}")
         device = next(iter(router.parameters()), torch.empty(0)).device
-        plans.append(_layer_plan(ids[:, col], fallback[:, col], layer, int(router.num_experts), device))
+        plans.append(_layer_plan(ids[:, col], fallback[:, col], layer, _num_experts(router), device))
         routers.append((router, spec))
     stats = ReplayStats(layer_ids=[layer for layer, _, _ in blocks])
     try:
@@ -252,6 +252,19 @@ def replay_routing(model: torch.nn.Module, expert_ids: torch.Tensor, no_routing:
     finally:
         for router, _ in routers:
             vars(router).pop("forward", None)
+
+
+def _num_experts(router) -> int:
+    """The router's expert count: its `num_experts`, else the rows of its (or its first linear layer's) weight."""
+    n = getattr(router, "num_experts", None)
+    if isinstance(n, int):
+        return n
+    w = getattr(router, "weight", None)
+    if not torch.is_tensor(w):
+        w = next((m.weight for m in router.modules() if isinstance(m, torch.nn.Linear)), None)
+    if w is None:
+        raise ValueError(f"cannot tell how many experts {type(router).__name__} routes to (no num_experts, no weight)")
+    return int(w.shape[0])
 
 
 def _columns(blocks, layer_ids, L: int) -> list[int]:

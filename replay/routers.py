@@ -219,6 +219,146 @@ def _minimax_m2(router, forced, hidden_states, e_score_correction_bias):
     return router_logits, top_k_weights, top_k_index
 
 
+def _hy_v3(router, forced, hidden_states, e_score_correction_bias):
+    """HY-V3: sigmoid; select on sigmoid + the block's bias; weights = sigmoid at the ids, normalised (+1e-20),
+    times router_scaling_factor."""
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), router.weight.float())
+    routing_weights = torch.sigmoid(router_logits)
+    scores_for_choice = routing_weights + e_score_correction_bias
+    top_k_index = _pick(scores_for_choice, router.top_k, forced, sorted=False)
+    top_k_weights = routing_weights.gather(1, top_k_index)
+    top_k_weights = top_k_weights / (top_k_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    top_k_weights = top_k_weights * router.router_scaling_factor
+    return router_logits, top_k_weights, top_k_index
+
+
+def _afmoe(router, forced, hidden_states, expert_bias):
+    """AFMoE: sigmoid of `gate`; select on sigmoid + the block's expert_bias; weights = sigmoid at the ids,
+    normalised (+1e-20), times route_scale."""
+    _, _, hidden_dim = hidden_states.shape
+    hidden_states = hidden_states.view(-1, hidden_dim)
+    router_logits = router.gate(hidden_states).to(torch.float32)
+    scores = torch.sigmoid(router_logits)
+    selected_experts = _pick(scores + expert_bias, router.top_k, forced)
+    top_scores = scores.gather(dim=1, index=selected_experts)
+    denominator = top_scores.sum(dim=-1, keepdim=True) + 1e-20
+    top_scores = top_scores / denominator
+    top_scores = top_scores * router.route_scale
+    return router_logits, top_scores, selected_experts
+
+
+def _laguna(router, forced, hidden_states):
+    """Laguna: optionally soft-capped logits; sigmoid; select on sigmoid + e_score_correction_bias; weights =
+    sigmoid at the ids, normalised."""
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states, router.weight).float()
+    if router.router_logit_softcapping > 0.0:
+        router_logits = torch.tanh(router_logits / router.router_logit_softcapping) * router.router_logit_softcapping
+    routing_scores = torch.sigmoid(router_logits)
+    scores_for_selection = routing_scores + router.e_score_correction_bias.to(routing_scores.dtype)
+    selected_experts = _pick(scores_for_selection, router.top_k, forced)
+    routing_weights = routing_scores.gather(-1, selected_experts)
+    routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+    routing_weights = routing_weights.to(hidden_states.dtype)
+    return router_logits, routing_weights, selected_experts
+
+
+def _lfm2_moe(router, forced, hidden_states, expert_bias=None):
+    """LFM2-MoE: sigmoid; select on it (+ the block's expert_bias when use_expert_bias); weights = sigmoid at
+    the ids, normalised (+1e-6) when norm_topk_prob, times routed_scaling_factor."""
+    router_logits = F.linear(hidden_states, router.weight)
+    routing_weights = router_logits.sigmoid()
+    if router.use_expert_bias:
+        scores_for_routing = routing_weights + expert_bias
+        selected_experts = _pick(scores_for_routing, router.top_k, forced)
+        routing_weights = torch.gather(routing_weights, dim=1, index=selected_experts).type_as(router_logits)
+    else:
+        selected_experts = _pick(routing_weights, router.top_k, forced)
+        routing_weights = routing_weights.gather(1, selected_experts)
+    if router.norm_topk_prob:
+        routing_weights = routing_weights / (routing_weights.sum(dim=-1, keepdim=True) + 1e-6)
+    routing_weights = routing_weights * router.routed_scaling_factor
+    return router_logits, routing_weights, selected_experts
+
+
+def _mistral4(router, forced, hidden_states):
+    """Mistral-4: softmax; select on it with the groups outside the top `topk_group` (by their two best experts)
+    zeroed; weights = the unmasked softmax at the ids, normalised (+1e-20) when norm_topk_prob, scaled."""
+    hidden_states = hidden_states.view(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states, router.weight)
+    scores = router_logits.softmax(-1)
+    scores_for_choice = _group_mask(scores, router, "top2", 0.0) if _needs_own(forced) else scores
+    topk_indices = _pick(scores_for_choice, router.top_k, forced, sorted=False)
+    topk_weights = scores.gather(1, topk_indices)
+    if router.norm_topk_prob:
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights /= denominator
+    topk_weights = topk_weights * router.routed_scaling_factor
+    return router_logits, topk_weights, topk_indices
+
+
+def _hunyuan(router, forced, hidden_states):
+    """HunYuan-MoE-V1: softmax (float32) of `wg`; weights = the softmax at the ids, normalised."""
+    hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if router.wg.weight.dtype == torch.float32:
+        hidden_states = hidden_states.float()
+    router_logits = router.wg(hidden_states)
+    routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+    selected_experts = _pick(routing_weights, router.top_k, forced)
+    routing_weights = routing_weights.gather(1, selected_experts)
+    routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+    return router_logits, routing_weights.to(router_logits.dtype), selected_experts
+
+
+def _ernie(router, forced, hidden_states):
+    """Ernie-4.5-MoE: softmax (float32, autocast off); select on softmax + the expert statistics' bias
+    (`moe_statics`); weights = the plain softmax at the ids, normalised (sum clamped at norm_min)."""
+    maybe_autocast = sys.modules[type(router).__module__].maybe_autocast
+    device_type = hidden_states.device.type if isinstance(hidden_states.device.type, str) else "cpu"
+    with maybe_autocast(device_type=device_type, enabled=False):
+        router_logits = F.linear(hidden_states.float(), router.weight.float())
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        selected_experts = _pick(router.moe_statics(routing_weights), router.top_k, forced)
+        routing_weights = torch.gather(routing_weights, dim=-1, index=selected_experts)
+        routing_weights = routing_weights / torch.clamp(routing_weights.sum(dim=-1, keepdim=True), min=router.norm_min)
+    routing_weights = routing_weights.to(hidden_states.dtype)
+    return router_logits, routing_weights, selected_experts
+
+
+def _granite_swa(router, forced, hidden_states):
+    """Granite-MoE-SWA: Granite's arithmetic, returning (logits, weights, ids)."""
+    top_k_index, top_k_weights, router_logits = _granite(router, forced, hidden_states)
+    return router_logits, top_k_weights, top_k_index
+
+
+def _aria(router, forced, hidden_states):
+    """Aria: top-k of the logits; weights = softmax over the logits at the ids; returns (ids, weights, logits)."""
+    router_logits = torch.nn.functional.linear(hidden_states, router.weight)
+    top_k_index = _pick(router_logits, router.top_k, forced)
+    top_k_logits = router_logits.gather(-1, top_k_index)
+    top_k_weights = torch.nn.functional.softmax(top_k_logits, dim=-1)
+    return top_k_index, top_k_weights, router_logits
+
+
+def _cohere2(router, forced, hidden_states):
+    """Cohere2-MoE: top-k of the logits; weights = softmax over the logits at the ids, or their sigmoid
+    (normalised when norm_topk_prob), cast to the input dtype."""
+    router_logits = F.linear(hidden_states, router.weight)
+    selected_experts = _pick(router_logits, router.top_k, forced)
+    router_scores = router_logits.gather(-1, selected_experts)
+    if router.expert_selection_fn == "softmax":
+        router_scores = F.softmax(router_scores, dim=1, dtype=torch.float)
+    elif router.expert_selection_fn == "sigmoid":
+        router_scores = F.sigmoid(router_scores)
+        if router.norm_topk_prob:
+            router_scores = router_scores / torch.sum(router_scores, dim=-1, keepdims=True)
+    else:
+        raise ValueError("`expert_selection_fn` can only be `softmax` or `sigmoid`")
+    router_scores = router_scores.to(hidden_states.dtype)
+    return router_logits, router_scores, selected_experts
+
+
 # ---- Phi-MoE: sparsemixer ---------------------------------------------------------------------------------------
 
 def _phimoe(router, forced, hidden_states):
@@ -297,6 +437,33 @@ FAMILIES: tuple[RouterFamily, ...] = (
                  weights="the softmax at the ids times routed_scaling_factor"),
     RouterFamily("minimax_m2", _minimax_m2, _third, frozenset({"98e8aaafd74dc944"}),
                  select="sigmoid + the block's e_score_correction_bias", weights="the sigmoid at the ids, normalised"),
+    RouterFamily("hy_v3", _hy_v3, _third, frozenset({"2ec67ab2451b5169"}),
+                 select="sigmoid + the block's e_score_correction_bias",
+                 weights="the sigmoid at the ids, normalised, times router_scaling_factor"),
+    RouterFamily("afmoe", _afmoe, _third, frozenset({"6553a5269c5cf30d"}),
+                 select="sigmoid + the block's expert_bias",
+                 weights="the sigmoid at the ids, normalised, times route_scale"),
+    RouterFamily("laguna", _laguna, _third, frozenset({"03ca1636a052a589"}),
+                 select="sigmoid of the (soft-capped) logits + e_score_correction_bias",
+                 weights="the sigmoid at the ids, normalised"),
+    RouterFamily("lfm2_moe", _lfm2_moe, _third, frozenset({"7e3106b8384c5ab7"}),
+                 select="sigmoid (+ the block's expert_bias)",
+                 weights="the sigmoid at the ids, normalised if norm_topk_prob, times routed_scaling_factor"),
+    RouterFamily("mistral4", _mistral4, _third, frozenset({"15cc625dc3e3d406"}),
+                 select="softmax, groups outside the top topk_group zeroed",
+                 weights="the unmasked softmax at the ids, normalised if norm_topk_prob, times routed_scaling_factor"),
+    RouterFamily("hunyuan", _hunyuan, _third, frozenset({"e0fce8fa63fe3244"}),
+                 select="softmax of the logits (float32)", weights="the softmax at the ids, normalised"),
+    RouterFamily("ernie", _ernie, _third, frozenset({"3da38052c028a61d"}),
+                 select="softmax + the expert statistics' bias (moe_statics)",
+                 weights="the plain softmax at the ids, normalised"),
+    RouterFamily("granite_swa", _granite_swa, _third, frozenset({"d68d3cf08c8660cc"}),
+                 select="the logits", weights="softmax over the logits at the ids"),
+    RouterFamily("aria", _aria, _first, frozenset({"ebf4163ba015a9a4"}),
+                 select="the logits", weights="softmax over the logits at the ids"),
+    RouterFamily("cohere2", _cohere2, _third, frozenset({"ac107562cd91d089"}),
+                 select="the logits",
+                 weights="softmax, or sigmoid (normalised if norm_topk_prob), of the logits at the ids"),
     RouterFamily("phimoe", _phimoe, _third, frozenset({"40466301289c4356"}),
                  select="sparsemixer: argmax (eval) or Gumbel sample (training) within the jitter window, twice",
                  weights="softmax over the window at the selected expert, per round"),
