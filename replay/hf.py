@@ -132,23 +132,23 @@ def find_moe_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, 
             continue
         found[parent] = (mods[parent], MoEBlockSpec(attr, type(mod).__name__, fam))
         routers.add(name)
-    unknown = []
+    unknown: dict[str, list[str]] = {}                  # class name -> module names
     for name, mod in mods.items():
-        if not name or name in routers or name in found or type(mod) in (torch.nn.Linear,):
+        if not name or name in routers or name in found or type(mod) is torch.nn.Linear \
+                or any(name.startswith(r + ".") for r in routers):
             continue
         cname = type(mod).__name__
         routerish = _ROUTERISH_RE.search(cname) and "Forget" not in cname and "Shared" not in cname
         if routerish or isinstance(getattr(mod, "top_k", None), int) \
                 or isinstance(getattr(mod, "num_experts_per_tok", None), int):
-            prefix = name + "." if name else ""
-            if not any(r.startswith(prefix) for r in routers):
-                unknown.append(f"{name} ({cname})")
+            if not any(r.startswith(name + ".") for r in routers):
+                unknown.setdefault(cname, []).append(name)
     if unknown:
-        known = ", ".join(f"{f.name} (selects on {f.select})" for f in FAMILIES)
-        raise ValueError(f"replay_routing does not support {type(model).__name__}: its module(s) "
-                         f"{unknown[:4]}{' ...' if len(unknown) > 4 else ''} route tokens to experts with code no "
-                         f"router family reproduces; families: {known}. register_moe_block adds one that fits the "
-                         f"contract in routing_replay.replay.routers")
+        what = ", ".join(f"{c} ({n[0]}{f' and {len(n) - 1} more' if len(n) > 1 else ''})" for c, n in unknown.items())
+        raise ValueError(f"replay_routing does not support {type(model).__name__}: its {what} route tokens to "
+                         f"experts with code no router family reproduces (families: "
+                         f"{', '.join(f.name for f in FAMILIES)}; docs/REPLAY_HF.md). register_moe_block adds "
+                         f"one that fits the contract of routing_replay.replay.routers")
     out, layers = [], {}
     for name, (block, spec) in found.items():
         layer = _layer_of(name)

@@ -359,7 +359,7 @@ UNSUPPORTED = {
 def test_unsupported_routers_are_refused_by_name(name):
     model_type, over, pattern = UNSUPPORTED[name]
     model = build(model_type, **over)
-    refusal = rf"replay_routing does not support \w+: its module\(s\) \['model\.layers.*{pattern}"
+    refusal = rf"replay_routing does not support \w+ForCausalLM: its .*{pattern} \(model\.layers\.\d+\.\w+"
     with pytest.raises(ValueError, match=refusal):
         with replay_routing(model, torch.zeros(B, S, 2, K, dtype=torch.long)):
             pass
