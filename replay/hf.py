@@ -88,15 +88,22 @@ def register_moe_block(block_class, spec: MoEBlockSpec) -> None:
         raise TypeError(f"{name}: spec.family must be a routers.RouterFamily with callable route and ids_of, "
                         f"got {fam!r}")
     router_cls = _loaded_class(spec.router_class)
-    if router_cls is not None and fam.fingerprints:
-        fp = fingerprint(router_cls)
-        if fp not in fam.fingerprints:
-            own = family_of(router_cls)
-            hint = (f"family {own.name!r} reproduces it (selects on {own.select}; weights: {own.weights})"
-                    if own is not None else "no built-in family reproduces it")
-            raise ValueError(f"{name}: {spec.router_class}.forward (code {fp}) is not a router family "
-                             f"{fam.name!r} reproduces (it selects on {fam.select}; weights: {fam.weights}); {hint}")
+    if router_cls is not None:
+        _check_code(name, router_cls, fam)
     MOE_BLOCKS[name] = spec
+
+
+def _check_code(block_name: str, router_cls: type, fam: RouterFamily) -> None:
+    """A family with fingerprints runs only the router code it was verified on."""
+    if not fam.fingerprints:
+        return
+    fp = fingerprint(router_cls)
+    if fp not in fam.fingerprints:
+        own = family_of(router_cls)
+        hint = (f"family {own.name!r} reproduces it (selects on {own.select}; weights: {own.weights})"
+                if own is not None else "no built-in family reproduces it")
+        raise ValueError(f"{block_name}: {router_cls.__name__}.forward (code {fp}) is not a router family "
+                         f"{fam.name!r} reproduces (it selects on {fam.select}; weights: {fam.weights}); {hint}")
 
 
 def _layer_of(name: str) -> int | None:
@@ -121,6 +128,7 @@ def find_moe_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, 
             if type(router).__name__ != spec.router_class:
                 raise ValueError(f"{name}.{spec.router_attr} is {type(router).__name__}, replay_routing was told "
                                  f"{spec.router_class} for {type(mod).__name__} (another transformers version?)")
+            _check_code(type(mod).__name__, type(router), spec.family)
             found[name] = (mod, spec)
             routers.add(f"{name}.{spec.router_attr}" if name else spec.router_attr)
     for name, mod in mods.items():

@@ -394,6 +394,20 @@ def _conforming():
     return hf._CONFORMING
 
 
+def test_a_registered_block_is_checked_when_its_router_is_found(registry):
+    """Jamba's router is a plain nn.Linear (the block routes inline): registered with a built-in family, the
+    model is refused before anything runs, naming the router's code."""
+    model_type, over, _ = UNSUPPORTED["jamba"]
+    model = build(model_type, **over)
+    softmax = next(f for f in R.FAMILIES if f.name == "softmax_topk")
+    register_moe_block("JambaSparseMoeBlock", MoEBlockSpec("router", "Linear", softmax))
+    with pytest.raises(ValueError, match=r"JambaSparseMoeBlock: Linear.forward \(code [0-9a-f]{16}\) is not a router "
+                                         r"family 'softmax_topk' reproduces .* no built-in family reproduces it"):
+        with replay_routing(model, torch.zeros(B, S, 2, K, dtype=torch.long)):
+            pass
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
 def test_a_family_of_ones_own_is_checked_on_the_first_call(registry):
     """A family without fingerprints that reproduces the router runs; one that does not is refused on the
     router's first call, naming both, with the model restored."""
