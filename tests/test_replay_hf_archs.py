@@ -294,6 +294,29 @@ def test_own_ids_replay_exactly_in_bfloat16(name):
     check_own_ids_exact(build(model_type, **over).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss", "granitemoe", "llama4", "minimax_m2", "phimoe"])
+def test_gradient_checkpointing_gives_the_same_grads(name):
+    """The recompute in backward runs each router again (calls counted twice) on the same replay columns and, for
+    Phi-MoE's sampled fallback rows, the same random draws (checkpointing restores the RNG state)."""
+    model_type, over = ARCHS[name]
+    model = build(model_type, **over).train()
+    x = tokens()
+    L, k = len(find_moe_blocks(model)), k_of(model)
+    ids = random_sets(B * S, L, k, seed=7).reshape(B, S, L, k)
+    mask = torch.zeros(B, S, L, dtype=torch.bool)
+    mask[1, 2:] = True
+    lo0, g0, s0, _ = run(model, x, expert_ids=ids, no_routing=mask)
+    model.gradient_checkpointing_enable()
+    try:
+        lo1, g1, s1, _ = run(model, x, expert_ids=ids, no_routing=mask)
+    finally:
+        model.gradient_checkpointing_disable()
+    assert s0.calls == [1] * L and s1.calls == [2] * L
+    assert s1.fallback_rows == [2 * (S - 2)] * L
+    assert torch.equal(lo0, lo1)
+    assert sorted(g0) == sorted(g1) and [n for n in g0 if not torch.equal(g0[n], g1[n])] == []
+
+
 @pytest.mark.parametrize("name", sorted(MORE))
 def test_more_architectures_replay_exactly(name):
     model_type, family, over = MORE[name]
