@@ -6,7 +6,7 @@ own arithmetic at those ids (softmax or sigmoid, normalisation, scaling factor, 
 logits, so gradients reach the router weights as usual. Rows flagged in `no_routing` (and any row holding a -1
 id) fall back: they select exactly what the model itself selects (bias-corrected, group-masked, sampled, as its
 router does), counted in `stats.fallback_rows`. The contract a router must fit, and the families of router
-arithmetic that fit it, are in `replay.routers`; docs: README "Replay in a Hugging Face trainer".
+arithmetic that fit it, are in `replay.routers`; docs/REPLAY_HF.md.
 
 Needs transformers 5.x, whose MoE blocks own a router module (`.gate`, `.router`) returning its selected ids
 and weights, which the block hands to its experts. `replay_routing` replaces that router's `forward` on the

@@ -414,7 +414,7 @@ def _phimoe(router, forced, hidden_states):
 
 
 # ---- the families, with the transformers 5.x router code each reproduces ---------------------------------------
-# A fingerprint is refreshed with `python -m routing_replay.replay.routers`, which prints every MoE router class
+# A fingerprint is refreshed with `python -m routing_replay.replay.router_codes`, which prints every MoE router class
 # of the installed transformers with its fingerprint and family; add one here only after the architecture's
 # replay tests (tests/test_replay_hf_archs.py) pass with it.
 
@@ -518,28 +518,3 @@ def family_of(cls: type) -> RouterFamily | None:
         _FP_CACHE[cls] = fingerprint(cls) if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
     fp = _FP_CACHE[cls]
     return None if fp is None else _BY_FINGERPRINT.get(fp)
-
-
-def main() -> int:
-    """Print each MoE router class of the installed transformers: fingerprint, family (or -)."""
-    import importlib
-    import pkgutil
-    import re
-
-    import transformers.models as tm
-
-    for info in sorted(pkgutil.iter_modules(tm.__path__), key=lambda i: i.name):
-        try:
-            mod = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
-        except Exception:          # not every model folder has a modeling module, or its extras are missing
-            continue
-        for cname, cls in sorted(vars(mod).items()):
-            if (isinstance(cls, type) and cls.__module__ == mod.__name__ and issubclass(cls, torch.nn.Module)
-                    and re.search(r"(Router|TopKGating|Gate)$", cname) and "Forget" not in cname):
-                fam = family_of(cls)
-                print(f"{info.name:24s} {cname:40s} {fingerprint(cls)} {fam.name if fam else '-'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
