@@ -21,7 +21,7 @@ from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.apps.vllm_harness import tiny_model, wait_records  # noqa: E402
 from tests.procs import http_json, stop_popen  # noqa: E402
 
-STARTUP_S = 400
+STARTUP_S = 600
 
 
 @pytest.fixture(scope="module")
