@@ -1,9 +1,9 @@
 """The prefix store under torch.compile (CPU, real Inductor): a RoutingCache flush traced into a compiled function
-with its guards dropped (as vLLM compiles) keeps the branches it took at trace time, so a store attached after
-the trace is never written by it (what vLLM's
-CPU build did to ROUTING_REPLAY_PREFIX_ROWS=fill without enforce_eager: it compiles the MoE block, hooks included,
-before the KV cache and so the store exist). `store_step` after the forward writes it; the cache says whether its
-flush was traced and with which store, and a graph engine whose flush was traced without one refuses to start."""
+with its guards dropped (as vLLM compiles) keeps the branches it took at trace time, so a store attached after the
+trace is never written by it (what vLLM's CPU build did to ROUTING_REPLAY_PREFIX_ROWS=fill without enforce_eager:
+it compiles the MoE block, hooks included, before the KV cache and so the store exist). `store_step` after the
+forward writes it; the cache says whether its flush was traced and with which store, and a graph engine whose
+flush was traced without one refuses to start."""
 
 from __future__ import annotations
 
