@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from routing_replay.engines.vllm_plugin import cpu_refusals, selfcheck
+from routing_replay.engines.vllm_plugin import selfcheck
 from routing_replay.engines.vllm_plugin import settings as _settings
 
 log = logging.getLogger("vllm.routing_replay")
@@ -158,6 +158,8 @@ def _install_worker_hooks(cls) -> None:
     @functools.wraps(orig_load)
     def load_model(self, *args, **kwargs):
         import vllm
+
+        from routing_replay.engines.vllm_plugin import cpu_refusals
 
         # a release that refuses this model's MoE dtype on this CPU says so once, before any layer loads
         cpu_refusals.check_engine(self.vllm_config, vllm.__version__)
