@@ -30,12 +30,13 @@ Per step (`Worker.execute_model`, engine thread):
 Steps with no captured request do nothing beyond two dict/set checks: no copy, no message.
 
 Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every forward, captured or not, also
-writes its routing into a PrefixStore by KV slot, inside the forward: the cache's end-of-step flush (the last
-MoE layer's hook; under enforce_eager post_step, right after the forward) scatters the step's rows to the
-runner's persistent slot-mapping buffer, so under CUDA graphs the write is part of the replayed graph and costs the
-engine thread nothing (the store is allocated and attached
-when vLLM starts its warm-up, after the KV cache is sized and before graphs are captured; on CPU the hooks then
-record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
+writes its routing into a PrefixStore by KV slot: under CUDA graphs and torch.compile on GPU inside the forward,
+where the cache's end-of-step flush (the last MoE layer's hook) scatters the step's rows to the runner's persistent
+slot-mapping buffer, so under CUDA graphs the write is part of the replayed graph and costs the engine thread
+nothing; where hooks run in Python every step (CPU eager or compiled, GPU enforce_eager) post_step does, right
+after the forward (torch.compile on CPU traces the flush before the store exists). The store is allocated and
+attached when vLLM starts its warm-up, after the KV cache is sized and before graphs are captured (on CPU the hooks
+then record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
 (its block-table row -> slots) into the same host ring and delta as computed rows, after the step's forward (a
 hit may point at blocks another request computed in this very step): with other requests' rows, once the queue
 has waited 16 steps or holds half a step's rows, or at once when the request's blocks are freed. A weight
@@ -1005,9 +1006,10 @@ class WorkerCapture:
                                               "ranks")
             num_slots = int(kcc.num_blocks) * block_size
             store = PrefixStore(num_slots, self.cache.num_layers, self.cache.top_k, device=self.device)
-            # hooks that run in Python every step (CPU, enforce_eager): post_step writes the store after the forward
-            # (store_step), never the flush, which torch.compile traces into the model on CPU (vLLM calls the MoE
-            # there directly, not as its opaque op) before the store exists, keeping the branch taken then
+            # hooks that run in Python every step (CPU eager or compiled, GPU enforce_eager): post_step writes the
+            # store after the forward (store_step), never the flush, which torch.compile traces into the model on
+            # CPU (vLLM calls the MoE there directly, not as its opaque op) before the store exists, keeping the
+            # branch taken then
             self.cache.attach_store(store, slot_mapping, in_flush=not self.binding.gate)
             kv_bytes = sum(int(t.size) for t in getattr(kcc, "kv_cache_tensors", []) or [])
         except Exception as e:          # noqa: BLE001 -- degrade to the sentinel, loudly
