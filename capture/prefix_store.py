@@ -12,8 +12,8 @@ size + offset, the engine's own `slot_mapping`), on the device that runs the mod
   of a model it compiles whole (vLLM's CPU build) once, before the store exists, and keeps what it did then.
   Every KV write has a routing write beside it, so a slot's row always belongs to the KV the slot holds: an
   evicted block that is refilled gets the new rows, and no hit can ever read the rows of a block's previous
-  occupant. Padded tokens (CUDA-graph padding, dummy runs)
-  have slot -1 in vLLM's slot mapping; the table has one spare row at the end where they land.
+  occupant. Padded tokens (CUDA-graph padding, dummy runs) have slot -1 in vLLM's slot mapping; the table has
+  one spare row at the end where they land.
 - gather (for a request scheduled with prefix hits): `AsyncCopier.submit_gather(store.rows, slots)` snapshots
   the hit positions' rows into the host ring like any step's rows (one `index_select`, then the asynchronous
   D2H copy).
