@@ -50,12 +50,19 @@ MAX_FRONTEND_BURST = 10_000          # frontend messages handled before the loop
 MAX_ERROR_PEERS = 10_000             # (peer, reason) pairs remembered so each gets one `error` reply
 
 
+def _nbytes(frame) -> int:
+    """Bytes of one payload frame as the split hands them out (bytes, a memoryview or numpy array of any item
+    size, a zmq.Frame)."""
+    buf = getattr(frame, "buffer", None)            # zmq.Frame
+    return memoryview(frame if buf is None else buf).nbytes
+
+
 @dataclass
 class BrokerStats:
     msgs_in: int = 0
-    bytes_in: int = 0
+    bytes_in: int = 0                 # routing row bytes of the deltas received
     msgs_out: int = 0
-    bytes_out: int = 0
+    bytes_out: int = 0                # routing row bytes sent to consumers (each owner's share of a split delta)
     deltas_split: int = 0
     split_gathered: int = 0           # owners' shares of split deltas that had to be gathered (copied) from runs
     requests_opened: int = 0
@@ -784,10 +791,17 @@ class Broker(ServiceThread):
             plan = ps.plan = plan_split(d, counts_raw, owners[0], owners[1], own.version)
         if len(plan.parts) == 1:
             ok = self._send(plan.parts[0].owner, frames[1].buffer, payload, tok)      # payload untouched, zero-copy
+            if ok:
+                self.stats.bytes_out += d.total_rows * d.row_bytes
         else:
             self.stats.deltas_split += 1
             self.stats.split_gathered += plan.gathered
-            ok = all(self._send(p.owner, p.head, p.frames, tok) for p in apply_plan(h, d, plan, payload))
+            ok = True
+            for p in apply_plan(h, d, plan, payload):
+                if not self._send(p.owner, p.head, p.frames, tok):
+                    ok = False
+                    break
+                self.stats.bytes_out += sum(map(_nbytes, p.frames))     # the owner's rows
         if not ok:
             self._unaccept(tok)
 

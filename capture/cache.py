@@ -145,6 +145,11 @@ class RoutingCache:
         self._recorded = 0                       # layers recorded since the last flush
         self.incomplete_flushes = 0              # flushes (eager, or at graph capture) missing a layer
         self._store = None                       # (PrefixStore, slot mapping (>= max_tokens,) int64) or None
+        self._store_in_flush = True              # the flush writes the store (else store_step, after the forward)
+        # set while torch.compile traces the flush (its Python then runs once, at trace time, never again): whether
+        # a store was attached to be written by it then. A traced flush without one never writes the store.
+        self.traced = False
+        self.traced_store = False
         self._store_views: dict = {}             # n -> (slots view, int16 rows view) for the store write
         self.store_writes = 0                    # store writes issued from Python (eager steps, graph captures)
         # fill_step on CUDA: one driver memset with the GIL held (capture/cudriver.py), checked once per device
@@ -226,11 +231,13 @@ class RoutingCache:
             raise RuntimeError("this cache has no step stamps")
         return read_stamp(self.stamp_rows[:1].cpu().numpy())
 
-    def attach_store(self, store, slot_mapping: torch.Tensor) -> None:
-        """From now on every flush also writes the step's n rows into `store` (a PrefixStore) at
-        `slot_mapping[:n]` (the engine's persistent per-step slot buffer: token i of the step went to KV slot
-        slot_mapping[i], -1 for padding). Attach before CUDA graphs are captured: a graph replays what the flush
-        did at capture time."""
+    def attach_store(self, store, slot_mapping: torch.Tensor, *, in_flush: bool = True) -> None:
+        """From now on every step's n rows go into `store` (a PrefixStore) at `slot_mapping[:n]` (the engine's
+        persistent per-step slot buffer: token i of the step went to KV slot slot_mapping[i], -1 for padding).
+        in_flush=True: the flush writes it (inside the forward); attach before CUDA graphs are captured, as a graph
+        replays what the flush did at capture time. in_flush=False: whoever ends the step calls `store_step` after
+        the forward (hooks that run in Python every step, where torch.compile may have traced the flush into the
+        compiled model before the store existed: a traced flush keeps the branches it took then)."""
         if slot_mapping.dim() != 1 or slot_mapping.device != self.device \
                 or slot_mapping.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"slot mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype} on "
@@ -239,6 +246,7 @@ class RoutingCache:
             raise ValueError(f"prefix store rows {tuple(store.rows.shape)} on {store.table.device}; expected "
                              f"(S, {self.num_layers}, {self.top_k}) on {self.device}")
         self._store = (store, slot_mapping)
+        self._store_in_flush = bool(in_flush)
         self._store_views = {}
 
     def detach_store(self) -> None:
@@ -330,12 +338,20 @@ class RoutingCache:
             self._stamp_and_slot(n)
         elif self.stamped:
             self._stamp()
-        if self._store is None:
+        if _compiling():
+            self.traced = True
+            self.traced_store = self._store is not None and self._store_in_flush
+        if self._store is None or not self._store_in_flush:
             return
+        self.store_step(n, complete)
+
+    def store_step(self, n: int, complete: bool = True) -> None:
+        """Write the step's n rows (in the cache now) into the attached store at slot_mapping[:n]; complete=False
+        (a layer's hook did not run: its rows here are stale): -1 at those slots instead. Graph-safe."""
         store, slot_mapping = self._store
         if not complete:
-            # a layer's hook did not run: its rows here are stale. The step's slots get -1 (under capture the
-            # graph records that, so every replay forgets its slots rather than store stale routing).
+            # under capture the graph records that, so every replay forgets its slots rather than store stale
+            # routing
             store.forget(slot_mapping[:n])
         elif self.dtype != torch.int16:             # int32/int64 caches: one cast per step (allocates)
             store.write(slot_mapping[:n], self.step_rows(n).transpose(0, 1).to(torch.int16))

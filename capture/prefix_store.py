@@ -4,13 +4,16 @@ vLLM's prefix cache hands a new request the KV blocks an earlier request compute
 those tokens is what produced the cached KV. `PrefixStore` keeps one (L, K) row per KV slot (block id x block
 size + offset, the engine's own `slot_mapping`), on the device that runs the model:
 
-- write (inside the forward, graph-safe): `RoutingCache.attach_store(store, slot_mapping)` makes the cache's
-  end-of-step flush (the last MoE layer's hook) also scatter the step's rows into the store at the step's slots,
-  one `index_put_` on the compute stream. Under CUDA graphs it is captured with the rest of the hook, so a
-  replayed step writes the store at no host cost at all. Every KV write has a routing write beside it, so a
-  slot's row always belongs to the KV the slot holds: an evicted block that is refilled gets the new rows, and
-  no hit can ever read the rows of a block's previous occupant. Padded tokens (CUDA-graph padding, dummy runs)
-  have slot -1 in vLLM's slot mapping; the table has one spare row at the end where they land.
+- write (graph-safe): `RoutingCache.attach_store(store, slot_mapping)` makes the cache's end-of-step flush (the
+  last MoE layer's hook, inside the forward) also scatter the step's rows into the store at the step's slots, one
+  `index_put_` on the compute stream. Under CUDA graphs it is captured with the rest of the hook, so a replayed
+  step writes the store at no host cost at all. Where the hooks run in Python every step the worker attaches it
+  with in_flush=False and writes it after the forward (`RoutingCache.store_step`): torch.compile traces the flush
+  of a model it compiles whole (vLLM's CPU build) once, before the store exists, and keeps what it did then.
+  Every KV write has a routing write beside it, so a slot's row always belongs to the KV the slot holds: an
+  evicted block that is refilled gets the new rows, and no hit can ever read the rows of a block's previous
+  occupant. Padded tokens (CUDA-graph padding, dummy runs) have slot -1 in vLLM's slot mapping; the table has
+  one spare row at the end where they land.
 - gather (for a request scheduled with prefix hits): `AsyncCopier.submit_gather(store.rows, slots)` snapshots
   the hit positions' rows into the host ring like any step's rows (one `index_select`, then the asynchronous
   D2H copy).

@@ -60,6 +60,15 @@ def recv(sock):
     return wire.decode_header(frames[0]), frames[1:]
 
 
+def _settled(read, want, timeout_s=5.0):
+    """read() once it equals `want` (a counter the broker's thread updates after sends the consumers already
+    received), else its value at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while read() != want and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return read()
+
+
 def ids_for(owner: bytes, n: int, prefix: str) -> list[str]:
     out, i = [], 0
     while len(out) < n:
@@ -102,6 +111,11 @@ def test_split_delivers_exact_rows_to_each_owner(net, layout, rows_per_req, L):
         else:
             assert len(frames) == 1
     assert b.stats.deltas_split == 1
+    # every row went out once, to its owner: the bytes out are the bytes in (counted after the send, on the
+    # broker's thread)
+    want = sum(c * L * K * 2 for c in counts)
+    assert _settled(lambda: b.stats.bytes_out, want) == payload.nbytes == want
+    assert b.stats.bytes_in == payload.nbytes
 
 
 def test_single_owner_step_is_forwarded_untouched(net):
@@ -116,6 +130,11 @@ def test_single_owner_step_is_forwarded_untouched(net):
     assert frames == [payload]
     assert not consumers[b"c1"].poll(100)
     assert b.stats.deltas_split == 0
+    assert _settled(lambda: b.stats.bytes_out, 96) == len(payload) == 6 * 4 * 2 * 2
+    prod.send_multipart([wire.pack_header("delta", "p", 3, 2, ids[:1], wire.delta_body([2], [1], 4, 2)),
+                         payload[:16]])
+    recv(consumers[b"c2"])
+    assert _settled(lambda: b.stats.bytes_out, 96 + 16) == 96 + 16
 
 
 def test_ownership_is_sticky_when_a_consumer_joins(net):

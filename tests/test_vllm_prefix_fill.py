@@ -8,6 +8,9 @@ several blocks), n > 1 samples of one prompt (siblings hit blocks computed in th
 of prompts longer than the budget with hits, eviction under the small cache, reset_prefix_cache between rounds,
 a step whose routing was not recorded (its slots read as not found), a weight reload between rounds (stored
 rows invalidated: hits on old blocks are flagged `prefix_not_found`, never stale).
+
+And the engine as vLLM starts it by default on CPU (no enforce_eager: the model is compiled with torch.compile and
+Inductor, which traces the routers' capture hooks into the compiled model; prefix caching is on by default).
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ def _restore(saved):
 
 
 class Engine:
-    def __init__(self, arch, tmp):
+    def __init__(self, arch, tmp, **kw):
         self.npz = tmp
         self.saved = _env(tmp)
         self.model = tiny_model(arch)
-        self.llm = inprocess_llm(self.model, max_num_batched_tokens=CHUNK, enable_prefix_caching=True,
-                                 max_num_seqs=32, max_model_len=1024, kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_BYTES)
+        kw.setdefault("enable_prefix_caching", True)
+        self.llm = inprocess_llm(self.model, max_num_batched_tokens=CHUNK, max_num_seqs=32, max_model_len=1024,
+                                 kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_BYTES, **kw)
         self.cap = capture_of(worker_of(self.llm))
         self.oracle = Oracle(str(self.model))
 
@@ -276,3 +280,55 @@ def test_mixtral_shared_prefix_and_n(tmp_path):
         assert v.ok and v.rows == (len(o.prompt_token_ids) - 256 + len(c.token_ids) - 1) * r.routed_experts.shape[1]
     finally:
         eng.close()
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """vLLM's default execution mode on CPU: no enforce_eager (torch.compile), prefix caching left at its default."""
+    eng = Engine("qwen3_moe_mixed", tmp_path_factory.mktemp("npz"), enforce_eager=False, enable_prefix_caching=None)
+    yield eng
+    eng.close()
+
+
+def test_compiled_engine_fills_every_hit(compiled):
+    """Without enforce_eager vLLM's CPU build compiles the MoE block with the hooks in it; a flush traced before the
+    store existed would never write it (every hit then read `prefix_not_found`). The worker writes the store after
+    each forward instead: records complete and exact, prefix rows included."""
+    eng = compiled
+    vc = eng.llm.llm_engine.vllm_config
+    assert not vc.model_config.enforce_eager and vc.cache_config.enable_prefix_caching
+    assert int(vc.compilation_config.mode) != 0                    # CompilationMode.NONE: not compiled
+    rnd = random.Random(11)
+    prefix = _tokens(rnd, 520)
+    eng.check(eng.generate([prefix + _tokens(rnd, 7)], SamplingParams(max_tokens=6, temperature=0)))
+    # the hooks ran inside the compiled model, whose flush was traced without the store
+    assert eng.cap.binding.gate and eng.cap.cache.traced and not eng.cap.cache.traced_store
+    outs = eng.generate([prefix + _tokens(rnd, rnd.randrange(10, 60)) for _ in range(4)],
+                        SamplingParams(max_tokens=10, temperature=0.8, ignore_eos=True))
+    recs = eng.check(outs)
+    assert sorted(r.num_prefix_filled for r, _, _ in recs.values()) == [512] * 4
+    outs = eng.generate([_tokens(rnd, 300)], SamplingParams(n=3, max_tokens=8, temperature=1.0, ignore_eos=True))
+    filled = sorted(r.num_prefix_filled for r, _, _ in eng.check(outs).values())
+    assert filled[-1] == 256 and filled.count(256) >= 2, filled
+
+
+def test_compiled_engine_reload_invalidates_then_fills(compiled):
+    """A weight reload re-binds the hooks (the compiled model keeps the ones it traced) and invalidates the store;
+    after reset_prefix_cache the next hits are filled again, from the new weights' forwards."""
+    eng = compiled
+    rnd = random.Random(12)
+    prompt = _tokens(rnd, 280)
+    eng.check(eng.generate([prompt], SamplingParams(max_tokens=3, temperature=0)))
+    worker_of(eng.llm).reload_weights()
+    assert eng.cap.store.invalidations == 1
+    outs = eng.generate([prompt + _tokens(rnd, 4)], SamplingParams(max_tokens=3, temperature=0))
+    (r, o, _), = eng.records(outs).values()
+    assert r.num_cached_tokens == 256 and not r.complete and r.reason == "prefix_not_found"
+    assert r.missing == [(0, 256)]
+    assert eng.llm.reset_prefix_cache()
+    outs = eng.generate([prompt + _tokens(rnd, 4)], SamplingParams(max_tokens=3, temperature=0))
+    outs += eng.generate([prompt + _tokens(rnd, 5)], SamplingParams(max_tokens=3, temperature=0))
+    recs = eng.records(outs)
+    assert [(r.complete, r.num_prefix_filled) for r, _, _ in recs.values()] == [(True, 0), (True, 256)]
+    first, second = (r.prompt_routed_experts for r, _, _ in recs.values())
+    assert (second[:256] == first[:256]).all() and (second >= 0).all()

@@ -5,8 +5,9 @@ entry point. It does nothing unless ROUTING_REPLAY_BROKER is set. Otherwise it w
 without touching vLLM's files:
 
   vllm.v1.worker.gpu_worker.Worker (CPUWorker inherits it)
-    load_model            after: bind the capture hooks, allocate the cache, start the producer (before
-                          profiling and CUDA-graph capture, which come later in engine start-up)
+    load_model            before: refuse a model whose MoE dtype this vLLM CPU release refuses on this CPU, naming
+                          release, CPU feature and dtype (cpu_refusals.py); after: bind the capture hooks, allocate
+                          the cache, start the producer (before profiling and CUDA-graph capture, which come later)
     execute_model         before/after: WorkerCapture.pre_step / post_step (pre_step's work in post_step for a
                           step of the running batch after an eager CPU one: WorkerCapture._late_pre_step)
     compile_or_warm_up_model  around: the prefix store made (fill mode; before CUDA graphs are captured, so
@@ -152,6 +153,19 @@ def _install_worker_hooks(cls) -> None:
                 cap.rebind(reason)
         return fn
 
+    orig_load = cls.load_model
+
+    @functools.wraps(orig_load)
+    def load_model(self, *args, **kwargs):
+        import vllm
+
+        from routing_replay.engines.vllm_plugin import cpu_refusals
+
+        # a release that refuses this model's MoE dtype on this CPU says so once, before any layer loads
+        cpu_refusals.check_engine(self.vllm_config, vllm.__version__)
+        return orig_load(self, *args, **kwargs)
+
+    cls.load_model = load_model
     after("load_model", on_load)
     for name in ("reload_weights", "wake_up", "finish_weight_update"):
         if hasattr(cls, name):

@@ -30,12 +30,13 @@ Per step (`Worker.execute_model`, engine thread):
 Steps with no captured request do nothing beyond two dict/set checks: no copy, no message.
 
 Prefix rows (ROUTING_REPLAY_PREFIX_ROWS=fill; capture/prefix_store.py): every forward, captured or not, also
-writes its routing into a PrefixStore by KV slot, inside the forward: the cache's end-of-step flush (the last
-MoE layer's hook; under enforce_eager post_step, right after the forward) scatters the step's rows to the
-runner's persistent slot-mapping buffer, so under CUDA graphs the write is part of the replayed graph and costs the
-engine thread nothing (the store is allocated and attached
-when vLLM starts its warm-up, after the KV cache is sized and before graphs are captured; on CPU the hooks then
-record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
+writes its routing into a PrefixStore by KV slot: under CUDA graphs and torch.compile on GPU inside the forward,
+where the cache's end-of-step flush (the last MoE layer's hook) scatters the step's rows to the runner's persistent
+slot-mapping buffer, so under CUDA graphs the write is part of the replayed graph and costs the engine thread
+nothing; where hooks run in Python every step (CPU eager or compiled, GPU enforce_eager) post_step does, right
+after the forward (torch.compile on CPU traces the flush before the store exists). The store is allocated and
+attached when vLLM starts its warm-up, after the KV cache is sized and before graphs are captured (on CPU the hooks
+then record every step). A request opened with prefix hits gets rows [0, num_cached_tokens) gathered from the store
 (its block-table row -> slots) into the same host ring and delta as computed rows, after the step's forward (a
 hit may point at blocks another request computed in this very step): with other requests' rows, once the queue
 has waited 16 steps or holds half a step's rows, or at once when the request's blocks are freed. A weight
@@ -962,6 +963,16 @@ class WorkerCapture:
         while they were captured: otherwise drop the store (loudly) rather than let a replay skip a write."""
         if self.store is None or self.binding is None or self.binding.gate:
             return
+        if self.cache.traced and not self.cache.traced_store:
+            # torch.compile traced the hooks into the model (vLLM calls the MoE directly instead of as its opaque
+            # op) before the store existed: neither the compiled code nor a graph captured from it writes the store
+            cc = self.runner.vllm_config.compilation_config
+            raise NotImplementedError(
+                f"routing-replay: ROUTING_REPLAY_PREFIX_ROWS=fill cannot run under this execution mode "
+                f"(compilation mode {getattr(cc, 'mode', None)}, cudagraph_mode {getattr(cc, 'cudagraph_mode', None)}"
+                f"): torch.compile traced the MoE routers' capture hooks into the compiled model before the prefix "
+                f"store existed, so no step would write it. Start the engine with enforce_eager=True, or use "
+                f"ROUTING_REPLAY_PREFIX_ROWS=sentinel.")
         if not self.binding.bound():
             self._store_lost("capture hooks were not in place after CUDA graph capture")
             return
@@ -995,7 +1006,11 @@ class WorkerCapture:
                                               "ranks")
             num_slots = int(kcc.num_blocks) * block_size
             store = PrefixStore(num_slots, self.cache.num_layers, self.cache.top_k, device=self.device)
-            self.cache.attach_store(store, slot_mapping)
+            # hooks that run in Python every step (CPU eager or compiled, GPU enforce_eager): post_step writes the
+            # store after the forward (store_step), never the flush, which torch.compile traces into the model on
+            # CPU (vLLM calls the MoE there directly, not as its opaque op) before the store exists, keeping the
+            # branch taken then
+            self.cache.attach_store(store, slot_mapping, in_flush=not self.binding.gate)
             kv_bytes = sum(int(t.size) for t in getattr(kcc, "kv_cache_tensors", []) or [])
         except Exception as e:          # noqa: BLE001 -- degrade to the sentinel, loudly
             self.fill = False
@@ -1457,7 +1472,9 @@ class WorkerCapture:
                                     f"routing of all {b.min_rows} tokens of this step; hooks bound: "
                                     f"{b.bound()}. Refusing to publish stale routing.")
         if storing:
-            if not complete:
+            if complete and b.gate:
+                self.cache.store_step(so.total_num_scheduled_tokens)
+            elif not complete:
                 self._forget_step(so.total_num_scheduled_tokens)
                 log.warning("routing-replay: %d of %d MoE layers recorded this step's routing; its %d KV "
                             "slots hold no prefix rows (store_forgotten=%d)", b.calls, len(b.layers),
