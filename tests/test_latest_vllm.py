@@ -327,3 +327,16 @@ def test_capture_source_module_is_refused_by_name():
         "expert ids only through its own capture_fn, not through a router's hook; not supported. Unset "
         "ROUTING_REPLAY_BROKER to run vLLM with routing capture off.")
     assert find_moe_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []      # no MoE at all: nothing refused
+
+
+def test_requirements_helper_leaves_out_exact_pins_only():
+    """tests/vllm_latest_requirements.py (the target's install list): markers are evaluated here, extras dropped,
+    and only a requirement whose name and specifier equal a --skip entry is left out."""
+    from tests.vllm_latest_requirements import applicable
+
+    lines = ["numpy", "torch==2.14.0", "flashinfer-python==0.7.3", "Flashinfer_Python==0.7.3",
+             "six>=1.16.0; python_version > '3.99'", "uvloop; sys_platform == 'linux'", "pytest; extra == 'test'",
+             "flashinfer-python==0.7.2.post1"]
+    keep, left_out = applicable(lines, ["flashinfer-python==0.7.3"])
+    assert keep == ["numpy", "torch==2.14.0", "uvloop", "flashinfer-python==0.7.2.post1"]         # (on Linux)
+    assert left_out == ["flashinfer-python==0.7.3", "Flashinfer_Python==0.7.3"]
