@@ -17,10 +17,9 @@ What is checked, and why (the module that relies on it):
   binding.py         MoERunner modules (.router, .is_monolithic, .routed_experts, .layer_id);
                      BaseRouter.set_capture_fn(fn), .capture_fn, .top_k; vllm.forward_context
   worker.py          the model runner's class: Model Runner V1's GPUModelRunner where vLLM ships it (to 0.33),
-                     else Model Runner V2's (0.34 removed V1) with the V2 fields below; SchedulerOutput fields
-                     scheduled_new_reqs,
-                     finished_req_ids, num_scheduled_tokens, total_num_scheduled_tokens, preempted_req_ids,
-                     scheduled_spec_decode_tokens; NewRequestData fields req_id, prompt_token_ids,
+                     else Model Runner V2's (0.34 removed V1) with its fields (NEEDS_V2); SchedulerOutput fields
+                     scheduled_new_reqs, finished_req_ids, num_scheduled_tokens, total_num_scheduled_tokens,
+                     preempted_req_ids, scheduled_spec_decode_tokens; NewRequestData fields req_id, prompt_token_ids,
                      prompt_embeds, num_computed_tokens, sampling_params; after a step the runner's
                      input_batch.req_ids/.num_reqs/.num_computed_tokens_cpu/.block_table/.req_id_to_index,
                      query_start_loc.np, requests, device, get_model() (check_runner)
@@ -302,7 +301,8 @@ def _has_module(name: str) -> bool:
 def runner_class_needs() -> tuple[Need, ...]:
     """The model runner's class-level needs checked at start-up: Model Runner V1's where the installed vLLM ships its
     module (to 0.33; a worker bound to V2 there has NEEDS_V2 checked when it binds, check_runner), else Model Runner
-    V2's (0.34 removed V1; V2's module imports Triton, which every release without V1 has)."""
+    V2's (0.34 removed V1; where V2's module cannot be imported either, e.g. without Triton, that is refused by
+    name)."""
     return NEEDS_V1 if _has_module(_RUNNER) else NEEDS_V2
 
 
