@@ -41,7 +41,7 @@ VLLM_ENVS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/routing-replay/vllm-envs
 VLLM_TEST_FILES := $(filter-out tests/test_vllm_gpu.py,$(wildcard tests/test_vllm_*.py))
 vllm_env = $(VLLM_ENVS)/$(1)-$(CHECKOUT_ID)
 
-.PHONY: venv wheel-venv dist run test test-gpu test-vllm-versions bench clean
+.PHONY: venv wheel-venv dist run test test-gpu test-vllm-versions check-vllm-latest bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -130,6 +130,37 @@ $(MEGATRON_ENV)/.installed:
 .PHONY: test-megatron-latest
 test-megatron-latest: $(MEGATRON_ENV)/.installed
 	PYTHONPATH=$(CURDIR) $(MEGATRON_ENV)/bin/python -m pytest -q tests/test_replay_megatron.py
+
+# vLLM's newest releases, which have only CUDA wheels (torch==2.14.0 pinned; no CPU build): each installed in its own
+# virtual environment under the cache dir, vLLM with --no-deps and then its requirements as
+# tests/vllm_latest_requirements.py prints them, less VLLM_LATEST_SKIP (pins the package registry does not serve).
+# Every file comes through one wheel folder, VLLM_WHEELS (downloaded once for both releases: this registry's
+# responses are not kept in pip's cache). `make check-vllm-latest` runs the plugin's self-check and vLLM's code the
+# plugin relies on, as far as it runs without a GPU (tests/test_latest_vllm.py, tests/test_vllm_selfcheck.py but its
+# engine test); docs/VLLM.md "vLLM 0.33 and 0.34" says what does not run.
+VLLM_LATEST_VERSIONS ?= 0.33.0 0.34.0
+VLLM_LATEST_SKIP ?= flashinfer-python==0.7.3
+VLLM_WHEELS ?= $(VLLM_ENVS)/wheels
+VLLM_LATEST_TOOLS := "pyzmq>=25" "msgpack>=1.0" numpy pytest hypothesis
+
+$(VLLM_ENVS)/cuda-%-$(CHECKOUT_ID)/.deps:
+	rm -rf $(@D)
+	$(PY) -m venv $(@D)
+	$(@D)/bin/pip install -q -U pip "setuptools>=77" wheel packaging
+	$(@D)/bin/pip download -q --no-deps -d $(VLLM_WHEELS) vllm==$*
+	$(@D)/bin/pip install -q --no-compile --no-deps --no-index -f $(VLLM_WHEELS) vllm==$*
+	$(@D)/bin/python tests/vllm_latest_requirements.py $(VLLM_LATEST_SKIP:%=--skip %) > $(@D)/requirements.txt
+	$(@D)/bin/pip download -q -d $(VLLM_WHEELS) -r $(@D)/requirements.txt $(VLLM_LATEST_TOOLS)
+	$(@D)/bin/pip install -q --no-compile --no-index -f $(VLLM_WHEELS) -r $(@D)/requirements.txt $(VLLM_LATEST_TOOLS)
+	touch $@
+
+.PRECIOUS: $(VLLM_ENVS)/cuda-%-$(CHECKOUT_ID)/.deps
+
+check-vllm-cuda-%: $(VLLM_ENVS)/cuda-%-$(CHECKOUT_ID)/.installed
+	$(call vllm_env,cuda-$*)/bin/python -m pytest -q -p no:cacheprovider tests/test_latest_vllm.py \
+		tests/test_vllm_selfcheck.py --deselect tests/test_vllm_selfcheck.py::test_runner_check_passes_on_the_real_runner
+
+check-vllm-latest: $(VLLM_LATEST_VERSIONS:%=check-vllm-cuda-%)
 
 run: venv
 	$(BIN)/routing-replay demo --out ./out

@@ -45,7 +45,7 @@ def test_untested_version_warns_and_passes(caplog):
         selfcheck.startup_check("0.26.0")
     assert _ours(caplog) == [
         ("WARNING", "routing-replay: vLLM 0.26.0 is outside the tested versions (0.25.1 and 0.27.0 to 0.32.0); "
-                    f"running because the start-up self-check found every hook ({len(selfcheck.NEEDS)})")]
+                    f"running because the start-up self-check found every hook ({len(selfcheck.startup_needs())})")]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         selfcheck.startup_check("0.27.0")

@@ -241,7 +241,7 @@ def test_check_version(caplog):
             plugin.check_version(untested)
         assert ours() == [
             f"routing-replay: vLLM {untested} is outside the tested versions (0.25.1 and 0.27.0 to 0.32.0); "
-            f"running because the start-up self-check found every hook ({len(plugin.selfcheck.NEEDS)})"]
+            f"running because the start-up self-check found every hook ({len(plugin.selfcheck.startup_needs())})"]
 
 
 # ---- scheduler notes -------------------------------------------------------------------------------------------

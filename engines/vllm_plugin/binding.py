@@ -168,12 +168,31 @@ def _install_select_hook(module) -> None:
     experts._select_experts = _select_experts
 
 
+def _capture_source_cls():
+    """vLLM's protocol for MoE modules that are no MoERunner, route inside their own kernel and hand the ids only to
+    vLLM's routed-experts capturer through their own `capture_fn` (DeepGEMM MegaMoE experts: DeepSeek V4, MiniMax M3
+    and Kimi K3 on NVIDIA), or None where vLLM has no such protocol."""
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
+    except Exception:                   # noqa: BLE001 -- an older vLLM: no such modules either
+        return None
+    return RoutedExpertsCaptureSource
+
+
 def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
-    """The MoE blocks of `model` in layer order (only this pipeline stage's layers exist in `model`)."""
+    """The MoE blocks of `model` in layer order (only this pipeline stage's layers exist in `model`). A module vLLM
+    captures through its own `capture_fn` (no router hook) is refused by name: its layer would be missing from every
+    row."""
     runner_cls = _moe_runner_cls()
+    source_cls = _capture_source_cls()
     layers: list[MoELayer] = []
     for name, module in model.named_modules():
         if not isinstance(module, runner_cls):
+            if source_cls is not None and isinstance(module, source_cls):
+                raise NotImplementedError(
+                    f"routing-replay: MoE layer {name} is a {type(module).__name__}, which routes inside its own "
+                    "kernel and reports expert ids only through its own capture_fn, not through a router's hook; "
+                    "not supported. Unset ROUTING_REPLAY_BROKER to run vLLM with routing capture off.")
             continue
         router = module.router
         shim = _legacy_cpu_hook(module) if module.is_monolithic else None

@@ -16,9 +16,10 @@ What is checked, and why (the module that relies on it):
                      .engine_core read; EngineCore.step_fn() and .post_step(model_executed=) called
   binding.py         MoERunner modules (.router, .is_monolithic, .routed_experts, .layer_id);
                      BaseRouter.set_capture_fn(fn), .capture_fn, .top_k; vllm.forward_context
-  worker.py          GPUModelRunner (the V1 runner); SchedulerOutput fields scheduled_new_reqs,
-                     finished_req_ids, num_scheduled_tokens, total_num_scheduled_tokens, preempted_req_ids,
-                     scheduled_spec_decode_tokens; NewRequestData fields req_id, prompt_token_ids,
+  worker.py          the model runner's class: Model Runner V1's GPUModelRunner where vLLM ships it (to 0.33),
+                     else Model Runner V2's (0.34 removed V1) with its fields (NEEDS_V2); SchedulerOutput fields
+                     scheduled_new_reqs, finished_req_ids, num_scheduled_tokens, total_num_scheduled_tokens,
+                     preempted_req_ids, scheduled_spec_decode_tokens; NewRequestData fields req_id, prompt_token_ids,
                      prompt_embeds, num_computed_tokens, sampling_params; after a step the runner's
                      input_batch.req_ids/.num_reqs/.num_computed_tokens_cpu/.block_table/.req_id_to_index,
                      query_start_loc.np, requests, device, get_model() (check_runner)
@@ -31,6 +32,7 @@ import dataclasses
 import dis
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 from typing import NamedTuple
@@ -111,9 +113,7 @@ NEEDS: tuple[Need, ...] = (
     Need("vllm.forward_context", "is_forward_context_available", "callable"),
     Need("vllm.distributed.parallel_state", "get_tp_group", "callable"),
     Need("vllm.distributed.parallel_state", "get_pp_group", "callable"),
-    # worker.py: the scheduler's step description
-    Need(_RUNNER, "GPUModelRunner", "class", why="the V1 model runner the plugin reads"),
-    Need(_RUNNER, "GPUModelRunner.get_model", "callable"),
+    # worker.py: the scheduler's step description (the model runner's classes: runner_class_needs)
     Need(_OUT, "SchedulerOutput.scheduled_new_reqs"),
     Need(_OUT, "SchedulerOutput.finished_req_ids"),
     Need(_OUT, "SchedulerOutput.num_scheduled_tokens"),
@@ -129,6 +129,14 @@ NEEDS: tuple[Need, ...] = (
     # keys.py
     Need("vllm.v1.engine.input_processor", "InputProcessor.assign_request_id", "callable", args=("request",),
          why="request ids the record keys are derived from"),
+)
+
+# Model Runner V1's classes (vllm.v1.worker.gpu_model_runner, every release to 0.33): checked at start-up where vLLM
+# ships that module. vLLM 0.34 removed it: Model Runner V2 is then the only runner, and NEEDS_V2 is checked at
+# start-up instead (runner_class_needs).
+NEEDS_V1: tuple[Need, ...] = (
+    Need(_RUNNER, "GPUModelRunner", "class", why="the V1 model runner the plugin reads"),
+    Need(_RUNNER, "GPUModelRunner.get_model", "callable"),
 )
 
 # The runner instance, after load_model (check_runner): dotted paths from the runner, and what reads them.
@@ -150,6 +158,11 @@ RUNNER_NEEDS: tuple[tuple[str, str], ...] = (
 # imported anywhere else).
 _V2 = "vllm.v1.worker.gpu"
 NEEDS_V2: tuple[Need, ...] = (
+    Need(f"{_V2}.model_runner", "GPUModelRunner", "class", why="the V2 model runner the plugin reads"),
+    Need(f"{_V2}.model_runner", "GPUModelRunner.get_model", "callable", why="find the MoE layers"),
+    Need(f"{_V2}.model_runner", "GPUModelRunner.device", why="where the routing cache lives"),
+    Need(f"{_V2}.model_runner", "GPUModelRunner.vllm_config", why="fill mode's KV-connector check"),
+    Need(f"{_V2}.model_runner", "GPUModelRunner.kv_cache_config", why="fill mode: the number of KV slots"),
     Need(f"{_V2}.model_runner", "GPUModelRunner.execute_model_state", why="the step's batch after the forward"),
     Need(f"{_V2}.model_runner", "GPUModelRunner.block_tables", why="fill mode: the step's KV slots"),
     Need(f"{_V2}.model_runner", "ExecuteModelState.input_batch", why="the step's batch after the forward"),
@@ -278,9 +291,37 @@ def need_problem(need: Need) -> str | None:
     return None
 
 
-def class_problems(needs=NEEDS) -> list[str]:
-    """What the installed vLLM lacks of `needs` (empty: everything the plugin hooks at class level is there)."""
-    return [p for p in map(need_problem, needs) if p is not None]
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:                 # a parent package is missing
+        return False
+
+
+def runner_class_needs() -> tuple[Need, ...]:
+    """The model runner's class-level needs checked at start-up: Model Runner V1's where the installed vLLM ships its
+    module (to 0.33; a worker bound to V2 there has NEEDS_V2 checked when it binds, check_runner), else Model Runner
+    V2's (0.34 removed V1; where V2's module cannot be imported either, e.g. without Triton, that is refused by
+    name)."""
+    return NEEDS_V1 if _has_module(_RUNNER) else NEEDS_V2
+
+
+def startup_needs() -> tuple[Need, ...]:
+    """Everything startup_check checks on the installed vLLM: NEEDS and the model runner's (runner_class_needs)."""
+    return NEEDS + runner_class_needs()
+
+
+def class_problems(needs=None) -> list[str]:
+    """What the installed vLLM lacks of `needs` (default: startup_needs(); empty: everything the plugin hooks at
+    class level is there). Without Model Runner V1's module, a missing V2 need is preceded by that module's name."""
+    if needs is None:
+        needs = startup_needs()
+    found = [(need, need_problem(need)) for need in needs]
+    problems = [p for _, p in found if p is not None]
+    if any(p is not None and need in NEEDS_V2 for need, p in found) and not _has_module(_RUNNER):
+        problems.insert(0, f"module {_RUNNER} (Model Runner V1) is not in this vLLM, so Model Runner V2 "
+                           f"({_V2}.model_runner) must be")
+    return problems
 
 
 def _get_path(obj, path: str):
@@ -342,9 +383,11 @@ def refusal(version: str, problems: list[str]) -> str:
             "capture off.")
 
 
-def startup_check(version: str, needs=NEEDS) -> None:
-    """The class-level self-check (register()): raise RuntimeError naming every missing hook; log a WARNING
-    naming the tested range when `version` is outside it and the check passed."""
+def startup_check(version: str, needs=None) -> None:
+    """The class-level self-check (register()) of `needs` (default: startup_needs()): raise RuntimeError naming every
+    missing hook; log a WARNING naming the tested range when `version` is outside it and the check passed."""
+    if needs is None:
+        needs = startup_needs()
     problems = class_problems(needs)
     if problems:
         raise RuntimeError(refusal(version, problems))
