@@ -959,3 +959,31 @@ def test_frames_that_are_not_writable_are_always_copied():
     f.finish("a", 1)
     check(f.out["a"], 1, 4, 1, 0)
     assert (f.acc.stats.adopted, f.acc.stats.adopted_records) == (0, 0)
+
+
+def test_a_newer_open_of_an_id_whose_record_waits_out_its_grace_lets_that_record_out_first():
+    """An id reused right after its finish (the engine sends the finish, then the next request's open) while the
+    finished record waits for late rows: that record comes out as it is (incomplete, its hole named), it is not
+    dropped, and the new request starts empty under the id."""
+    f = Feed(finish_grace_s=10.0)
+    got = []
+    f.open("dup", 4)
+    f.delta([("dup", 0, rows(3, 0, 2))])
+    f.delta([("dup", 4, rows(3, 4, 6))])      # positions 2, 3 not delivered
+    f.finish("dup", 3)
+    assert "dup" not in f.out                 # waits for late rows
+    f.seq += 1
+    h = wire.decode_header(wire.pack_header("open", "p", 0, f.seq, "dup", {
+        "prompt_len": 5, "num_cached": 0, "num_layers": L, "top_k": K, "layer_ids": list(range(L))}))
+    got += f.acc.apply(h, [], f.now)
+    assert [r.request_id for r in got] == ["dup"]
+    first = got[0]
+    assert not first.complete and first.missing == [(2, 4)] and first.reason == "rows_not_delivered"
+    ep, eg = expected(3, 4, 3, 0)
+    ep[2:4] = -1
+    np.testing.assert_array_equal(first.prompt_routed_experts, ep)
+    np.testing.assert_array_equal(first.routed_experts, eg)
+    f.delta([("dup", 0, rows(4, 0, 7))])
+    f.finish("dup", 3)
+    check(f.out["dup"], 4, 5, 3, 0)
+    assert (f.acc.stats.finished, f.acc.in_flight, f.acc.pending_finish) == (2, 0, {})

@@ -68,6 +68,7 @@ from routing_replay.engines.vllm_plugin.binding import _HOLDS, CaptureBinding, f
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
+from routing_replay.protocol import ids as _ids
 from routing_replay.producer.messages import RowsLost, flat_ids, flat_ints, request_major
 
 log = logging.getLogger("vllm.routing_replay")
@@ -121,6 +122,7 @@ class WorkerStats:
     prefix_rows: int = 0            # rows gathered from the prefix store
     store_forgotten: int = 0        # slots set to -1 because a step's routing was not fully recorded
     derived_keys: int = 0           # requests captured under record_key_for(id): their id cannot travel as it is
+    duplicate_keys: int = 0         # requests captured as f"{key}#{n}": another live request had their key
     skipped: int = 0                # requests not captured (or closed as aborted) after an error of their own
 
 
@@ -838,6 +840,8 @@ class WorkerCapture:
         self._quiet = False             # while timing: this step opened, finished and preempted nothing
         self.tracked: dict[str, str] = {}       # engine request id -> record key
         self._tracked_gen = 0                   # bumped on every change of `tracked`
+        self._live_keys: set = set()            # the keys of `tracked` as of _live_gen (_unique_key)
+        self._live_gen = -1
         # engine id -> (record key, first forward it is captured in): `tracked` and the requests that ended since
         # the last hand-over, for the producer's thread to resolve steps added raw (_StepBatch.add_raw); only
         # added to between hand-overs (never a key taken from under the thread)
@@ -1288,6 +1292,7 @@ class WorkerCapture:
             if not self.settings.captures(new.sampling_params):
                 return
             key, problem = _keys.capture_key(new.req_id, self.randomized)
+            key, dup = self._unique_key(key)
             if key in self._closing:
                 self._flush()       # the key's last request finishes first: its finish waits for no batch now
             if self.announces:
@@ -1305,11 +1310,35 @@ class WorkerCapture:
         self.tracked[new.req_id] = key
         self._seen[new.req_id] = (key, self.forwards + 1)     # (this step's forward, once pre_step counts it)
         self._tracked_gen += 1
+        self._live_keys.add(key)            # (_unique_key made the set current just before)
+        self._live_gen = self._tracked_gen
+        if dup is not None:
+            self.stats.duplicate_keys += 1
+            log.warning("routing-replay: request %s has the record key %s of a request still being captured; "
+                        "captured as %s (duplicate_keys=%d)", show_id(new.req_id), show_id(dup), show_id(key),
+                        self.stats.duplicate_keys)
         if problem is not None:
             self.stats.derived_keys += 1
             log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
                         "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
                         key, self.stats.derived_keys)
+
+    def _unique_key(self, key: str) -> tuple[str, str | None]:
+        """(key, None) if no live request has `key`; else (the first free f"{key}#{n}", key). Live: opened here
+        and its finish not yet handed to the producer (`tracked`, `_closing`), so two requests in flight never
+        share a record key (their rows would mix in one record) and a key's finish always precedes its reuse.
+        The set of tracked keys is rebuilt only when `tracked` changed other than by an open (a step that ends
+        requests and opens others)."""
+        if self._live_gen != self._tracked_gen:
+            self._live_keys = set(self.tracked.values())
+            self._live_gen = self._tracked_gen
+        live, closing = self._live_keys, self._closing
+        if key not in live and key not in closing:
+            return key, None
+        n = 1
+        while (cand := _ids.duplicate_key(key, n)) in live or cand in closing:
+            n += 1
+        return cand, key
 
     def _send_opens(self) -> set | None:
         """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
@@ -1783,10 +1812,10 @@ class WorkerCapture:
         if self.sink is not None:
             st = self.stats
             log.info("routing-replay: worker capture closing: steps=%d active_steps=%d ring_steps=%d host_steps=%d "
-                     "rows=%d opened=%d finished=%d aborted=%d derived_keys=%d skipped=%d rebinds=%d "
+                     "rows=%d opened=%d finished=%d aborted=%d derived_keys=%d duplicate_keys=%d skipped=%d rebinds=%d "
                      "prefix_requests=%d prefix_rows=%d store_forgotten=%d copied_steps=%d stamp_resyncs=%d",
                      st.steps, st.active_steps, st.ring_steps, st.host_steps, st.rows,
-                     st.opened, st.finished, st.aborted, st.derived_keys, st.skipped, st.rebinds,
+                     st.opened, st.finished, st.aborted, st.derived_keys, st.duplicate_keys, st.skipped, st.rebinds,
                      st.prefix_requests, st.prefix_rows, st.store_forgotten, st.copied_steps,
                      self.batch.stamps.resyncs if self.batch.stamps is not None else 0)
             try:
