@@ -13,7 +13,9 @@ log = logging.getLogger("vllm.routing_replay")
 class Sink:
     """Own a worker's Producer and, in embedded mode, the helper process (broker + consumer) it publishes to."""
 
-    def __init__(self, settings: Settings, *, single_publisher: bool, **producer_kw):
+    def __init__(self, settings: Settings, *, single_publisher: bool, in_flight=None, **producer_kw):
+        """in_flight (embedded): returns the record keys of the requests being captured, named when the helper
+        process dies."""
         self.pipeline = None
         if settings.embedded:
             if not single_publisher:
@@ -22,7 +24,7 @@ class Sink:
                     "with data or pipeline parallelism several workers publish. Run `routing-replay broker` "
                     f"and `routing-replay consume` and set {ENV_BROKER}=tcp://HOST:PORT instead.")
             from routing_replay.engines.vllm_plugin.pipeline import PipelineProcess
-            self.pipeline = PipelineProcess(npz_dir=settings.npz_dir, serve=settings.serve)
+            self.pipeline = PipelineProcess(npz_dir=settings.npz_dir, serve=settings.serve, in_flight=in_flight)
             self.endpoint = self.pipeline.frontend
             self.producer = Producer(self.endpoint, **producer_kw)
         else:

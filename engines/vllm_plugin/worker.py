@@ -819,7 +819,10 @@ class WorkerCapture:
         self.binding.bind()
         self.layer_ids = local_ids
         self.randomized = _keys.randomized_ids()
+        # in_flight: read by the embedded helper's watch thread when the helper dies (a copy of the values, taken
+        # in one C call under the GIL)
         self.sink = Sink(settings, single_publisher=pc.data_parallel_size == 1 and pp.world_size == 1,
+                         in_flight=lambda: list(self.tracked.values()),
                          num_layers=len(global_ids), top_k=top_k, moe_layer_ids=global_ids,
                          layer_range=layer_range)
         self.producer = self.sink.producer
