@@ -356,8 +356,11 @@ def test_server_embedded_helper_killed_is_started_again_and_its_losses_named(ser
     L = len(oracle.layer_ids)
     _check_record(oracle, recs[keys[1]], pl, later["choices"][0]["token_ids"], L)
     r = recs[keys[0]]
-    assert not r.complete and r.missing and r.reason, (r.reason, r.missing)
-    v = oracle.check(r, pv, vt[0])
+    assert not r.complete and r.missing and r.reason == "rows_not_delivered", (r.reason, r.missing)
+    # the worker sent its open again to the new helper: the record has its prompt length and tokens
+    assert r.prompt_token_ids.tolist() == pv and r.output_token_ids.tolist() == vt[0]
+    assert len(_log_lines(logf, "opens of 1 requests in flight sent again to the restarted helper")) == 1
+    v = oracle.check(r)
     assert v.ok and v.rows > 0, (v.error, v.mismatches[:3], v.sentinel_errors[:3])
     have = set(range(r.num_cached_tokens, len(pv) + 400 - 1))
     for lo, hi in r.missing:

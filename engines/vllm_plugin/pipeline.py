@@ -17,8 +17,9 @@ A helper that dies (killed, out of memory, a crash) is noticed by a watch thread
 `watch_interval_s`, named in one WARNING line (its pid, exit status, the restart count, and the record keys of the
 requests in flight, which lose the rows the dead consumer held), and started again on the same frontend: the
 producer reconnects and resends what the dead broker had not acknowledged, as after any broker restart
-(docs/RELIABILITY.md), so those requests' records come out incomplete with the lost positions in `missing`, and
-every later request is captured as before. A helper that dies within `crash_window_s` of its start waits
+(docs/RELIABILITY.md), and the worker sends the opens of its requests in flight again (`on_restart`), so those
+requests' records come out incomplete with the lost positions in `missing`, and every later request is captured
+as before. A helper that dies within `crash_window_s` of its start waits
 longer before the next start (doubling up to `max_backoff_s`).
 """
 
@@ -48,13 +49,14 @@ class PipelineProcess:
     when it dies, and its orderly stop."""
 
     def __init__(self, npz_dir: str | None = None, serve: str | None = None, *, start_timeout_s: float = 60.0,
-                 in_flight: Callable[[], list] | None = None, watch_interval_s: float = 0.5,
+                 in_flight: Callable[[], list] | None = None, on_restart: Callable[[], None] | None = None,
+                 watch_interval_s: float = 0.5,
                  crash_window_s: float = 10.0, max_backoff_s: float = 30.0):
         self.dir = tempfile.mkdtemp(prefix="routing-replay-")
         self.frontend = f"ipc://{self.dir}/frontend"
         self.npz_dir, self.serve = npz_dir, serve
         self.start_timeout_s = start_timeout_s
-        self.in_flight = in_flight
+        self.in_flight, self.on_restart = in_flight, on_restart
         self.watch_interval_s, self.crash_window_s, self.max_backoff_s = watch_interval_s, crash_window_s, max_backoff_s
         self.restarts = 0               # helpers started again after one died
         self.lost_in_flight = 0         # requests in flight when a helper died, summed over deaths
@@ -127,6 +129,8 @@ class PipelineProcess:
                 self.restarts += 1
             log.warning("routing-replay: embedded helper process started again: pid %d, ready in %.1fs "
                         "(restarts=%d)", self.proc.pid, time.monotonic() - t0, self.restarts)
+            if self.on_restart is not None:
+                self.on_restart()
 
     @staticmethod
     def _wait_ready(proc: subprocess.Popen, timeout_s: float) -> None:

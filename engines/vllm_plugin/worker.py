@@ -822,7 +822,7 @@ class WorkerCapture:
         # in_flight: read by the embedded helper's watch thread when the helper dies (a copy of the values, taken
         # in one C call under the GIL)
         self.sink = Sink(settings, single_publisher=pc.data_parallel_size == 1 and pp.world_size == 1,
-                         in_flight=lambda: list(self.tracked.values()),
+                         in_flight=lambda: list(self.tracked.values()), on_restart=self.helper_restarted,
                          num_layers=len(global_ids), top_k=top_k, moe_layer_ids=global_ids,
                          layer_range=layer_range)
         self.producer = self.sink.producer
@@ -879,6 +879,8 @@ class WorkerCapture:
         self._ib_refs = (None, False)   # _batch_refs of the runner's InputBatch (_read_batch)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
+        self._open_items: dict = {}             # embedded: engine id -> its open item, sent again by _reopen
+        self._reopen_due = False                # the embedded helper was restarted (helper_restarted)
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
@@ -1203,6 +1205,8 @@ class WorkerCapture:
             st.preempted += len(so.preempted_req_ids)
         if so.scheduled_spec_decode_tokens:
             st.spec_steps += 1
+        if self._reopen_due:        # (before this step's finishes: a request's open again goes before its finish)
+            self._reopen()
         tracked = self.tracked
         if self._fill_rids and (so.finished_req_ids or so.preempted_req_ids):
             freed = self._fill_rids.intersection(so.finished_req_ids)
@@ -1301,8 +1305,10 @@ class WorkerCapture:
             if self.announces:
                 prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
                 prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
-                self._opens.append((new.req_id, (key, prompt_len, int(new.num_computed_tokens), prompt,
-                                                 self.fill and self.store is not None)))
+                item = (key, prompt_len, int(new.num_computed_tokens), prompt, self.fill and self.store is not None)
+                self._opens.append((new.req_id, item))
+                if self.sink is not None and self.sink.pipeline is not None:
+                    self._keep_open(new.req_id, item)
             if self.fill and self.store is not None and new.num_computed_tokens:
                 # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
                 # runners append to their block tables); slot = block x block size + offset
@@ -1325,6 +1331,32 @@ class WorkerCapture:
             log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
                         "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
                         key, self.stats.derived_keys)
+
+    def _keep_open(self, rid: str, item: tuple) -> None:
+        """Keep a request's open (embedded mode) to send again if the helper process dies (_reopen). Entries of
+        requests that ended are pruned when the table holds twice the tracked requests (amortised O(1))."""
+        kept = self._open_items
+        kept[rid] = item
+        if len(kept) > 2 * len(self.tracked) + 64:
+            tracked = self.tracked
+            self._open_items = {r: it for r, it in kept.items() if r in tracked or r == rid}
+
+    def helper_restarted(self) -> None:
+        """The embedded helper was started again (its watch thread calls this): the opens of the requests still
+        captured go again with the next hand-over (_reopen, on the engine thread)."""
+        self._reopen_due = True
+
+    def _reopen(self) -> None:
+        """Send the opens of the requests being captured again: the new helper's consumer knew none of them, so
+        their records get their prompt length and tokens (and come out incomplete: the rows the dead helper held
+        are listed missing). A request whose open is still queued is left to that one."""
+        self._reopen_due = False
+        queued = {rid for rid, _ in self._opens}
+        items = [(rid, it) for rid, it in self._open_items.items()
+                 if rid not in queued and self.tracked.get(rid) == it[0]]
+        self._opens += items
+        log.warning("routing-replay: opens of %d requests in flight sent again to the restarted helper",
+                    len(items))
 
     def _unique_key(self, key: str) -> tuple[str, str | None]:
         """(key, None) if no live request has `key`; else (the first free f"{key}#{n}", key). Live: opened here
