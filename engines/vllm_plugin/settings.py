@@ -41,8 +41,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from routing_replay.protocol import security
-
 ENV_BROKER = "ROUTING_REPLAY_BROKER"
 ENV_NPZ_DIR = "ROUTING_REPLAY_NPZ_DIR"
 ENV_SERVE = "ROUTING_REPLAY_SERVE"
@@ -131,6 +129,7 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
         raise ValueError(f"CURVE needs both {ENV_CURVE_SECRET} (this engine's NAME.key_secret) and {ENV_BROKER_KEY} "
                          f"(the broker's NAME.key); got only {ENV_CURVE_SECRET if curve_secret else ENV_BROKER_KEY}")
     if serve and broker == EMBEDDED:
+        from routing_replay.protocol import security       # (here: an inert plugin imports nothing, zmq neither)
         insecure = bool(serve_insecure) and _truthy(serve_insecure, ENV_SERVE_INSECURE)
         security.check_bind(serve, curve=False, insecure=insecure, what=ENV_SERVE,
                             remedy=EMBEDDED_SERVE_REMEDY)
