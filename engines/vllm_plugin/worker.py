@@ -881,6 +881,7 @@ class WorkerCapture:
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
         self._open_items: dict = {}             # embedded: engine id -> its open item, sent again by _reopen
         self._reopen_due = False                # the embedded helper was restarted (helper_restarted)
+        self._reopen_rids: set = set()          # the engine ids captured when it was
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
@@ -1342,8 +1343,10 @@ class WorkerCapture:
             self._open_items = {r: it for r, it in kept.items() if r in tracked or r == rid}
 
     def helper_restarted(self) -> None:
-        """The embedded helper was started again (its watch thread calls this): the opens of the requests still
-        captured go again with the next hand-over (_reopen, on the engine thread)."""
+        """The embedded helper was started again (its watch thread calls this): the opens of the requests captured
+        now go again with the next hand-over, those that are still captured then (_reopen, on the engine thread;
+        the ids copied here in one C call under the GIL)."""
+        self._reopen_rids = set(self.tracked)
         self._reopen_due = True
 
     def _reopen(self) -> None:
@@ -1352,8 +1355,9 @@ class WorkerCapture:
         are listed missing). A request whose open is still queued is left to that one."""
         self._reopen_due = False
         queued = {rid for rid, _ in self._opens}
+        then, self._reopen_rids = self._reopen_rids, set()
         items = [(rid, it) for rid, it in self._open_items.items()
-                 if rid not in queued and self.tracked.get(rid) == it[0]]
+                 if rid in then and rid not in queued and self.tracked.get(rid) == it[0]]
         self._opens += items
         log.warning("routing-replay: opens of %d requests in flight sent again to the restarted helper",
                     len(items))
