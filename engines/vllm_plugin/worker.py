@@ -843,8 +843,7 @@ class WorkerCapture:
         self._quiet = False             # while timing: this step opened, finished and preempted nothing
         self.tracked: dict[str, str] = {}       # engine request id -> record key
         self._tracked_gen = 0                   # bumped on every change of `tracked`
-        self._live_keys: set = set()            # the keys of `tracked` as of _live_gen (_unique_key)
-        self._live_gen = -1
+        self._live_keys: set = set()            # the keys of `tracked`, and some of ended requests (_unique_key)
         # engine id -> (record key, first forward it is captured in): `tracked` and the requests that ended since
         # the last hand-over, for the producer's thread to resolve steps added raw (_StepBatch.add_raw); only
         # added to between hand-overs (never a key taken from under the thread)
@@ -1320,8 +1319,10 @@ class WorkerCapture:
         self.tracked[new.req_id] = key
         self._seen[new.req_id] = (key, self.forwards + 1)     # (this step's forward, once pre_step counts it)
         self._tracked_gen += 1
-        self._live_keys.add(key)            # (_unique_key made the set current just before)
-        self._live_gen = self._tracked_gen
+        live = self._live_keys
+        live.add(key)
+        if len(live) > 2 * len(self.tracked) + 64:
+            self._live_keys = set(self.tracked.values())
         if dup is not None:
             self.stats.duplicate_keys += 1
             log.warning("routing-replay: request %s has the record key %s of a request still being captured; "
@@ -1366,18 +1367,18 @@ class WorkerCapture:
         """(key, None) if no live request has `key`; else (the first free f"{key}#{n}", key). Live: opened here
         and its finish not yet handed to the producer (`tracked`, `_closing`), so two requests in flight never
         share a record key (their rows would mix in one record) and a key's finish always precedes its reuse.
-        The set of tracked keys is rebuilt only when `tracked` changed other than by an open (a step that ends
-        requests and opens others)."""
-        if self._live_gen != self._tracked_gen:
-            self._live_keys = set(self.tracked.values())
-            self._live_gen = self._tracked_gen
-        live, closing = self._live_keys, self._closing
-        if key not in live and key not in closing:
+        `_live_keys` holds every tracked key and keys of requests that ended since it was last rebuilt: a key
+        found there is checked against `tracked` itself (a scan, for a suspected duplicate only), so an open
+        costs two set lookups; the set is rebuilt once it holds twice the tracked requests (amortised O(1))."""
+        if not self._is_live(key):
             return key, None
         n = 1
-        while (cand := _ids.duplicate_key(key, n)) in live or cand in closing:
+        while self._is_live(cand := _ids.duplicate_key(key, n)):
             n += 1
         return cand, key
+
+    def _is_live(self, key: str) -> bool:
+        return key in self._closing or (key in self._live_keys and key in self.tracked.values())
 
     def _send_opens(self) -> set | None:
         """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
