@@ -63,6 +63,7 @@ class PipelineProcess:
         self._lock = threading.Lock()   # self.proc is replaced (watch thread) or stopped (close) under it
         self._closed = False
         self._stop = threading.Event()
+        self._dead_pid = None           # the dead helper last named (_watch_loop)
         self.proc = None
         try:
             self.proc, self.started_at = self._start(), time.monotonic()
@@ -97,20 +98,23 @@ class PipelineProcess:
             if proc is None or proc.poll() is None:
                 continue
             ran_s = time.monotonic() - self.started_at
-            try:
-                keys = list(self.in_flight()) if self.in_flight is not None else []
-            except Exception as e:  # noqa: BLE001 -- the names are for the log line; the restart must happen
-                keys = [f"<not known: {type(e).__name__}: {e}>"]
-            self.lost_in_flight += len(keys)
             if ran_s < self.crash_window_s:
                 backoff_s = min(self.max_backoff_s, backoff_s * 2)
             else:
                 backoff_s = self.watch_interval_s
-            log.warning("routing-replay: embedded helper process %d died (exit status %s) after %.1fs; %d requests "
-                        "in flight lose the rows it held (their records come out incomplete): %s; starting it again "
-                        "in %.1fs (restarts=%d, lost_in_flight=%d)", proc.pid, proc.returncode, ran_s, len(keys),
-                        [k[:64] for k in keys[:32]] + (["..."] if len(keys) > 32 else []), backoff_s,
-                        self.restarts + 1, self.lost_in_flight)
+            if proc.pid != self._dead_pid:      # (a start that failed leaves the dead one: named once)
+                self._dead_pid = proc.pid
+                try:
+                    keys = list(self.in_flight()) if self.in_flight is not None else []
+                except Exception as e:  # noqa: BLE001 -- the names are for the log line; the restart must happen
+                    keys = [f"<not known: {type(e).__name__}: {e}>"]
+                self.lost_in_flight += len(keys)
+                log.warning("routing-replay: embedded helper process %d died (exit status %s) after %.1fs; %d "
+                            "requests in flight lose the rows it held (their records come out incomplete): %s; "
+                            "starting it again in %.1fs (restarts=%d, lost_in_flight=%d)", proc.pid,
+                            proc.returncode, ran_s, len(keys),
+                            [k[:64] for k in keys[:32]] + (["..."] if len(keys) > 32 else []), backoff_s,
+                            self.restarts + 1, self.lost_in_flight)
             if self._stop.wait(backoff_s):
                 return
             with self._lock:
@@ -122,8 +126,8 @@ class PipelineProcess:
                 try:
                     self.proc, self.started_at = self._start(), time.monotonic()
                 except Exception as e:  # noqa: BLE001 -- tried again at the next look (proc stays the dead one)
-                    log.error("routing-replay: embedded helper process did not start again: %s: %s",
-                              type(e).__name__, e)
+                    log.error("routing-replay: embedded helper process did not start again: %s: %s; next try in "
+                              "%.1fs or more", type(e).__name__, e, min(self.max_backoff_s, backoff_s * 2))
                     self.started_at = time.monotonic()
                     continue
                 self.restarts += 1
