@@ -53,6 +53,7 @@ class AccumulatorStats:
     refused_msgs: int = 0
     refused_rows: int = 0
     replayed_opens: int = 0
+    key_collisions: int = 0     # opens of an id in flight here by another producer (two engines' requests)
     adopted: int = 0            # requests whose first rows were kept as received (no copy; _Adopted)
     adopted_records: int = 0    # records whose prompt rows are a view of a received message
     materialized: int = 0       # adopted rows copied into the arena after all (another message touched them)
@@ -437,6 +438,17 @@ class Accumulator:
                 self._early.append(rec)
             self._finished_ids.pop(o.request_id, None)
             st = self.requests[o.request_id] = _Request(o.request_id, now)
+        elif st.opened and st.key is not None and st.key[0] != key[0]:
+            # another producer opens an id held open here: requests of two engines share a record key (an engine
+            # keeps keys unique among its own requests only). Their rows cannot be told apart: the record is
+            # marked, never silently mixed
+            st.damaged = True
+            if "key_collision" not in st.notes:
+                st.notes.insert(0, "key_collision")
+            self.stats.key_collisions += 1
+            log.warning("request %r opened by producer %s while producer %s's request of that id is in flight: "
+                        "its record is marked incomplete (key_collision; key_collisions=%d)", o.request_id[:64],
+                        key[0][:64], st.key[0][:64], self.stats.key_collisions)
         if st.num_layers is not None and (st.num_layers, st.top_k) != (o.num_layers, o.top_k):
             raise wire.ProtocolError("shape_mismatch", f"open for {o.request_id!r} says L={o.num_layers} "
                                      f"K={o.top_k}, its rows so far are L={st.num_layers} K={st.top_k}")

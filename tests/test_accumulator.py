@@ -987,3 +987,32 @@ def test_a_newer_open_of_an_id_whose_record_waits_out_its_grace_lets_that_record
     f.finish("dup", 3)
     check(f.out["dup"], 4, 5, 3, 0)
     assert (f.acc.stats.finished, f.acc.in_flight, f.acc.pending_finish) == (2, 0, {})
+
+
+def test_an_id_opened_by_another_producer_while_in_flight_marks_the_record_not_mixes_it_silently():
+    """Two engines (producers p and q) each run a request with the same user id at once: their rows land on one
+    key here and cannot be told apart, so the record says so (key_collision); the same id from the same producer
+    (a resend) and a request of another id stay as they were."""
+    f = Feed()
+
+    def send(producer, kind, key, body, frames=()):
+        f.seq += 1
+        h = wire.decode_header(wire.pack_header(kind, producer, 0, f.seq, key, body))
+        for r in f.acc.apply(h, list(frames), f.now):
+            f.out[r.request_id] = r
+
+    body = {"prompt_len": 4, "num_cached": 0, "num_layers": L, "top_k": K, "layer_ids": list(range(L))}
+    send("p", "open", "dup", body)
+    send("p", "open", "other", body)
+    f.delta([("dup", 0, rows(1, 0, 4)), ("other", 0, rows(2, 0, 4))])
+    send("p", "open", "dup", body)                  # a resend of p's own open: nothing changes
+    assert f.acc.stats.key_collisions == 0
+    send("q", "open", "dup", body)
+    assert f.acc.stats.key_collisions == 1
+    f.delta([("dup", 4, rows(1, 4, 6)), ("other", 4, rows(2, 4, 6))])
+    send("p", "finish", "dup", {"num_output": 3, "reason": "stop"})
+    f.finish("other", 3)
+    f.tick(1.0)                                     # (marked: it waits out its grace like any incomplete one)
+    r = f.out["dup"]
+    assert not r.complete and r.reason == "key_collision" and r.missing == []
+    check(f.out["other"], 2, 4, 3, 0)
