@@ -277,10 +277,10 @@ def test_server_duplicate_request_ids_concurrent_and_later_get_keys_of_their_own
     uds, npz, model, srv, logf = server
     rnd = random.Random(67)
     pa, pb, pc, pn1, pn2 = (_tokens(rnd, n) for n in (30, 22, 26, 18, 20))
-    a = Stream(uds, pa, headers={"X-Request-Id": "dupid"}, max_tokens=40)
+    a = Stream(uds, pa, headers={"X-Request-Id": "dupid"}, max_tokens=240)    # live long after B arrives
     assert a.started.wait(120)                      # A runs in the engine before B arrives
     b = Stream(uds, pb, headers={"X-Request-Id": "dupid"})
-    n1 = Stream(uds, pn1, headers={"X-Request-Id": "dupn"}, n=2, temperature=1.0, max_tokens=30)
+    n1 = Stream(uds, pn1, headers={"X-Request-Id": "dupn"}, n=2, temperature=1.0, max_tokens=240)
     assert n1.started.wait(120)
     n2 = Stream(uds, pn2, headers={"X-Request-Id": "dupn"}, n=2, temperature=1.0)
     (ida, ta), (idb, tb), (idn1, tn1), (idn2, tn2) = a.join(), b.join(), n1.join(), n2.join()
@@ -338,9 +338,9 @@ def test_server_embedded_helper_killed_is_started_again_and_its_losses_named(ser
     assert len(pids) == 1, pids
     rnd = random.Random(9)
     pv, pl = _tokens(rnd, 24), _tokens(rnd, 28)
-    # killed once 64 tokens streamed: rows of several deltas (16 steps at most each) were applied and acknowledged
-    # by the helper's consumer, so they are gone with it
-    victim = Stream(uds, pv, headers={"X-Request-Id": "victim"}, max_tokens=400, until=64)
+    # killed once 64 tokens streamed: deltas of the first 48 steps at least (16 steps each) were applied and
+    # acknowledged by the helper's consumer, so they are gone with it; the 416 tokens left outlast its restart
+    victim = Stream(uds, pv, headers={"X-Request-Id": "victim"}, max_tokens=480, until=64)
     assert victim.reached.wait(120) and victim.error is None
     os.kill(pids[0], signal.SIGKILL)
     died = _wait_log(logf, f"embedded helper process {pids[0]} died")
@@ -362,7 +362,7 @@ def test_server_embedded_helper_killed_is_started_again_and_its_losses_named(ser
     assert len(_log_lines(logf, "opens of 1 requests in flight sent again to the restarted helper")) == 1
     v = oracle.check(r)
     assert v.ok and v.rows > 0, (v.error, v.mismatches[:3], v.sentinel_errors[:3])
-    have = set(range(r.num_cached_tokens, len(pv) + 400 - 1))
+    have = set(range(r.num_cached_tokens, len(pv) + 480 - 1))
     for lo, hi in r.missing:
         have -= set(range(lo, hi))
     assert v.rows == len(have) * L
