@@ -9,6 +9,11 @@ import zmq
 from routing_replay.broker import Broker
 from routing_replay.consumer import Consumer
 from routing_replay.producer import Producer
+from routing_replay.protocol import security
+
+REMEDY = ("the embedded pipeline has no CURVE: serve on loopback or ipc://, or run `routing-replay broker` and "
+          "`routing-replay consume --serve ... --curve-secret ... --curve-allow ...`, or pass insecure=True to "
+          "accept that")
 
 
 class EmbeddedPipeline:
@@ -16,11 +21,15 @@ class EmbeddedPipeline:
 
     Producers in the same process connect to `frontend` with `context=pipe.context` (see `producer()`).
     Records go where a multi-process consumer would send them: `npz_dir`, the trainer endpoint `serve`,
-    and/or the `on_record` callback (called in the consumer thread).
+    and/or the `on_record` callback (called in the consumer thread). `serve` has no CURVE: a tcp:// address
+    other than loopback raises ValueError unless `insecure=True`.
     """
 
     def __init__(self, npz_dir: str | None = None, serve: str | None = None, *, shard_size: int = 0,
-                 context: zmq.Context | None = None, name: str | None = None, on_record=None, **consumer_kw):
+                 context: zmq.Context | None = None, name: str | None = None, on_record=None,
+                 insecure: bool = False, **consumer_kw):
+        if serve:       # no CURVE here: refused off loopback as `routing-replay consume --serve` refuses it
+            security.check_bind(serve, curve=False, insecure=insecure, what="serve", remedy=REMEDY)
         self.context = context or zmq.Context.instance()
         name = name or uuid.uuid4().hex[:12]
         self.frontend = f"inproc://routing-replay-{name}-frontend"

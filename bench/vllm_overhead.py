@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 class _ThreadPipeline:
     """Stand-in for PipelineProcess: the same broker + consumer, as threads of this (the engine's) process."""
 
-    def __init__(self, npz_dir=None, serve=None):
+    def __init__(self, npz_dir=None, serve=None, in_flight=None, on_restart=None):
         import uuid
 
         import zmq

@@ -53,6 +53,7 @@ class AccumulatorStats:
     refused_msgs: int = 0
     refused_rows: int = 0
     replayed_opens: int = 0
+    key_collisions: int = 0     # opens of an id in flight here by another producer (two engines' requests)
     adopted: int = 0            # requests whose first rows were kept as received (no copy; _Adopted)
     adopted_records: int = 0    # records whose prompt rows are a view of a received message
     materialized: int = 0       # adopted rows copied into the arena after all (another message touched them)
@@ -310,6 +311,7 @@ class Accumulator:
         self.max_record_bytes = max_record_bytes
         self.requests: dict[str, _Request] = {}
         self.pending_finish: dict[str, _Request] = {}
+        self._early: list = []          # records an open let out (the open's id was waiting out its grace)
         self._finished_ids: OrderedDict[str, tuple | None] = OrderedDict()
         self._pids: dict[str, str] = {}
         self._remember = remember_finished
@@ -333,10 +335,14 @@ class Accumulator:
             o = wire.parse_open(h)
             if self._open(o, frames, now, key) and h.body.get("reassigned"):
                 self.mark(o.request_id, "consumer_lost", now)
-            return []
+            return self._take_early()
         if kind == "opens":
-            self._opens(*wire.parse_opens(h, frames), now, key)
-            return []
+            try:
+                self._opens(*wire.parse_opens(h, frames), now, key)
+            except EntriesRefused as e:
+                e.records = self._take_early() + e.records
+                raise
+            return self._take_early()
         if kind == "finishes":
             return self._finishes(*wire.parse_finishes(h, frames), now, key)
         if kind == "finish":
@@ -348,6 +354,10 @@ class Accumulator:
             self._refused(wire.parse_refused(h)[0])
             return []
         raise wire.ProtocolError("unexpected_kind", f"consumer does not take {kind!r} messages")
+
+    def _take_early(self) -> list[wire.Record]:
+        out, self._early = self._early, [] if self._early else self._early
+        return out
 
     def _refused(self, ids: list) -> None:
         """The broker dropped a delta with rows of these requests (`refused`): each one held here names that
@@ -420,11 +430,25 @@ class Accumulator:
             self.stats.replayed_opens += 1
             return False
         if st is None or st.finish is not None:
-            self._finished_ids.pop(o.request_id, None)
             if st is not None:
+                # a newer open of an id whose record waits out finish_grace_s: the id's next request. The waiting
+                # record goes out now, as it is (not dropped), before the new request takes the id
                 self.pending_finish.pop(o.request_id, None)
-                self._drop(st)
+                self._emit_done(st, rec := self._build(st))
+                self._early.append(rec)
+            self._finished_ids.pop(o.request_id, None)
             st = self.requests[o.request_id] = _Request(o.request_id, now)
+        elif st.opened and st.key is not None and st.key[0] != key[0]:
+            # another producer opens an id held open here: requests of two engines share a record key (an engine
+            # keeps keys unique among its own requests only). Their rows cannot be told apart: the record is
+            # marked, never silently mixed
+            st.damaged = True
+            if "key_collision" not in st.notes:
+                st.notes.insert(0, "key_collision")
+            self.stats.key_collisions += 1
+            log.warning("request %r opened by producer %s while producer %s's request of that id is in flight: "
+                        "its record is marked incomplete (key_collision; key_collisions=%d)", o.request_id[:64],
+                        key[0][:64], st.key[0][:64], self.stats.key_collisions)
         if st.num_layers is not None and (st.num_layers, st.top_k) != (o.num_layers, o.top_k):
             raise wire.ProtocolError("shape_mismatch", f"open for {o.request_id!r} says L={o.num_layers} "
                                      f"K={o.top_k}, its rows so far are L={st.num_layers} K={st.top_k}")

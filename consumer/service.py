@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 import zmq
 
 from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator, EntriesRefused
+from routing_replay.consumer.keys import RecordKeys
 from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
@@ -185,6 +186,8 @@ class Consumer(ServiceThread):
         self.writer = NpzWriter(npz_dir, shard_size, hold_max_bytes=store_max_bytes, spill_dir=spill_dir,
                                 retry_max_s=write_retry_max_s) if npz_dir else None
         self.store = RecordStore(store_max_bytes, spill_dir) if serve else None
+        self.keys = RecordKeys(self.acc.requests.__contains__,
+                               self.writer.index.read if self.writer is not None else None, remember_finished)
         self.trainers = TrainerService(
             self.consumer_id, self.store, self._send_trainer, is_open=self.acc.requests.__contains__,
             disk=self.writer.index if self.writer is not None else None,
@@ -409,7 +412,7 @@ class Consumer(ServiceThread):
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
-                 "disk_reads=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
+                 "disk_reads=%d renamed=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.adopted, s.adopted_records,
                  s.materialized, s.bytes / 1e6,
                  self.acc.bytes_held / 1e6, self.acc.kept_bytes / 1e6, self.acc.peak_bytes / 1e6, s.late_msgs,
@@ -422,7 +425,8 @@ class Consumer(ServiceThread):
                  w.records if w is not None else 0, w.write_failed if w is not None else 0,
                  w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
-                 tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0)
+                 tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0,
+                 self.keys.renamed)
 
     def metrics(self) -> list:
         """The counters and queue depths of `_log_stats` as Prometheus samples (protocol/metrics.py). Runs on the
@@ -444,6 +448,8 @@ class Consumer(ServiceThread):
                             o.missing_rows),
             metrics.counter("consumer_msgs_in", "messages received from the broker", self.msgs_in),
             metrics.counter("consumer_acks_sent", "acks sent to the broker", self.acks_sent),
+            metrics.counter("consumer_records_renamed", "records stored as key#n: their request id was taken",
+                            self.keys.renamed),
             *[metrics.counter("consumer_bad_messages", "messages dropped as bad, by reason", n, reason=r)
               for r, n in dict(self.bad).items()],
             metrics.gauge("consumer_in_flight_requests", "requests open in the accumulator", self.acc.in_flight),
@@ -543,6 +549,7 @@ class Consumer(ServiceThread):
 
     def _emit(self, rec: wire.Record) -> None:
         self.records_out += 1
+        rec = self.keys.name(rec, self.consumer_id)      # a reused request id never replaces a stored record
         self.out.count(rec)
         if not rec.complete:
             log.warning("consumer %s record %r incomplete: reason=%s missing=%s", self.consumer_id,

@@ -120,10 +120,14 @@ def is_loopback_or_local(endpoint: str) -> bool:
         return False                      # an interface name, a host name, or "*"
 
 
-def check_bind(endpoint: str, *, curve: bool, insecure: bool, what: str) -> None:
-    """Refuse to bind a non-loopback tcp endpoint in the clear unless the operator said --insecure."""
+CLI_REMEDY = ("pass --curve-secret/--curve-allow (keys from `routing-replay keys`), or --insecure to accept "
+              "that")
+
+
+def check_bind(endpoint: str, *, curve: bool, insecure: bool, what: str, remedy: str = CLI_REMEDY) -> None:
+    """Refuse to bind a non-loopback tcp endpoint in the clear unless the operator said --insecure (or what
+    `remedy` names: the way out where the caller is not the CLI)."""
     if curve or insecure or is_loopback_or_local(endpoint):
         return
     raise ValueError(f"{what} {endpoint} is reachable from other hosts and would run without authentication or "
-                     f"encryption: pass --curve-secret/--curve-allow (keys from `routing-replay keys`), or "
-                     f"--insecure to accept that")
+                     f"encryption: {remedy}")

@@ -959,3 +959,60 @@ def test_frames_that_are_not_writable_are_always_copied():
     f.finish("a", 1)
     check(f.out["a"], 1, 4, 1, 0)
     assert (f.acc.stats.adopted, f.acc.stats.adopted_records) == (0, 0)
+
+
+def test_a_newer_open_of_an_id_whose_record_waits_out_its_grace_lets_that_record_out_first():
+    """An id reused right after its finish (the engine sends the finish, then the next request's open) while the
+    finished record waits for late rows: that record comes out as it is (incomplete, its hole named), it is not
+    dropped, and the new request starts empty under the id."""
+    f = Feed(finish_grace_s=10.0)
+    got = []
+    f.open("dup", 4)
+    f.delta([("dup", 0, rows(3, 0, 2))])
+    f.delta([("dup", 4, rows(3, 4, 6))])      # positions 2, 3 not delivered
+    f.finish("dup", 3)
+    assert "dup" not in f.out                 # waits for late rows
+    f.seq += 1
+    h = wire.decode_header(wire.pack_header("open", "p", 0, f.seq, "dup", {
+        "prompt_len": 5, "num_cached": 0, "num_layers": L, "top_k": K, "layer_ids": list(range(L))}))
+    got += f.acc.apply(h, [], f.now)
+    assert [r.request_id for r in got] == ["dup"]
+    first = got[0]
+    assert not first.complete and first.missing == [(2, 4)] and first.reason == "rows_not_delivered"
+    ep, eg = expected(3, 4, 3, 0)
+    ep[2:4] = -1
+    np.testing.assert_array_equal(first.prompt_routed_experts, ep)
+    np.testing.assert_array_equal(first.routed_experts, eg)
+    f.delta([("dup", 0, rows(4, 0, 7))])
+    f.finish("dup", 3)
+    check(f.out["dup"], 4, 5, 3, 0)
+    assert (f.acc.stats.finished, f.acc.in_flight, f.acc.pending_finish) == (2, 0, {})
+
+
+def test_an_id_opened_by_another_producer_while_in_flight_marks_the_record_not_mixes_it_silently():
+    """Two engines (producers p and q) each run a request with the same user id at once: their rows land on one
+    key here and cannot be told apart, so the record says so (key_collision); the same id from the same producer
+    (a resend) and a request of another id stay as they were."""
+    f = Feed()
+
+    def send(producer, kind, key, body, frames=()):
+        f.seq += 1
+        h = wire.decode_header(wire.pack_header(kind, producer, 0, f.seq, key, body))
+        for r in f.acc.apply(h, list(frames), f.now):
+            f.out[r.request_id] = r
+
+    body = {"prompt_len": 4, "num_cached": 0, "num_layers": L, "top_k": K, "layer_ids": list(range(L))}
+    send("p", "open", "dup", body)
+    send("p", "open", "other", body)
+    f.delta([("dup", 0, rows(1, 0, 4)), ("other", 0, rows(2, 0, 4))])
+    send("p", "open", "dup", body)                  # a resend of p's own open: nothing changes
+    assert f.acc.stats.key_collisions == 0
+    send("q", "open", "dup", body)
+    assert f.acc.stats.key_collisions == 1
+    f.delta([("dup", 4, rows(1, 4, 6)), ("other", 4, rows(2, 4, 6))])
+    send("p", "finish", "dup", {"num_output": 3, "reason": "stop"})
+    f.finish("other", 3)
+    f.tick(1.0)                                     # (marked: it waits out its grace like any incomplete one)
+    r = f.out["dup"]
+    assert not r.complete and r.reason == "key_collision" and r.missing == []
+    check(f.out["other"], 2, 4, 3, 0)

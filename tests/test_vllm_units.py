@@ -1332,3 +1332,106 @@ def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions
                                                      ("finish", "k2")]
         assert got[2][0].body["lost"] == [[0, 3]] and got[3][0].body["lost"] == [[6, 7]]
         assert copier.free_rows == free and p.queued_bytes == 0 and p.queued_msgs == 0
+
+
+def test_pipeline_process_killed_is_started_again_and_names_the_requests_in_flight(tmp_path, caplog):
+    """kill -9 of the helper: the watch names the requests in flight in one WARNING line and starts the helper
+    again on the same endpoint; the producer resends what the dead broker had not acknowledged, so the request
+    in flight gets an incomplete record missing exactly the rows the dead consumer had acknowledged, and a
+    request opened after the death is complete (a real Producer, real processes)."""
+    import logging
+    import signal
+    import time
+
+    from routing_replay.consumer import load_records
+    from routing_replay.engines.vllm_plugin.pipeline import PipelineProcess
+    from routing_replay.producer import Producer
+
+    live = ["victim"]
+    caplog.set_level(logging.WARNING, logger="vllm.routing_replay")
+    restarted = []
+    pipe = PipelineProcess(npz_dir=str(tmp_path), in_flight=lambda: list(live), watch_interval_s=0.05,
+                           on_restart=lambda: restarted.append(pipe.proc.pid))
+    prod = None
+    try:
+        prod = Producer(pipe.frontend, num_layers=2, top_k=2)
+        rows = np.arange(10 * 2 * 2, dtype=np.int16).reshape(10, 2, 2)
+        prod.open("victim", prompt_len=4, num_cached_tokens=0, prompt_token_ids=[1, 2, 3, 4])
+        prod.publish_rows(["victim"], [0], [6], rows[:6])
+        assert prod.wait_acked(30)                  # applied by the consumer that is about to die
+        old = pipe.proc
+        os.kill(old.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while pipe.restarts < 1 or not pipe.alive:
+            assert time.monotonic() < deadline, "helper not started again"
+            time.sleep(0.02)
+        assert pipe.proc.pid != old.pid and pipe.lost_in_flight == 1 and restarted == [pipe.proc.pid]
+        # what the worker does then (WorkerCapture._reopen): the open of each request in flight again
+        prod.open("victim", prompt_len=4, num_cached_tokens=0, prompt_token_ids=[1, 2, 3, 4])
+        prod.publish_rows(["victim"], [6], [3], rows[6:9])
+        prod.finish("victim", num_output_tokens=6, finish_reason="length", output_token_ids=[5, 6, 7, 8, 9, 10])
+        prod.open("after", prompt_len=3, num_cached_tokens=0, prompt_token_ids=[1, 2, 3])
+        prod.publish_rows(["after"], [0], [4], rows[:4])
+        prod.finish("after", num_output_tokens=2, finish_reason="stop", output_token_ids=[7, 8])
+        assert prod.wait_acked(30)
+    finally:
+        if prod is not None:
+            prod.close()
+        pipe.close()
+    assert pipe.proc.returncode == 0
+    recs = load_records(tmp_path)
+    v, a = recs["victim"], recs["after"]
+    assert not v.complete and v.missing == [(0, 6)] and v.reason == "rows_not_delivered", (v.reason, v.missing)
+    assert v.prompt_token_ids.tolist() == [1, 2, 3, 4] and v.output_token_ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert (v.prompt_routed_experts == -1).all() and (v.routed_experts[:2] == -1).all()
+    assert v.routed_experts[2:5].tolist() == rows[6:9].tolist() and (v.routed_experts[5] == -1).all()
+    assert a.complete and a.prompt_routed_experts.tolist() == rows[:3].tolist()
+    assert a.routed_experts[0].tolist() == rows[3].tolist()
+    died = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+    assert len(died) == 1 and f"embedded helper process {old.pid} died (exit status -9)" in died[0]
+    assert "1 requests in flight" in died[0] and "['victim']" in died[0] and "restarts=1" in died[0], died
+    assert len([r for r in caplog.records if "started again: pid" in r.getMessage()]) == 1
+
+
+def test_worker_keys_are_unique_among_live_requests_and_restart_resends_the_live_opens():
+    """The worker's own bookkeeping (no engine): a request whose key a live request holds (tracked, or ended with
+    its finish not yet sent) is captured as key#n, the smallest free; a key is free again once its request ended.
+    After a helper restart the opens of the requests captured then, and still captured, are queued again."""
+    from types import SimpleNamespace
+
+    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+
+    cap = WorkerCapture.__new__(WorkerCapture)
+    cap._init_state(SimpleNamespace(), "v1", settings.Settings(broker="embedded"))
+    cap.randomized = True
+    cap.sink = SimpleNamespace(pipeline=object())
+
+    def new(rid, n=3):
+        return SimpleNamespace(req_id=rid, sampling_params=SP(), prompt_token_ids=list(range(n)),
+                               num_computed_tokens=0, block_ids=[[]])
+
+    def end(rid):                                   # as pre_step ends a request
+        cap.tracked.pop(rid)
+        cap._tracked_gen += 1
+
+    for i, rid in enumerate(["dupid-0000000a", "dupid-0000000b", "dupid-0000000c", "other-0000000d"]):
+        cap._open_request(new(rid))
+    assert list(cap.tracked.values()) == ["dupid", "dupid#1", "dupid#2", "other"]
+    end("dupid-0000000b")
+    cap._open_request(new("dupid-0000000e"))        # the smallest free number again
+    end("dupid-0000000a")
+    cap._open_request(new("dupid-0000000f"))        # the plain key is free once its request ended
+    cap._closing["late"] = ("late-00000001", None)  # ended, finish not yet handed over: still live
+    cap._open_request(new("late-00000002"))
+    assert [cap.tracked[r] for r in ("dupid-0000000e", "dupid-0000000f", "late-00000002")] == \
+        ["dupid#1", "dupid", "late#1"]
+    assert cap.stats.duplicate_keys == 4 and [it[0] for _, it in cap._opens] == \
+        ["dupid", "dupid#1", "dupid#2", "other", "dupid#1", "dupid", "late#1"]
+    # the helper died and came back: the opens of what is captured then go again, once
+    cap._opens = []
+    cap.helper_restarted()
+    end("other-0000000d")
+    cap._open_request(new("new-00000003"))          # opened after the restart: its own open is queued
+    cap._reopen()
+    assert sorted(it[0] for _, it in cap._opens) == ["dupid", "dupid#1", "dupid#2", "late#1", "new"]
+    assert not cap._reopen_due and cap._reopen_rids == set()

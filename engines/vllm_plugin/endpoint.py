@@ -13,7 +13,10 @@ log = logging.getLogger("vllm.routing_replay")
 class Sink:
     """Own a worker's Producer and, in embedded mode, the helper process (broker + consumer) it publishes to."""
 
-    def __init__(self, settings: Settings, *, single_publisher: bool, **producer_kw):
+    def __init__(self, settings: Settings, *, single_publisher: bool, in_flight=None, on_restart=None,
+                 **producer_kw):
+        """in_flight (embedded): returns the record keys of the requests being captured, named when the helper
+        process dies; on_restart: called (on the helper's watch thread) once a dead helper was started again."""
         self.pipeline = None
         if settings.embedded:
             if not single_publisher:
@@ -22,7 +25,8 @@ class Sink:
                     "with data or pipeline parallelism several workers publish. Run `routing-replay broker` "
                     f"and `routing-replay consume` and set {ENV_BROKER}=tcp://HOST:PORT instead.")
             from routing_replay.engines.vllm_plugin.pipeline import PipelineProcess
-            self.pipeline = PipelineProcess(npz_dir=settings.npz_dir, serve=settings.serve)
+            self.pipeline = PipelineProcess(npz_dir=settings.npz_dir, serve=settings.serve, in_flight=in_flight,
+                                           on_restart=on_restart)
             self.endpoint = self.pipeline.frontend
             self.producer = Producer(self.endpoint, **producer_kw)
         else:

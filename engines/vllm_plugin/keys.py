@@ -13,6 +13,12 @@ from the response id: chat completions use the response id itself ("chatcmpl-...
 prompt's position in the batch ("cmpl-...-0", "cmpl-...-1", ...). The response id is "chatcmpl-" / "cmpl-"
 followed by the `X-Request-Id` header, else the body's `request_id` field, else a random id.
 
+Duplicates: vLLM runs two requests with the same user id side by side (its random suffix tells them apart), and a
+user may reuse an id later. A record key is unique per engine request all the same: the worker captures a
+request whose key another live request holds as `protocol.ids.duplicate_key(key, n)` = f"{key}#{n}" (n = 1, 2,
+... the smallest free; with n > 1 per sample: "0_cmpl-x-0#1"), and the consumer renames a record whose key is
+already taken there the same way (consumer/keys.py). `protocol.ids.is_key_of(key, record_key(id))` finds them.
+
 An id that cannot travel as it is (`wire.request_id_problem`: over MAX_REQUEST_ID_BYTES UTF-8 bytes, lone
 surrogates) is captured under `protocol.ids.record_key_for(id)` = "rr-sha256-" + its SHA-256 in hex; both
 functions here apply it last, to the whole key (child index included), so the trainer's `record_key()` agrees.

@@ -19,6 +19,11 @@ without touching vLLM's files:
     _free_request, schedule   see scheduler_hooks.py
   vllm.v1.engine.core_client.InprocClient
     get_output, abort_requests   see scheduler_hooks.py (in-process engines only)
+  vllm.v1.engine.input_processor.InputProcessor (front end)
+    _validate_params      after: a request whose extra_args["return_routed_experts"] is not a boolean is
+                          refused there (VLLMValidationError: the OpenAI server answers 400 naming the value,
+                          `LLM.generate` raises), not left to be skipped by the worker. Where the class or method
+                          is missing, an INFO line says so and the worker skips such a request (WARNING).
 
 Supported: any vLLM whose start-up self-check passes (selfcheck.py: every class, method, signature and field the
 plugin hooks or reads is there). Tested: selfcheck.TESTED_VLLM (0.25.1 on GPU; the CPU build 0.27.0 to 0.32.0, the
@@ -65,10 +70,52 @@ def register() -> None:
 
     scheduler_hooks.install(Scheduler)
     scheduler_hooks.install_inproc_flush(InprocClient)
+    _install_request_check()
     _install_worker_hooks(Worker)
     _installed = True
     log.info("routing-replay: plugin active (vLLM %s, %s=%s, requests=%s)", vllm.__version__,
              _settings.ENV_BROKER, s.broker, s.requests)
+
+
+def check_request(params) -> None:
+    """Raise vLLM's validation error (a client error: HTTP 400) if a request's return_routed_experts flag is not
+    a boolean; the message names the value and what is accepted."""
+    try:
+        _settings.current().captures(params)
+    except ValueError as e:
+        try:
+            from vllm.exceptions import VLLMValidationError
+        except ImportError:             # a vLLM without it maps ValueError to 400 as well
+            raise ValueError(f"vllm_xargs: {e}; use true or false") from None
+        extra = getattr(params, "extra_args", None) or {}
+        raise VLLMValidationError(f"vllm_xargs: {e}; use true or false",
+                                  parameter=f"vllm_xargs.{_settings.EXTRA_ARG}",
+                                  value=extra.get(_settings.EXTRA_ARG)) from None
+
+
+def _install_request_check() -> None:
+    """Wrap InputProcessor._validate_params (front end: every request passes it before it reaches the engine)."""
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        InputProcessor = None
+    orig = getattr(InputProcessor, "_validate_params", None)
+    if orig is None:
+        log.info("routing-replay: this vLLM has no InputProcessor._validate_params: a malformed "
+                 "return_routed_experts flag is not refused at the API; the worker skips its request (WARNING)")
+        return
+    if getattr(orig, "_routing_replay_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def _validate_params(self, params, *args, **kwargs):
+        out = orig(self, params, *args, **kwargs)
+        if getattr(params, "extra_args", None):         # (no flag, nothing to check: one attribute read)
+            check_request(params)
+        return out
+
+    _validate_params._routing_replay_wrapped = True
+    InputProcessor._validate_params = _validate_params
 
 
 def rebind_if_replaced(worker) -> None:

@@ -3,7 +3,10 @@
     ROUTING_REPLAY_BROKER     unset: the plugin is inert. `tcp://host:port` (any ZeroMQ endpoint): publish to an
                               external broker. `embedded`: run broker and consumer inside the engine.
     ROUTING_REPLAY_NPZ_DIR    embedded only: write one npz file per finished request into this directory.
-    ROUTING_REPLAY_SERVE      embedded only: ZeroMQ endpoint where trainers subscribe and fetch records.
+    ROUTING_REPLAY_SERVE      embedded only: ZeroMQ endpoint where trainers subscribe and fetch records. It runs
+                              without CURVE, so a tcp:// address other than loopback (e.g. tcp://0.0.0.0:5560) is
+                              refused at start-up, as `routing-replay consume --serve` refuses it without keys,
+                              unless ROUTING_REPLAY_SERVE_INSECURE=1.
     ROUTING_REPLAY_REQUESTS   `all` (default): every request, unless it sets
                               `extra_args={"return_routed_experts": False}`. `opt-in`: only requests that set
                               `extra_args={"return_routed_experts": True}` (OpenAI server: `vllm_xargs`).
@@ -41,6 +44,7 @@ from typing import Any
 ENV_BROKER = "ROUTING_REPLAY_BROKER"
 ENV_NPZ_DIR = "ROUTING_REPLAY_NPZ_DIR"
 ENV_SERVE = "ROUTING_REPLAY_SERVE"
+ENV_SERVE_INSECURE = "ROUTING_REPLAY_SERVE_INSECURE"
 ENV_REQUESTS = "ROUTING_REPLAY_REQUESTS"
 ENV_CURVE_SECRET = "ROUTING_REPLAY_CURVE_SECRET"
 ENV_BROKER_KEY = "ROUTING_REPLAY_BROKER_KEY"
@@ -50,6 +54,10 @@ PREFIX_MODES = ("sentinel", "fill")
 EMBEDDED = "embedded"
 EXTRA_ARG = "return_routed_experts"
 REQUEST_MODES = ("all", "opt-in")
+EMBEDDED_SERVE_REMEDY = (f"the embedded trainer endpoint has no CURVE: serve on loopback or ipc://, or run "
+                         f"`routing-replay broker` and `routing-replay consume --serve ... --curve-secret ... "
+                         f"--curve-allow ...` for trainers on other hosts, or set {ENV_SERVE_INSECURE}=1 to "
+                         f"accept that")
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,8 @@ def _truthy(value: Any, what: str) -> bool:
 
 
 def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
-              broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "auto") -> Settings:
+              broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "auto",
+              serve_insecure: str = "") -> Settings:
     mode = step_stamp.strip().lower() if isinstance(step_stamp, str) else step_stamp
     ring, auto = mode in ("ring", "auto"), mode == "auto"
     try:
@@ -119,6 +128,11 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
     if bool(curve_secret) != bool(broker_key):
         raise ValueError(f"CURVE needs both {ENV_CURVE_SECRET} (this engine's NAME.key_secret) and {ENV_BROKER_KEY} "
                          f"(the broker's NAME.key); got only {ENV_CURVE_SECRET if curve_secret else ENV_BROKER_KEY}")
+    if serve and broker == EMBEDDED:
+        from routing_replay.protocol import security       # (here: an inert plugin imports nothing, zmq neither)
+        insecure = bool(serve_insecure) and _truthy(serve_insecure, ENV_SERVE_INSECURE)
+        security.check_bind(serve, curve=False, insecure=insecure, what=ENV_SERVE,
+                            remedy=EMBEDDED_SERVE_REMEDY)
     if curve_secret and broker == EMBEDDED:
         raise ValueError(f"{ENV_CURVE_SECRET}/{ENV_BROKER_KEY} apply to an external broker; the embedded pipeline "
                          f"talks to its broker over ipc inside this machine")
@@ -136,7 +150,7 @@ def current() -> Settings:
     raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
            env.get(ENV_REQUESTS, "all").strip().lower() or "all", env.get(ENV_CURVE_SECRET, "").strip(),
            env.get(ENV_BROKER_KEY, "").strip(), env.get(ENV_PREFIX_ROWS, "sentinel").strip().lower() or "sentinel",
-           env.get(ENV_STEP_STAMP, "auto").strip().lower() or "auto")
+           env.get(ENV_STEP_STAMP, "auto").strip().lower() or "auto", env.get(ENV_SERVE_INSECURE, "").strip())
     cached = _cache
     if cached is not None and cached[0] == raw:
         return cached[1]

@@ -69,6 +69,7 @@ from routing_replay.engines.vllm_plugin.binding import _HOLDS, CaptureBinding, f
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
+from routing_replay.protocol import ids as _ids
 from routing_replay.producer.messages import RowsLost, flat_ids, flat_ints, request_major
 
 log = logging.getLogger("vllm.routing_replay")
@@ -122,6 +123,7 @@ class WorkerStats:
     prefix_rows: int = 0            # rows gathered from the prefix store
     store_forgotten: int = 0        # slots set to -1 because a step's routing was not fully recorded
     derived_keys: int = 0           # requests captured under record_key_for(id): their id cannot travel as it is
+    duplicate_keys: int = 0         # requests captured as f"{key}#{n}": another live request had their key
     skipped: int = 0                # requests not captured (or closed as aborted) after an error of their own
 
 
@@ -818,7 +820,10 @@ class WorkerCapture:
         self.binding.bind()
         self.layer_ids = local_ids
         self.randomized = _keys.randomized_ids()
+        # in_flight: read by the embedded helper's watch thread when the helper dies (a copy of the values, taken
+        # in one C call under the GIL)
         self.sink = Sink(settings, single_publisher=pc.data_parallel_size == 1 and pp.world_size == 1,
+                         in_flight=lambda: list(self.tracked.values()), on_restart=self.helper_restarted,
                          num_layers=len(global_ids), top_k=top_k, moe_layer_ids=global_ids,
                          layer_range=layer_range)
         self.producer = self.sink.producer
@@ -839,6 +844,7 @@ class WorkerCapture:
         self._quiet = False             # while timing: this step opened, finished and preempted nothing
         self.tracked: dict[str, str] = {}       # engine request id -> record key
         self._tracked_gen = 0                   # bumped on every change of `tracked`
+        self._live_keys: set = set()            # the keys of `tracked`, and some of ended requests (_unique_key)
         # engine id -> (record key, first forward it is captured in): `tracked` and the requests that ended since
         # the last hand-over, for the producer's thread to resolve steps added raw (_StepBatch.add_raw); only
         # added to between hand-overs (never a key taken from under the thread)
@@ -873,6 +879,9 @@ class WorkerCapture:
         self._ib_refs = (None, False)   # _batch_refs of the runner's InputBatch (_read_batch)
         self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
         self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
+        self._open_items: dict = {}             # embedded: engine id -> its open item, sent again by _reopen
+        self._reopen_due = False                # the embedded helper was restarted (helper_restarted)
+        self._reopen_rids: set = set()          # the engine ids captured when it was
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
@@ -1211,6 +1220,8 @@ class WorkerCapture:
             st.preempted += len(so.preempted_req_ids)
         if so.scheduled_spec_decode_tokens:
             st.spec_steps += 1
+        if self._reopen_due:        # (before this step's finishes: a request's open again goes before its finish)
+            self._reopen()
         tracked = self.tracked
         if self._fill_rids and (so.finished_req_ids or so.preempted_req_ids):
             freed = self._fill_rids.intersection(so.finished_req_ids)
@@ -1303,13 +1314,16 @@ class WorkerCapture:
             if not self.settings.captures(new.sampling_params):
                 return
             key, problem = _keys.capture_key(new.req_id, self.randomized)
+            key, dup = self._unique_key(key)
             if key in self._closing:
                 self._flush()       # the key's last request finishes first: its finish waits for no batch now
             if self.announces:
                 prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
                 prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
-                self._opens.append((new.req_id, (key, prompt_len, int(new.num_computed_tokens), prompt,
-                                                 self.fill and self.store is not None)))
+                item = (key, prompt_len, int(new.num_computed_tokens), prompt, self.fill and self.store is not None)
+                self._opens.append((new.req_id, item))
+                if self.sink is not None and self.sink.pipeline is not None:
+                    self._keep_open(new.req_id, item)
             if self.fill and self.store is not None and new.num_computed_tokens:
                 # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
                 # runners append to their block tables); slot = block x block size + offset
@@ -1320,11 +1334,66 @@ class WorkerCapture:
         self.tracked[new.req_id] = key
         self._seen[new.req_id] = (key, self.forwards + 1)     # (this step's forward, once pre_step counts it)
         self._tracked_gen += 1
+        live = self._live_keys
+        live.add(key)
+        if len(live) > 2 * len(self.tracked) + 64:
+            self._live_keys = set(self.tracked.values())
+        if dup is not None:
+            self.stats.duplicate_keys += 1
+            log.warning("routing-replay: request %s has the record key %s of a request still being captured; "
+                        "captured as %s (duplicate_keys=%d)", show_id(new.req_id), show_id(dup), show_id(key),
+                        self.stats.duplicate_keys)
         if problem is not None:
             self.stats.derived_keys += 1
             log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
                         "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
                         key, self.stats.derived_keys)
+
+    def _keep_open(self, rid: str, item: tuple) -> None:
+        """Keep a request's open (embedded mode) to send again if the helper process dies (_reopen). Entries of
+        requests that ended are pruned when the table holds twice the tracked requests (amortised O(1))."""
+        kept = self._open_items
+        kept[rid] = item
+        if len(kept) > 2 * len(self.tracked) + 64:
+            tracked = self.tracked
+            self._open_items = {r: it for r, it in kept.items() if r in tracked or r == rid}
+
+    def helper_restarted(self) -> None:
+        """The embedded helper was started again (its watch thread calls this): the opens of the requests captured
+        now go again with the next hand-over, those that are still captured then (_reopen, on the engine thread;
+        the ids copied here in one C call under the GIL)."""
+        self._reopen_rids = set(self.tracked)
+        self._reopen_due = True
+
+    def _reopen(self) -> None:
+        """Send the opens of the requests being captured again: the new helper's consumer knew none of them, so
+        their records get their prompt length and tokens (and come out incomplete: the rows the dead helper held
+        are listed missing). A request whose open is still queued is left to that one."""
+        self._reopen_due = False
+        queued = {rid for rid, _ in self._opens}
+        then, self._reopen_rids = self._reopen_rids, set()
+        items = [(rid, it) for rid, it in self._open_items.items()
+                 if rid in then and rid not in queued and self.tracked.get(rid) == it[0]]
+        self._opens += items
+        log.warning("routing-replay: opens of %d requests in flight sent again to the restarted helper",
+                    len(items))
+
+    def _unique_key(self, key: str) -> tuple[str, str | None]:
+        """(key, None) if no live request has `key`; else (the first free f"{key}#{n}", key). Live: opened here
+        and its finish not yet handed to the producer (`tracked`, `_closing`), so two requests in flight never
+        share a record key (their rows would mix in one record) and a key's finish always precedes its reuse.
+        `_live_keys` holds every tracked key and keys of requests that ended since it was last rebuilt: a key
+        found there is checked against `tracked` itself (a scan, for a suspected duplicate only), so an open
+        costs two set lookups; the set is rebuilt once it holds twice the tracked requests (amortised O(1))."""
+        if not self._is_live(key):
+            return key, None
+        n = 1
+        while self._is_live(cand := _ids.duplicate_key(key, n)):
+            n += 1
+        return cand, key
+
+    def _is_live(self, key: str) -> bool:
+        return key in self._closing or (key in self._live_keys and key in self.tracked.values())
 
     def _send_opens(self) -> set | None:
         """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
@@ -1800,10 +1869,10 @@ class WorkerCapture:
         if self.sink is not None:
             st = self.stats
             log.info("routing-replay: worker capture closing: steps=%d active_steps=%d ring_steps=%d host_steps=%d "
-                     "rows=%d opened=%d finished=%d aborted=%d derived_keys=%d skipped=%d rebinds=%d "
+                     "rows=%d opened=%d finished=%d aborted=%d derived_keys=%d duplicate_keys=%d skipped=%d rebinds=%d "
                      "prefix_requests=%d prefix_rows=%d store_forgotten=%d copied_steps=%d stamp_resyncs=%d",
                      st.steps, st.active_steps, st.ring_steps, st.host_steps, st.rows,
-                     st.opened, st.finished, st.aborted, st.derived_keys, st.skipped, st.rebinds,
+                     st.opened, st.finished, st.aborted, st.derived_keys, st.duplicate_keys, st.skipped, st.rebinds,
                      st.prefix_requests, st.prefix_rows, st.store_forgotten, st.copied_steps,
                      self.batch.stamps.resyncs if self.batch.stamps is not None else 0)
             try:
