@@ -53,6 +53,23 @@ def stop_popen(p: subprocess.Popen, timeout: float = 30) -> None:
             p.wait(10)
 
 
+def wait_healthy(srv: subprocess.Popen, uds: str, timeout_s: float, log_path) -> None:
+    """Poll the OpenAI server `srv` (listening on unix socket `uds`) until GET /health answers 200; raise, naming
+    its log, if it exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if srv.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {srv.returncode}; see {log_path}")
+        try:
+            if http_json(uds, "GET", "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vllm serve not up after {timeout_s}s; see {log_path}")
+        time.sleep(0.5)
+
+
 _LIVE: list = []          # every Proc started, so tests/conftest.py can reap what a failing test left behind
 
 

@@ -37,7 +37,8 @@ from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E
 from routing_replay.protocol.ids import record_key_for  # noqa: E402
 from routing_replay.protocol.wire import request_id_problem  # noqa: E402
 from routing_replay.protocol.ids import is_key_of  # noqa: E402
-from tests.procs import UnixHTTP, http_json, start_broker, start_consumer, stop_all, stop_popen  # noqa: E402
+from tests.procs import (UnixHTTP, http_json, start_broker, start_consumer, stop_all, stop_popen,  # noqa: E402
+                         wait_healthy)
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS")
 BAD_IDS = ["\udcff-x", "a" * 1100, "€" * 400]
@@ -152,18 +153,7 @@ def server(tmp_path_factory):
                             "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 << 20),
                             "--served-model-name", "tiny"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if srv.poll() is not None:
-                raise RuntimeError(f"the OpenAI server exited with {srv.returncode}; see {logf}")
-            try:
-                if http_json(uds, "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the OpenAI server is not up after {STARTUP_S}s; see {logf}")
-            time.sleep(0.5)
+        wait_healthy(srv, uds, STARTUP_S, logf)
         yield uds, npz, model, srv, logf
     finally:
         stop_popen(srv, 60)

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.apps.vllm_harness import tiny_model, wait_records  # noqa: E402
-from tests.procs import http_json, stop_popen  # noqa: E402
+from tests.procs import http_json, stop_popen, wait_healthy  # noqa: E402
 
 STARTUP_S = 300
 
@@ -63,18 +63,7 @@ def server(tmp_path_factory):
                             "--served-model-name", "tiny"], env=env, stdout=log, stderr=subprocess.STDOUT)
     procs.append(srv)
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if srv.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {srv.returncode}; see {d / 'log.txt'}")
-            try:
-                if http_json(uds, "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not up after {STARTUP_S}s; see {d / 'log.txt'}")
-            time.sleep(0.5)
+        wait_healthy(srv, uds, STARTUP_S, d / 'log.txt')
         yield uds, npz, model
     finally:
         for p in reversed(procs):
