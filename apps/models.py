@@ -19,7 +19,7 @@ ARCHS = ("qwen3_moe", "qwen3_moe_mixed", "mixtral", "qwen2_moe", "olmoe", "phimo
 SIGMOID_ROUTER_STD = 0.15
 SIGMOID_BIAS_STD = 0.1
 SIGMOID_ARCHS = ("deepseek_v3", "glm4_moe", "dots1", "minimax_m2")
-CONFIG_VERSION = 1          # of _other_config; part of those architectures' marker
+CONFIG_VERSION = 2          # of _other_config; part of those architectures' marker
 PEAKED_LM_HEAD_STD = 0.4        # make_tiny_model(peaked=True): see its docstring
 PEAKED_EXPERT_STD = 0.1
 
@@ -77,16 +77,17 @@ def make_config(arch: str, *, num_layers: int = 4, num_experts: int = 8, top_k: 
 
 def _other_config(arch: str, common: dict, num_experts: int, top_k: int, moe_inter: int, hidden_size: int):
     """Tiny configs of the MoE families beyond Qwen3-MoE and Mixtral, as vLLM's CPU build needs them: the
-    `architectures` name is vLLM's (PhiMoE), MLA uses vLLM CPU's only head dims (128 nope + 64 rope, v 128),
-    DeepSeek-V3 style routers get `topk_method="noaux_tc"` (vLLM applies the correction bias only then), 4 groups
-    of which 2 are kept, and the first layer dense (first_k_dense_replace=1, as the real models have)."""
+    `architectures` name is vLLM's (PhiMoE), MLA has the head dims vLLM's MLA accepts (128 nope + 64 rope, v 128;
+    latent 512 + 64 rope = 576), DeepSeek-V3 style routers get `topk_method="noaux_tc"` (vLLM applies the
+    correction bias only then), 4 groups of which 2 are kept, and the first layer dense (first_k_dense_replace=1,
+    as the real models have)."""
     from transformers import AutoConfig
 
     c = dict(common)
     head = c.pop("head_dim")
     if arch in ("deepseek_v2", "deepseek_v3"):     # MLA: one latent KV per query head
         c["num_key_value_heads"] = c["num_attention_heads"]
-    mla = dict(kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    mla = dict(kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     ds = dict(n_routed_experts=num_experts, n_shared_experts=1, num_experts_per_tok=top_k,
               moe_intermediate_size=moe_inter, intermediate_size=4 * hidden_size, first_k_dense_replace=1)
     groups = dict(n_group=4, topk_group=2) if num_experts % 4 == 0 else dict(n_group=1, topk_group=1)
