@@ -19,7 +19,7 @@ ARCHS = ("qwen3_moe", "qwen3_moe_mixed", "mixtral", "qwen2_moe", "olmoe", "phimo
 SIGMOID_ROUTER_STD = 0.15
 SIGMOID_BIAS_STD = 0.1
 SIGMOID_ARCHS = ("deepseek_v3", "glm4_moe", "dots1", "minimax_m2")
-CONFIG_VERSION = 2          # of _other_config; part of those architectures' marker
+CONFIG_VERSION = 3          # of _other_config; part of those architectures' marker
 PEAKED_LM_HEAD_STD = 0.4        # make_tiny_model(peaked=True): see its docstring
 PEAKED_EXPERT_STD = 0.1
 
@@ -109,7 +109,10 @@ def _other_config(arch: str, common: dict, num_experts: int, top_k: int, moe_int
                   head_dim=head, sliding_window=128)
         model_type, name = "gpt_oss", "GptOssForCausalLM"
     elif arch == "deepseek_v2":
-        kw = dict(**ds, **mla, **groups, topk_method="group_limited_greedy" if groups["n_group"] > 1 else "greedy")
+        # group_limited_greedy scores a group by its best expert: with topk_group >= top_k the top-k always lie in
+        # the kept groups, so one group is kept (its experts are the choice) and the limit changes choices
+        kw = dict(**ds, **mla, n_group=groups["n_group"], topk_group=1,
+                  topk_method="group_limited_greedy" if groups["n_group"] > 1 else "greedy")
         model_type, name = "deepseek_v2", "DeepseekV2ForCausalLM"
     elif arch == "deepseek_v3":
         kw = dict(**ds, **mla, **groups, norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc")
@@ -123,7 +126,7 @@ def _other_config(arch: str, common: dict, num_experts: int, top_k: int, moe_int
         model_type, name = "dots1", "Dots1ForCausalLM"
     elif arch == "minimax_m2":
         kw = dict(num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=moe_inter,
-                  head_dim=head, scoring_func="sigmoid", use_routing_bias=True)
+                  head_dim=head, rotary_dim=head // 2, scoring_func="sigmoid", use_routing_bias=True)
         model_type, name = "minimax_m2", "MiniMaxM2ForCausalLM"
     elif arch == "granitemoe":
         kw = dict(num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=moe_inter)

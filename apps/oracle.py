@@ -273,12 +273,16 @@ class Oracle:
             self._out[lid] = out
         return hook
 
-    def _logits(self, out):
-        """(T, E) float32 router logits from a router's output: its (T, E) float tensor that is not a dense
-        selection (Llama-4 returns (scores, logits))."""
-        wide = [t for t in _tensors(out) if t.is_floating_point() and t.dim() >= 2]
-        lg = wide[-1] if len(wide) > 1 and not any(not t.is_floating_point() for t in _tensors(out)) else wide[0]
-        return lg.reshape(-1, lg.shape[-1]).float().cpu().numpy()
+    def _logits(self, out, lid: int):
+        """(T, E) float32 router logits from layer `lid`'s router output: its float tensor E wide (the first, or the
+        last where the router returns no ids: Llama-4's (dense selection scores, logits))."""
+        ts = _tensors(out)
+        E = int(self.routers[lid][0].weight.shape[0])
+        wide = [t for t in ts if t.is_floating_point() and t.shape[-1] == E]
+        if not wide:
+            raise ValueError(f"router of layer {lid} returns no {E}-wide logits: {[tuple(t.shape) for t in ts]}")
+        lg = wide[-1] if all(t.is_floating_point() for t in ts) else wide[0]
+        return lg.reshape(-1, E).float().cpu().numpy()
 
     def _topk(self, out):
         """(T, K) ids the router selected, read from its output: its one integer tensor (transformers >= 5:
@@ -334,7 +338,7 @@ class Oracle:
 
     def router_logits(self) -> np.ndarray:
         """(T, L, E) float32 router logits of the last `routing()` call, MoE layers in `layer_ids` order."""
-        return np.stack([self._logits(self._out[lid]) for lid in self.layer_ids], axis=1)
+        return np.stack([self._logits(self._out[lid], lid) for lid in self.layer_ids], axis=1)
 
     def groups(self, lid: int) -> Groups | None:
         """The group-limited top-k of layer `lid`'s router, or None."""
@@ -354,7 +358,7 @@ class Oracle:
         torch = self.torch
         out = []
         for lid in self.layer_ids:
-            lg = torch.as_tensor(self._logits(self._out[lid]))
+            lg = torch.as_tensor(self._logits(self._out[lid], lid))
             router, block = self.routers[lid]
             bias = getattr(router, "e_score_correction_bias", None)
             if bias is None:
