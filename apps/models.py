@@ -19,7 +19,7 @@ ARCHS = ("qwen3_moe", "qwen3_moe_mixed", "mixtral", "qwen2_moe", "olmoe", "phimo
 SIGMOID_ROUTER_STD = 0.15
 SIGMOID_BIAS_STD = 0.1
 SIGMOID_ARCHS = ("deepseek_v3", "glm4_moe", "dots1", "minimax_m2")
-CONFIG_VERSION = 3          # of _other_config; part of those architectures' marker
+CONFIG_VERSION = 5          # of _other_config; part of those architectures' marker
 PEAKED_LM_HEAD_STD = 0.4        # make_tiny_model(peaked=True): see its docstring
 PEAKED_EXPERT_STD = 0.1
 
@@ -115,7 +115,10 @@ def _other_config(arch: str, common: dict, num_experts: int, top_k: int, moe_int
                   topk_method="group_limited_greedy" if groups["n_group"] > 1 else "greedy")
         model_type, name = "deepseek_v2", "DeepseekV2ForCausalLM"
     elif arch == "deepseek_v3":
-        kw = dict(**ds, **mla, **groups, norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc")
+        # scoring_func: vLLM's DeepSeek reads it (default softmax); transformers' DeepSeek-V3 always scores with
+        # sigmoid, as the released checkpoints say in their config
+        kw = dict(**ds, **mla, **groups, norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc",
+                  scoring_func="sigmoid")
         model_type, name = "deepseek_v3", "DeepseekV3ForCausalLM"
     elif arch == "glm4_moe":
         kw = dict(**ds, **groups, head_dim=head, norm_topk_prob=True, routed_scaling_factor=2.5,
@@ -138,8 +141,8 @@ def _other_config(arch: str, common: dict, num_experts: int, top_k: int, moe_int
     elif arch in ("qwen3_next", "qwen3_5_moe"):
         n = c["num_hidden_layers"]
         kw = dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter,
-                  shared_expert_intermediate_size=moe_inter, head_dim=head, linear_key_head_dim=32,
-                  linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                  shared_expert_intermediate_size=moe_inter, head_dim=head, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,   # vLLM CPU's GDN: 128
                   layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)])
         if arch == "qwen3_next":
             kw.update(intermediate_size=4 * hidden_size, norm_topk_prob=True, decoder_sparse_step=1,
@@ -226,6 +229,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed
     vocab = _tokenizer(out)
     cfg = make_config(arch, num_layers=num_layers, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                       vocab_size=max(vocab_size or 512, vocab), dtype=dtype, **shape)
+    names = list(cfg.architectures)             # (save_pretrained overwrites the config's with transformers' class)
     torch.manual_seed(seed)
     if device is None:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -259,8 +263,8 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen3_moe", *, seed
     t1 = time.perf_counter()
     model.save_pretrained(out, safe_serialization=True)
     saved = json.loads((out / "config.json").read_text())
-    if saved.get("architectures") != cfg.architectures:   # save_pretrained writes transformers' class name; vLLM
-        saved["architectures"] = cfg.architectures        # resolves PhiMoE only by its own (PhiMoEForCausalLM)
+    if saved.get("architectures") != names:     # vLLM resolves PhiMoE only by its own name (PhiMoEForCausalLM)
+        saved["architectures"] = names
         (out / "config.json").write_text(json.dumps(saved, indent=2))
     marker.write_text(json.dumps(stamp))
     if timings is not None:

@@ -355,18 +355,19 @@ class Oracle:
         """(T, L, E) float64: the scores each router ranks to select (before group limits), of the last `routing()`
         call: sigmoid(logit) + e_score_correction_bias for routers that have the bias (on the router or, MiniMax-M2,
         on its block), else the logit (softmax and top-k routers rank by it)."""
+        return np.stack([self.selection_keys_of(lid) for lid in self.layer_ids], axis=1)
+
+    def selection_keys_of(self, lid: int) -> np.ndarray:
+        """(T, E) float64: `selection_keys` of layer `lid`'s router output held now."""
         torch = self.torch
-        out = []
-        for lid in self.layer_ids:
-            lg = torch.as_tensor(self._logits(self._out[lid], lid))
-            router, block = self.routers[lid]
-            bias = getattr(router, "e_score_correction_bias", None)
-            if bias is None:
-                bias = getattr(block, "e_score_correction_bias", None)
-            if bias is not None:
-                lg = lg.sigmoid() + bias.detach().float().cpu()
-            out.append(lg.double().numpy())
-        return np.stack(out, axis=1)
+        lg = torch.as_tensor(self._logits(self._out[lid], lid))
+        router, block = self.routers[lid]
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is None:
+            bias = getattr(block, "e_score_correction_bias", None)
+        if bias is not None:
+            lg = lg.sigmoid() + bias.detach().float().cpu()
+        return lg.double().numpy()
 
     def _gaps(self, keys, rows, sel, want) -> list:
         """Gap in ulps of each (i, layer index) of `sel`: keys (n, L, E), rows (n, L, K) engine ids."""
