@@ -26,12 +26,12 @@ analysis (tests/test_vllm_gpu.py, docs/PERFORMANCE.md) measures gaps in the same
 Earlier-layer flips. A near tie at an earlier layer that went the other way in the engine feeds the later layers
 (of that token, and through attention of later tokens) another input, so a later row can differ by far more than
 a near tie with nothing wrong. Before a row beyond the tolerance is called wrong, the oracle runs the sequence
-again with the engine's recorded choices forced into every MoE block (`routing_forced`: the trainer side's
-`replay.hf.replay_routing`, exact with the model's own ids; rows the record leaves -1 keep the router's own
-choice) and reads each router's own choice on the input it then gets: a row with a disagreement upstream of it (an
-earlier MoE layer, same or earlier position) that agrees there, or is a near tie there, is an *earlier-layer flip*
-(`RecordVerdict.flips`), counted apart and not a failure. An upstream row that is itself wrong stays wrong: the
-forced pass judges every row on the engine's own upstream choices.
+again with the engine's recorded choices forced into every MoE block (`routing_forced`: the router's own top-k
+call returns the recorded ids, so its weights come from its own arithmetic at them; rows the record leaves -1
+keep the router's own choice) and reads each router's own choice on the input it then gets: a row with a
+disagreement upstream of it (an earlier MoE layer, same or earlier position) that agrees there, or is a near tie
+there, is an *earlier-layer flip* (`RecordVerdict.flips`), counted apart and not a failure. An upstream row that
+is itself wrong stays wrong: the forced pass judges every row on the engine's own upstream choices.
 
 `python -m routing_replay.apps.oracle MODEL_DIR NPZ_DIR [--dtype bfloat16]` prints a verdict and exits 1 on any
 disagreement.
@@ -246,7 +246,9 @@ class Oracle:
         self.dtype = dtype
         self.near_tie_ulps = NEAR_TIE_ULPS[dtype] if near_tie_ulps is None else near_tie_ulps
         self._out: dict[int, object] = {}
-        self._forcing = False
+        self._forced: dict | None = None        # routing_forced: model layer index -> (T, K) forced ids
+        self._active = None                     # the forced ids of the router running now
+        self._unforced: list = []               # routing_forced: layers whose router did not take the forced ids
         self.layer_ids: list[int] = []
         self.routers: dict[int, tuple] = {}       # model layer index -> (router module, its MoE block)
         modules = dict(self.model.named_modules())
@@ -259,6 +261,7 @@ class Oracle:
                 raise ValueError(f"two MoE routers in layer {lid} of {type(self.model).__name__}")
             self.layer_ids.append(lid)
             self.routers[lid] = (module, modules.get(name.rsplit(".", 1)[0]))
+            module.register_forward_pre_hook(self._pre_hook(lid), with_kwargs=True)
             module.register_forward_hook(self._hook(lid), with_kwargs=True)
         self.layer_ids.sort()
         cfg = self.model.config
@@ -266,12 +269,47 @@ class Oracle:
         if not self.layer_ids:
             raise ValueError(f"no MoE routers found in {type(self.model).__name__}")
 
+    def _pre_hook(self, lid: int):
+        def hook(module, args, kwargs):
+            if self._forced is not None:        # the router's own choice on this input, then the forced call
+                self._out[lid] = module.forward(*args, **kwargs)
+                self._active = (self._forced[lid], int(module.weight.shape[0]))
+        return hook
+
     def _hook(self, lid: int):
         def hook(module, args, kwargs, out):
-            if self._forcing:       # the router's forward is replaced by replay's: its own choice on this input
-                out = type(module).forward(module, *args, **kwargs)
-            self._out[lid] = out
+            if self._forced is None:
+                self._out[lid] = out
+            else:                               # the forced call must have selected the forced ids
+                f = self._forced[lid]
+                rows = ~(f < 0).any(-1)
+                got = self._topk(out)
+                if got.shape != f.shape or not bool((got.sort(-1).values == f.sort(-1).values)[rows].all()):
+                    self._unforced.append(lid)
+            self._active = None
         return hook
+
+    def _forcing_topk(self, orig):
+        """torch.topk as the running router calls it, returning the forced ids (and its input's values at them)
+        for its selection: the call whose input is E wide with k = top_k and one row per token. Every other call,
+        and rows forced to -1, get the real top-k."""
+        torch = self.torch
+
+        def topk(input, k, dim=-1, largest=True, sorted=True, **kw):
+            res = orig(input, k, dim, largest, sorted, **kw)
+            active = self._active
+            if active is None or kw:
+                return res
+            forced, E = active
+            if (k != forced.shape[-1] or input.shape[-1] != E or dim not in (-1, input.dim() - 1)
+                    or input.numel() != forced.shape[0] * E):
+                return res
+            own = res.indices.reshape(-1, k)
+            idx = torch.where((forced < 0).any(-1, keepdim=True), own, forced.clamp(min=0))
+            vals = input.reshape(-1, E).gather(-1, idx)
+            return torch.return_types.topk((vals.reshape(res.values.shape), idx.reshape(res.indices.shape)))
+
+        return topk
 
     def _logits(self, out, lid: int):
         """(T, E) float32 router logits from layer `lid`'s router output: its float tensor E wide (the first, or the
@@ -317,24 +355,35 @@ class Oracle:
 
     def routing_forced(self, token_ids: Sequence[int], forced) -> np.ndarray:
         """Like `routing`, with the experts of `forced` ((T, L, K) ids; a row holding -1 keeps the router's own
-        choice) put into every MoE block (replay.hf.replay_routing): each router's own choice on the input the
-        forced upstream choices give it. Raises ValueError where replay does not support the model."""
-        from routing_replay.replay.hf import replay_routing
-
+        choice) put into every MoE block: each router's own choice on the input the forced upstream choices give
+        it. The router itself runs forced: its top-k call (torch.topk / Tensor.topk on its E-wide selection
+        scores) returns the forced ids and the scores at them, so the routing weights come from the router's own
+        arithmetic at those ids. Raises ValueError where a router selects without top-k (PhiMoE's sparsemixer)."""
         torch = self.torch
         ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device)[None]
+        f = torch.as_tensor(np.asarray(forced, dtype=np.int64), device=self.device)
         self._out.clear()
-        with torch.no_grad(), replay_routing(self.model, torch.as_tensor(np.asarray(forced, dtype=np.int64))[None]):
-            self._forcing = True
-            try:
+        orig_fn, orig_method = torch.topk, torch.Tensor.topk
+        self._forced = {lid: f[:, j] for j, lid in enumerate(self.layer_ids)}
+        self._unforced: list = []
+        torch.topk = self._forcing_topk(orig_fn)
+        torch.Tensor.topk = self._forcing_topk(orig_method)
+        try:
+            with torch.no_grad():
                 self.model(input_ids=ids, use_cache=False)
-            finally:
-                self._forcing = False
-        missing = [lid for lid in self.layer_ids if lid not in self._out]
+            own = self._out
+        finally:
+            torch.topk, torch.Tensor.topk = orig_fn, orig_method
+            self._forced = None
+            self._active = None
+        missing = [lid for lid in self.layer_ids if lid not in own]
         if missing:
-            raise ValueError(f"routers of layers {missing} were not called under replay")
-        return np.stack([self._topk(self._out[lid]).cpu().numpy().astype(np.int16) for lid in self.layer_ids],
-                        axis=1)
+            raise ValueError(f"routers of layers {missing} were not called")
+        if self._unforced:
+            cls = type(self.routers[self._unforced[0]][0]).__name__
+            raise ValueError(f"the routers of layers {sorted(set(self._unforced))} ({cls}) select without top-k: "
+                             "they cannot be forced")
+        return np.stack([self._topk(own[lid]).cpu().numpy().astype(np.int16) for lid in self.layer_ids], axis=1)
 
     def router_logits(self) -> np.ndarray:
         """(T, L, E) float32 router logits of the last `routing()` call, MoE layers in `layer_ids` order."""
@@ -455,7 +504,7 @@ class Oracle:
         forced = np.where(have[:, None, None], rows, -1)
         try:
             ref = self.routing_forced(tokens, forced)
-        except (ValueError, NotImplementedError, RuntimeError) as e:
+        except ValueError as e:
             v.forced_error = str(e).splitlines()[0][:200]
             return wrong
         b = np.sort(ref[have], axis=2)

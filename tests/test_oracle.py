@@ -156,6 +156,14 @@ def test_earlier_layer_flip_is_not_called_wrong(oracle):
                       output_token_ids=np.array(tokens[P:], np.int32))
     rec.routed_experts[-1] = -1
     flipped = sorted((int(p), int(j)) for p, j in zip(*np.nonzero(later)))
+    # the forced pass: the model's own ids change nothing; the engine's swap forced in gives every later router the
+    # input the swap gives it (each router's own choice then equals the independently built record, the swapped row
+    # apart: there the router's own choice is the oracle's)
+    assert (oracle.routing_forced(tokens, free) == free).all()
+    forced = oracle.routing_forced(tokens, rec_rows)
+    expect = rec_rows.copy()
+    expect[pos, layer] = free[pos, layer]
+    assert (np.sort(forced, axis=2) == np.sort(expect, axis=2)).all()
     saved = oracle.near_tie_ulps
     try:
         oracle.near_tie_ulps = gap_ulps * 1.01                          # the swap itself is a near tie
