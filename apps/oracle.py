@@ -320,7 +320,7 @@ class Oracle:
         if not wide:
             raise ValueError(f"router of layer {lid} returns no {E}-wide logits: {[tuple(t.shape) for t in ts]}")
         lg = wide[-1] if all(t.is_floating_point() for t in ts) else wide[0]
-        return lg.reshape(-1, E).float().cpu().numpy()
+        return lg.detach().reshape(-1, E).float().cpu().numpy()
 
     def _topk(self, out):
         """(T, K) ids the router selected, read from its output: its one integer tensor (transformers >= 5:
