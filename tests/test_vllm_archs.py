@@ -1,10 +1,12 @@
 """The architecture matrix on the real vLLM CPU build: for each MoE family, a generated tiny checkpoint
 (apps/models.py) runs in vLLM with the plugin capturing (embedded pipeline, npz records), and every record is checked
-against the HF oracle (apps/oracle.py: the ids each transformers router selected, read from its output; near ties
-and earlier-layer flips counted apart). One engine start per architecture, a few short prompts: two share a
-150-token prefix (one 128-token block is a prefix-cache hit, -1 rows), two do not.
+twice: at the router (HF transformers' router module on the inputs vLLM gave its own router: the capture) and against
+the whole-sequence HF oracle (apps/oracle.py: the ids each transformers router selected, read from its output; near
+ties and earlier-layer flips counted apart), which also needs vLLM's model to compute what transformers' does. One
+engine start per case, 4 short requests one at a time: two share a 150-token prefix (one 128-token block is a
+prefix-cache hit, -1 rows), two do not.
 
-RUNS: the dtype vLLM's CPU build runs the family in (float32 where it can; DeepSeek-V2/V3's MLA only in bfloat16).
+RUNS: the dtype vLLM's CPU build runs the family in (float32 where it can; Qwen3-Next only in bfloat16).
 REFUSED: the families it cannot run, with the error it stops on (checked in a child process: a failed engine start
 may leave state behind in this one). docs/VLLM.md, "Architecture matrix", has the table these tests back.
 """
@@ -13,8 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
