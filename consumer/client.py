@@ -11,12 +11,46 @@ from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
 
 
-class RecordEvicted(RuntimeError):
-    """The consumer had to evict this record (its store bound was hit, no spill dir) before it was fetched."""
+UNKNOWN_GRACE_S = 10.0     # fetch's default: how long an id every consumer says it never saw is waited for
+
+
+class RecordsNotServed(RuntimeError):
+    """A consumer answered some ids of a fetch with an error instead of a record (the fetch still waited for the
+    rest). `failed`: {request id: reason}; `records`: what the same fetch did get; `missing`: ids neither received
+    nor failed (unknown, or not finished in time)."""
+
+    def __init__(self, failed: dict, records: dict, missing: list | None = None):
+        shown = dict(list(sorted(failed.items()))[:8])
+        super().__init__(f"{len(failed)} of {len(failed) + len(records) + len(missing or ())} records not served "
+                         f"(got {len(records)}): {shown}")
+        self.failed = failed
+        self.records = records
+        self.missing = missing or []
+
+
+class RecordEvicted(RecordsNotServed):
+    """The consumer had to evict these records (its store bound was hit, no spill dir, no npz dir) before they were
+    fetched; every failed id of the fetch was evicted."""
+
+
+class RecordUnreadable(RecordsNotServed):
+    """At least one record's file on its consumer cannot be read: its reason names the file
+    ("unreadable: <file> is unreadable: <why>")."""
+
+
+class FetchTimeout(TimeoutError):
+    """Not every record came within the fetch's timeout. `request_ids`: the ids still missing; `records`: what the
+    fetch did get."""
+
+    def __init__(self, message: str, request_ids: list, records: dict):
+        super().__init__(message)
+        self.request_ids = request_ids
+        self.records = records
 
 
 class RecordUnknown(TimeoutError):
-    """No consumer holds, has on disk, or has open these request ids (`fetch(..., unknown="raise")`).
+    """No consumer holds, has on disk, or has open these request ids (`fetch(..., unknown="raise")`, or for longer
+    than the grace of the default unknown="grace").
 
     `request_ids`: the unknown ids; `records`: what the same fetch did get. A TimeoutError, so code written for a
     fetch that waited out its timeout on such ids still catches it.
@@ -130,59 +164,89 @@ class TrainerClient:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0, *,
-              unknown: str = "wait") -> dict[str, wire.Record]:
-        """Return {request_id: Record} for every id; raises TimeoutError naming the ids still missing.
+    def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0, *, unknown: str = "grace",
+              unknown_grace_s: float = UNKNOWN_GRACE_S) -> dict[str, wire.Record]:
+        """Return {request_id: Record} for every id, within timeout_s.
 
-        unknown="wait" (the default): an id no consumer knows yet is waited for (its request may not have reached
-        the consumer yet). unknown="raise": every consumer says at once which ids it neither holds, has on disk,
-        nor has open; once each id is received or unknown to all of them, RecordUnknown names the unknown ones
-        (with the records received). RecordEvicted if a consumer had to evict one.
+        Every id is waited for until it is received, a consumer answers it with an error, or (by `unknown`) every
+        consumer says it never saw it; only then does a failure raise, carrying what was received (`records`):
+        RecordEvicted / RecordUnreadable (RecordsNotServed: `failed` {id: reason}) if a consumer answered an error
+        (evicted; a record file it cannot read, named); RecordUnknown naming ids no consumer knows; FetchTimeout (a
+        TimeoutError) naming the ids still missing at the deadline.
+
+        unknown="grace" (the default): an id every consumer says it never saw is waited for unknown_grace_s (its
+        request may not have reached a consumer yet), then RecordUnknown. unknown="raise": no grace. unknown="wait":
+        waited for until the timeout (requests that may sit in an engine's queue longer than the grace).
         """
-        if unknown not in ("wait", "raise"):
-            raise ValueError(f"unknown must be 'wait' or 'raise', got {unknown!r}")
+        if unknown not in ("wait", "raise", "grace"):
+            raise ValueError(f"unknown must be 'grace', 'raise' or 'wait', got {unknown!r}")
+        grace = {"raise": 0.0, "grace": unknown_grace_s, "wait": None}[unknown]
         want = set(request_ids)
         got = {rid: self._early.pop(rid) for rid in list(want) if rid in self._early}
-        unknown_at: dict[str, set] = {}          # id -> the consumers that said it is unknown to them
+        failed: dict[str, str] = {}              # id -> a consumer's error reason
+        unknown_at: dict[str, set] = {}          # id -> the consumers that said, since the last ask, it is unknown
+        unknown_since: dict[str, float] = {}     # id -> when an ask was first answered "unknown" by every consumer
         n_socks = len(self._socks)
         deadline = time.monotonic() + timeout_s
-        next_ask = 0.0
-        while len(got) < len(want):
+        next_ask = asked_at = 0.0
+        while True:
             now = time.monotonic()
-            if unknown == "raise":
-                gone = sorted(rid for rid in want - set(got) if len(unknown_at.get(rid, ())) >= n_socks)
-                if gone and len(gone) + len(got) == len(want):
+            outstanding = want - got.keys() - failed.keys()
+            if not outstanding:
+                break
+            if grace is not None:
+                gone = sorted(rid for rid in outstanding if len(unknown_at.get(rid, ())) >= n_socks)
+                for rid in gone:
+                    unknown_since.setdefault(rid, asked_at)
+                if gone and len(gone) == len(outstanding) and all(now - unknown_since[r] >= grace for r in gone):
+                    if failed:
+                        raise self._not_served(failed, got, gone)
                     raise RecordUnknown(gone, got)
             if now >= deadline:
-                missing = sorted(want - set(got))
-                raise TimeoutError(f"{len(missing)} of {len(want)} records not received in {timeout_s}s: "
-                                   f"{missing[:8]}")
+                missing = sorted(outstanding)
+                if failed:
+                    raise self._not_served(failed, got, missing)
+                raise FetchTimeout(f"{len(missing)} of {len(want)} records not received in {timeout_s}s: "
+                                   f"{missing[:8]}", missing, got)
             if now >= next_ask:
-                outstanding = sorted(want - set(got))
-                body = {"timeout_ms": int(max(deadline - now, 0.001) * 1000)}
-                if unknown == "raise":
+                ask = sorted(outstanding)
+                body = {"timeout_ms": max(1, int((deadline - now) * 1000))}
+                if grace is not None:
                     body["answer_unknown"] = True
                     unknown_at.clear()           # asked again: the answers start over
-                for i in range(0, len(outstanding), 4096):
-                    self._send_all("fetch", outstanding[i:i + 4096], body)
+                for i in range(0, len(ask), 4096):
+                    self._send_all("fetch", ask[i:i + 4096], body)
+                asked_at = now
                 next_ask = now + self.retry_interval_s
-            r = self._recv(int(max(1, min(deadline, next_ask) - now) * 1000) or 1)
+            wake = min(deadline, next_ask)
+            if grace is not None:            # the moment an id's grace runs out (past ones: nothing to wake for)
+                wake = min([wake] + [t + grace for t in unknown_since.values() if t + grace > now])
+            r = self._recv(max(1, int((wake - now) * 1000)))
             if r is None:
                 continue
             if r.kind == "record":
                 if r.value.request_id in want:
                     got[r.value.request_id] = r.value
+                    failed.pop(r.value.request_id, None)
                 else:
                     self._early[r.value.request_id] = r.value
                 continue
             key, reason = r.value
-            if reason == "evicted" and key in want:
-                raise RecordEvicted(f"record {key!r} was evicted by its consumer before it was fetched")
-            if reason == "unknown" and isinstance(key, list):
+            if type(key) is str and key in want and key not in got and (
+                    reason == "evicted" or reason.startswith("unreadable")):
+                failed[key] = reason
+            elif reason == "unknown" and isinstance(key, list):
                 for rid in key:
                     if type(rid) is str and rid in want:
                         unknown_at.setdefault(rid, set()).add(r.sock)
+        if failed:
+            raise self._not_served(failed, got, [])
         return got
+
+    @staticmethod
+    def _not_served(failed: dict, got: dict, missing: list) -> RecordsNotServed:
+        unreadable = any(reason.startswith("unreadable") for reason in failed.values())
+        return (RecordUnreadable if unreadable else RecordEvicted)(failed, got, missing)
 
     def subscribe(self, prefix: str = "") -> None:
         """Receive live records whose request id starts with prefix (best effort; fetch is the lossless path)."""

@@ -166,6 +166,7 @@ class Consumer(ServiceThread):
         self.trainers = TrainerService(
             self.consumer_id, self.store, self._send_trainer, is_open=self.acc.requests.__contains__,
             disk=self.writer.index if self.writer is not None else None,
+            disk_pending=self.writer.pending if self.writer is not None else (lambda rid: False),
             fetched=FetchedRecords(fetched_retention_s, fetched_retention_bytes),
             bad=self._count_bad) if serve else None
         self.on_record = on_record
@@ -283,7 +284,15 @@ class Consumer(ServiceThread):
         """How long the next poll may wait: until the next ack is due if one is owed, a trainer retry, or 100 ms."""
         wait_ms = 100 if self.link.upto == self.link.acked else max(1, int(self.ack_interval_s * 1000))
         if self.trainers is not None and (self.trainers.outbox or self.trainers.live_backlog):
-            wait_ms = min(wait_ms, max(1, int(self.trainers.retry(time.monotonic()) * 1000)))
+            try:
+                wait_ms = min(wait_ms, max(1, int(self.trainers.retry(time.monotonic()) * 1000)))
+            except Exception as e:  # noqa: BLE001 -- a bug here must not stop the consumer: its records are in it
+                self.bad["internal_error"] += 1
+                log.exception("consumer %s: trainer retry failed (internal_error=%d); outboxes dropped, trainers "
+                              "ask again: %s", self.consumer_id, self.bad["internal_error"], e)
+                self.trainers.outbox.clear()
+                self.trainers.backoff.clear()
+                self.trainers.live_backlog.clear()
         return wait_ms
 
     def _read_broker(self, dealer: zmq.Socket, ack_due: float) -> None:
@@ -386,7 +395,7 @@ class Consumer(ServiceThread):
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
-                 "disk_reads=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
+                 "disk_reads=%d unreadable=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.adopted, s.adopted_records,
                  s.materialized, s.bytes / 1e6,
                  self.acc.bytes_held / 1e6, self.acc.kept_bytes / 1e6, self.acc.peak_bytes / 1e6, s.late_msgs,
@@ -399,7 +408,8 @@ class Consumer(ServiceThread):
                  w.records if w is not None else 0, w.write_failed if w is not None else 0,
                  w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
-                 tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0)
+                 tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0,
+                 tr.unreadable if tr is not None else 0)
 
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1
