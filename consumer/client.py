@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
@@ -9,6 +10,12 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
+
+log = logging.getLogger("routing_replay.consumer.client")
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
 
 
 UNKNOWN_GRACE_S = 10.0     # fetch's default: how long an id every consumer says it never saw is waited for
@@ -62,6 +69,16 @@ class RecordUnknown(TimeoutError):
         self.records = records
 
 
+class SubscriptionGap(NamedTuple):
+    """A subscription that was cut: its consumer's connection went down at lost_at and the subscription was sent
+    again at resubscribed_at (time.monotonic()). Live records that finished there meanwhile were not delivered;
+    fetch still has them."""
+
+    endpoint: str
+    lost_at: float
+    resubscribed_at: float
+
+
 class Reply(NamedTuple):
     """One reply from a consumer: kind 'record' (value: Record) or 'error' (value: (key, reason)); `sock`: which
     consumer (its index in the client's endpoints)."""
@@ -77,6 +94,11 @@ class TrainerClient:
     `fetch(ids)` asks every consumer; the one that owns a request answers as soon as its record is finished
     (at once if it already is). Outstanding ids are asked again every `retry_interval_s`, so a consumer that
     restarted, or a fetch that raced a reconnect, still answers. Not thread-safe: one thread per client.
+
+    Each socket's connection events are watched (a ZeroMQ socket monitor, read while the client waits for
+    replies): after a consumer restarts, a subscription is sent to it again, and the cut is logged and kept in
+    `gaps` (SubscriptionGap); a refused CURVE handshake is logged (WARNING, once per endpoint) and counted in
+    `handshake_failures`, instead of the client only timing out.
     """
 
     def __init__(self, endpoints: str | Sequence[str], *, context: zmq.Context | None = None,
@@ -96,10 +118,14 @@ class TrainerClient:
         self.client_id = client_id or default_peer_id("trainer")
         self.retry_interval_s = retry_interval_s
         self._socks = []
+        self._monitors: dict = {}          # monitor socket -> index of the socket it watches
         self._poller = zmq.Poller()
         for ep, key in zip(self.endpoints, keys):
             s = self._ctx.socket(zmq.DEALER)
             self._socks.append(s)
+            mon = s.get_monitor_socket(MONITORED)
+            self._monitors[mon] = len(self._socks) - 1
+            self._poller.register(mon, zmq.POLLIN)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
             if curve_secret is not None:
@@ -112,15 +138,60 @@ class TrainerClient:
             self._poller.register(s, zmq.POLLIN)
         self.bad_replies = 0
         self.unsent = 0
+        self.gaps: list[SubscriptionGap] = []
+        self.handshake_failures = 0
+        self._down_since: dict[int, float] = {}     # socket index -> when its connection went down
+        self._ever_up: set[int] = set()
+        self._handshake_warned: set[int] = set()
+        self._subscribed = False
         self._prefix = ""
         self._sub_pending: list = []
         self._early: dict[str, wire.Record] = {}
         self._seq = 0
 
     def close(self) -> None:
+        for mon in self._monitors:
+            mon.close(0)
+        self._monitors = {}
         for s in self._socks:
+            try:
+                s.disable_monitor()
+            except zmq.ZMQError:
+                pass
             s.close(0)
         self._socks = []
+
+    def _on_event(self, mon: zmq.Socket) -> None:
+        """A connection event of one consumer's socket: resubscribe after a reconnect, report cuts and refusals."""
+        from zmq.utils.monitor import recv_monitor_message
+        i = self._monitors[mon]
+        ev = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+        ep, now = self.endpoints[i], time.monotonic()
+        if ev == zmq.EVENT_DISCONNECTED:
+            self._down_since.setdefault(i, now)
+            if self._subscribed:
+                log.warning("trainer %s: consumer %s disconnected: subscription prefix=%r cut; resubscribing when "
+                            "it is back (live records finished meanwhile are not delivered; fetch has them)",
+                            self.client_id, ep, self._prefix)
+        elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            lost = self._down_since.pop(i, None)
+            again = i in self._ever_up
+            self._ever_up.add(i)
+            self._handshake_warned.discard(i)
+            if again and self._subscribed:
+                self._send_all("hello", self.client_id, {"subscribe": self._prefix}, [self._socks[i]])
+                gap = SubscriptionGap(ep, now if lost is None else lost, now)
+                self.gaps.append(gap)
+                log.warning("trainer %s: consumer %s back after %.3fs: resubscribed prefix=%r gaps=%d",
+                            self.client_id, ep, gap.resubscribed_at - gap.lost_at, self._prefix, len(self.gaps))
+        elif ev & HANDSHAKE_FAILED:
+            self.handshake_failures += 1
+            if i not in self._handshake_warned:
+                self._handshake_warned.add(i)
+                log.warning("trainer %s: consumer %s refused the handshake (event %d, %s): check this trainer's key "
+                            "is in its allow-list and the server key is its own; handshake_failures=%d",
+                            self.client_id, ep, ev, "auth" if ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "protocol",
+                            self.handshake_failures)
 
     def __enter__(self):
         return self
@@ -149,7 +220,14 @@ class TrainerClient:
             ready = self._poller.poll(left)
             if not ready:
                 return None
-            sock = ready[0][0]
+            for sock, _ in ready:
+                if sock in self._monitors:
+                    self._on_event(sock)
+            sock = next((sock for sock, _ in ready if sock not in self._monitors), None)
+            if sock is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
             frames = sock.recv_multipart(copy=False)
             try:
                 if len(frames) > wire.MAX_FRAMES:       # (a record over 1 GiB comes in several row frames)
@@ -251,6 +329,7 @@ class TrainerClient:
     def subscribe(self, prefix: str = "") -> None:
         """Receive live records whose request id starts with prefix (best effort; fetch is the lossless path)."""
         self._prefix = prefix
+        self._subscribed = True
         self._sub_pending = self._send_all("hello", self.client_id, {"subscribe": prefix})
 
     def records(self, timeout_s: float | None = None) -> Iterator[wire.Record]:
