@@ -10,6 +10,7 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
+from routing_replay.protocol.loop import MessageTooLarge, recv_frames
 
 log = logging.getLogger("routing_replay.consumer.client")
 
@@ -18,6 +19,9 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
 
 
+# a reply's whole-message bound (recv_frames): a record's rows come in frames of at most wire.MAX_PAYLOAD_FRAME_BYTES,
+# 64 GiB in all is a record of 48 layers x top-8 (768-byte rows) and 89M tokens, beyond wire.MAX_POSITION
+MAX_REPLY_BYTES = 64 << 30
 UNKNOWN_GRACE_S = 10.0     # fetch's default: how long an id every consumer says it never saw is waited for
 
 
@@ -103,7 +107,9 @@ class TrainerClient:
 
     def __init__(self, endpoints: str | Sequence[str], *, context: zmq.Context | None = None,
                  client_id: str | None = None, retry_interval_s: float = 1.0,
-                 curve_secret: str | None = None, server_key: str | Sequence[str] | None = None):
+                 curve_secret: str | None = None, server_key: str | Sequence[str] | None = None,
+                 max_reply_bytes: int = MAX_REPLY_BYTES):
+        self.max_reply_bytes = max_reply_bytes
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if (curve_secret is None) != (server_key is None):
             raise ValueError("CURVE needs both curve_secret (this trainer's secret cert) and server_key (the "
@@ -228,7 +234,11 @@ class TrainerClient:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 continue
-            frames = sock.recv_multipart(copy=False)
+            try:
+                frames = recv_frames(sock, 0, self.max_reply_bytes)
+            except MessageTooLarge:
+                self.bad_replies += 1            # dropped like a malformed one: fetch asks again
+                continue
             try:
                 if len(frames) > wire.MAX_FRAMES:       # (a record over 1 GiB comes in several row frames)
                     raise wire.ProtocolError("frame_count", f"reply of {len(frames)} frames")

@@ -27,7 +27,8 @@ from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
 from routing_replay.protocol import memory, security, wire
-from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
+from routing_replay.protocol.loop import (MessageTooLarge, ServiceThread, guarded, recv_frames, send_frames,
+                                         start_zero_copy_collector)
 from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
@@ -183,6 +184,7 @@ class Consumer(ServiceThread):
         self.msgs_in = 0
         self.skipped_undecodable = 0              # link messages taken without being read (see module docstring)
         self._server: zmq.Socket | None = None
+        self._auth = None                         # the trainers' CURVE authenticator, while run() serves
         self._dealer: zmq.Socket | None = None    # to the broker (run's thread only): `holds` answers go on it
         self._service_name = f"consumer-{self.consumer_id}"
         self._init_service(log)
@@ -241,6 +243,7 @@ class Consumer(ServiceThread):
         auth = None
         if self.serve and self.curve_allow is not None:
             auth = security.start_authenticator(self._ctx, self.curve_allow)
+            self._auth = auth
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.ROUTING_ID, self.consumer_id.encode())
         dealer.setsockopt(zmq.LINGER, 0)
@@ -301,9 +304,12 @@ class Consumer(ServiceThread):
         now = time.monotonic()
         for _ in range(BURST_MAX_MSGS):
             try:
-                frames = recv_frames(dealer, zmq.NOBLOCK)
+                frames = recv_frames(dealer, zmq.NOBLOCK, wire.MAX_DATA_MESSAGE_BYTES)
             except zmq.Again:
                 break
+            except MessageTooLarge as e:      # its link number is never applied: the broker's resync resends
+                self._count_bad(e.reason, e)
+                continue
             guarded(self._on_broker_message, (frames, now), self.bad, log, self.consumer_id)
             now = time.monotonic()
             if now >= ack_due:
@@ -313,9 +319,12 @@ class Consumer(ServiceThread):
         now = time.monotonic()
         while True:
             try:
-                frames = recv_frames(server, zmq.NOBLOCK)
+                frames = recv_frames(server, zmq.NOBLOCK, wire.MAX_CONTROL_MESSAGE_BYTES)
             except zmq.Again:
                 break
+            except MessageTooLarge as e:
+                self._count_bad(e.reason, e)
+                continue
             guarded(self.trainers.on_message, (frames[0].bytes, frames[1:], now), self.bad, log,
                     self.consumer_id)
 
@@ -395,7 +404,7 @@ class Consumer(ServiceThread):
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
-                 "disk_reads=%d unreadable=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
+                 "disk_reads=%d unreadable=%d curve_refused=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.adopted, s.adopted_records,
                  s.materialized, s.bytes / 1e6,
                  self.acc.bytes_held / 1e6, self.acc.kept_bytes / 1e6, self.acc.peak_bytes / 1e6, s.late_msgs,
@@ -409,7 +418,7 @@ class Consumer(ServiceThread):
                  w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
                  tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0,
-                 tr.unreadable if tr is not None else 0)
+                 tr.unreadable if tr is not None else 0, self._auth.refused if self._auth is not None else 0)
 
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1

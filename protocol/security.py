@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import zmq
+import zmq.utils.z85
 
 log = logging.getLogger("routing_replay.protocol.security")
 
@@ -79,11 +80,48 @@ def curve_client(sock: zmq.Socket, secret_file: str | os.PathLike, server_key_fi
     sock.curve_serverkey = load_public(server_key_file)
 
 
+MAX_REFUSED_PEERS = 4096       # peers whose refusal was logged (beyond: counted only)
+
+
+def _refusal_counting(base):
+    """pyzmq's ThreadAuthenticator that counts every refused handshake (`refused`) and logs each refused peer (its
+    address and CURVE public key) once at WARNING, with the count so far: a client with a key not on the allow-list
+    is otherwise refused at DEBUG only and just times out. Read on the ZAP thread; `refused` is a plain counter."""
+
+    class RefusalCountingAuthenticator(base):
+        refused = 0
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._peer = ("?", "?")
+            self._warned: set = set()
+
+        async def handle_zap_message(self, msg):
+            address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+            key = zmq.utils.z85.encode(msg[6]).decode() if len(msg) > 6 and len(msg[6]) == 32 else "?"
+            self._peer = (address, key)
+            await super().handle_zap_message(msg)
+
+        def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+            if status_code != b"200":
+                self.refused += 1
+                if self._peer not in self._warned and len(self._warned) < MAX_REFUSED_PEERS:
+                    self._warned.add(self._peer)
+                    log.warning("curve handshake refused: peer address=%s public_key=%s (%s; not in the allow-list "
+                                "%s?) curve_refused=%d", self._peer[0], self._peer[1],
+                                status_text.decode("utf-8", "replace"), self.allow_dir, self.refused)
+            super()._send_zap_reply(request_id, status_code, status_text, user_id)
+
+    return RefusalCountingAuthenticator
+
+
 def start_authenticator(ctx: zmq.Context, allow_dir: str | os.PathLike):
     """Start a ZAP handler on `ctx` that accepts CURVE clients whose NAME.key is in `allow_dir`.
 
     The directory is read once, here; restart the process to change the allow-list. Returns the authenticator
-    (call .stop() when the sockets are closed).
+    (call .stop() when the sockets are closed); its `refused` counts refused handshakes, each refused peer is
+    logged once at WARNING. (A client pinned to another server key fails before the allow-list is consulted: the
+    client reports that one, TrainerClient and the producer as a refused handshake.)
     """
     from zmq.auth.thread import ThreadAuthenticator
     d = Path(allow_dir)
@@ -92,7 +130,8 @@ def start_authenticator(ctx: zmq.Context, allow_dir: str | os.PathLike):
     n = len(list(d.glob("*.key")))
     if n == 0:
         raise ValueError(f"CURVE allow-list {d} holds no NAME.key public certs")
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("routing_replay.protocol.security.zap"))
+    auth = _refusal_counting(ThreadAuthenticator)(ctx, log=logging.getLogger("routing_replay.protocol.security.zap"))
+    auth.allow_dir = d
     auth.start()
     auth.configure_curve(domain="*", location=str(d))
     log.info("curve allow_dir=%s keys=%d", d, n)
