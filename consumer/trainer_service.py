@@ -37,7 +37,8 @@ MAX_LIVE_BACKLOG = 4096        # live records waiting, per subscriber whose send
 UNKNOWN = "unknown"            # `error` reason: these ids are neither held, on disk, nor open here
 UNREADABLE = "unreadable"      # `error` reason prefix: "unreadable: <file>: <why>" (a record file that cannot be read)
 BACKOFF_MIN_S = 0.0005         # first retry after a trainer's send queue was found full; doubles while it stays full
-BACKOFF_MAX_S = 0.1
+BACKOFF_MAX_S = 0.005          # ... up to this: a queue of large records frees up while the trainer reads one, and a
+                               # longer wait after that is idle time on the fetch's critical path
 
 
 class Sent(enum.Enum):
