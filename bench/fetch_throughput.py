@@ -141,7 +141,10 @@ def main() -> int:
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="rr-fetch-bench-", dir=os.environ.get("TMPDIR"))
     try:
-        res = {"small": run_size("s", a.small, 128, work), "large": run_size("l", a.large, 80_000, work)}
+        res = {}
+        for name, count, tokens in (("small", a.small, 128), ("large", a.large, 80_000)):
+            if count > 0:
+                res[name] = run_size(name[0], count, tokens, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for k, v in res.items():
