@@ -9,8 +9,9 @@ partial file and a renamed file survives a power cut.
 
 A file that cannot be read (truncated, empty, not a zip, a flipped bit, a missing key) is never fatal: readers
 raise UnreadableRecord naming the file, or skip it with one log line naming it (load_records' default). A torn last
-line of index.jsonl (a crash while appending) is skipped by readers; the writer cuts it off at start and indexes
-again, from the shard files, any record the index lost.
+line of index.jsonl (a crash while appending) is skipped by readers, who read the record it lost from its shard;
+the writer rewrites the index at start from its good lines and the shard files, so the next append starts on a
+line of its own.
 """
 
 from __future__ import annotations
