@@ -114,3 +114,10 @@ def test_a_refused_curve_handshake_is_counted_and_logged_once_per_peer(tmp_path,
         assert t.handshake_failures == 0
     finally:
         stop_all(c, broker)
+
+
+def test_a_producer_never_coalesces_beyond_the_brokers_message_bound():
+    from routing_replay.producer import Producer
+    with pytest.raises(ValueError, match="coalesce_max_bytes=2147483648 outside"):
+        Producer("ipc:///nonexistent-i67b", num_layers=4, top_k=2, coalesce_max_bytes=2 << 30)
+    assert wire.MAX_PAYLOAD_FRAME_BYTES + wire.MAX_HEADER_BYTES <= wire.MAX_DATA_MESSAGE_BYTES
