@@ -125,6 +125,7 @@ class Broker(ServiceThread):
         self._own_ctx = context is None and curve_secret is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self._auth = None
+        self._watches: list = []          # security.HandshakeWatch of each CURVE server socket, while serve() runs
         self.heartbeat_interval_s = heartbeat_interval_ms / 1000
         self.liveness = liveness
         self.stats_interval_s = stats_interval_s
@@ -202,6 +203,8 @@ class Broker(ServiceThread):
         self.backend = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _close_sockets(self) -> None:
+        for w in self._watches:           # kept: their counts go in the last stats line
+            w.close()
         for s in (self._front, self._back):
             if s is not None:
                 s.close(0)
@@ -224,6 +227,10 @@ class Broker(ServiceThread):
             poller = zmq.Poller()
             poller.register(front, zmq.POLLIN)
             poller.register(back, zmq.POLLIN)
+            if self.curve_secret is not None:
+                self._watches = [security.HandshakeWatch(front, "frontend"), security.HandshakeWatch(back, "backend")]
+                for w in self._watches:
+                    poller.register(w.mon, zmq.POLLIN)
             self._started = time.monotonic()
             self.ready.set()
             log.info("broker frontend=%s backend=%s epoch=%d curve=%s", self.frontend, self.backend, self.epoch,
@@ -244,6 +251,9 @@ class Broker(ServiceThread):
                             self._too_large(e, back)
                             continue
                         guarded(self._on_backend, (frames, time.monotonic()), self.bad, log, "broker")
+                for w in self._watches:
+                    if w.mon in events:
+                        w.drain()
                 if front in events:
                     self._now = time.monotonic()
                     for _ in range(MAX_FRONTEND_BURST):
@@ -294,7 +304,8 @@ class Broker(ServiceThread):
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.notices_resent,
                  s.links_lost, s.producers_lost, s.claims_out, s.claimed, s.claims_refused,
                  s.aborted_for_lost_producer, s.refusals_out,
-                 self._auth.refused if self._auth is not None else 0, s.dropped_bad,
+                 (self._auth.refused if self._auth is not None else 0) + sum(w.failed for w in self._watches),
+                 s.dropped_bad,
                  sum(self.bad.values()), dict(self.bad) if self.bad else "")
 
     # ---- consumers ----------------------------------------------------------------------------------------------

@@ -185,6 +185,7 @@ class Consumer(ServiceThread):
         self.skipped_undecodable = 0              # link messages taken without being read (see module docstring)
         self._server: zmq.Socket | None = None
         self._auth = None                         # the trainers' CURVE authenticator, while run() serves
+        self._watch = None                        # its handshake failures before the allow-list (HandshakeWatch)
         self._dealer: zmq.Socket | None = None    # to the broker (run's thread only): `holds` answers go on it
         self._service_name = f"consumer-{self.consumer_id}"
         self._init_service(log)
@@ -209,12 +210,17 @@ class Consumer(ServiceThread):
         memory.keep_freed_memory()
         start_zero_copy_collector()
         socks = self._open_sockets()
+        watch = None
         try:
             poll_all, poll_trainers = zmq.Poller(), zmq.Poller()
             poll_all.register(socks.dealer, zmq.POLLIN)
             if socks.server is not None:
                 poll_all.register(socks.server, zmq.POLLIN)
                 poll_trainers.register(socks.server, zmq.POLLIN)
+                if self.curve_secret is not None:
+                    watch = self._watch = security.HandshakeWatch(socks.server, "trainer endpoint")
+                    poll_all.register(watch.mon, zmq.POLLIN)
+                    poll_trainers.register(watch.mon, zmq.POLLIN)
             self._send_ctl(socks.dealer, "hello")
             self.ready.set()
             log.info("consumer %s connected to %s serve=%s npz_dir=%s epoch=%d curve=%s", self.consumer_id,
@@ -230,12 +236,16 @@ class Consumer(ServiceThread):
                     self._read_broker(socks.dealer, timers.ack)
                 if socks.server is not None and socks.server in events:
                     self._read_trainers(socks.server)
+                if watch is not None and watch.mon in events:
+                    watch.drain()
                 self._run_timers(socks.dealer, timers, time.monotonic())
             self._say_goodbye(socks.dealer)
         except zmq.ContextTerminated:
             pass
         finally:
             self.ready.set()
+            if watch is not None:
+                watch.close()
             self._close_sockets(socks)
             self._log_stats()
 
@@ -418,7 +428,12 @@ class Consumer(ServiceThread):
                  w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
                  tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0,
-                 tr.unreadable if tr is not None else 0, self._auth.refused if self._auth is not None else 0)
+                 tr.unreadable if tr is not None else 0, self._curve_refused())
+
+    def _curve_refused(self) -> int:
+        """Trainer handshakes refused: by the allow-list, and before it (another server key, no CURVE)."""
+        return ((self._auth.refused if self._auth is not None else 0)
+                + (self._watch.failed if self._watch is not None else 0))
 
     def _count_bad(self, reason: str, err: Exception) -> None:
         self.bad[reason] += 1

@@ -115,6 +115,39 @@ def _refusal_counting(base):
     return RefusalCountingAuthenticator
 
 
+class HandshakeWatch:
+    """Own a socket monitor on a CURVE server socket: count the handshakes that fail before the allow-list is asked
+    (a client pinned to another server key, a client without CURVE), and say so once at WARNING. libzmq's monitor
+    names the bound endpoint, not the peer, so this is once per endpoint; refusals by the allow-list are logged per
+    peer by the authenticator. Created, read (`drain`, when `mon` polls readable) and closed by the socket's thread."""
+
+    def __init__(self, sock: zmq.Socket, what: str):
+        self.sock, self.what = sock, what
+        self.mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self.failed = 0
+
+    def drain(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        while True:
+            try:
+                ev = recv_monitor_message(self.mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.failed += 1
+            if self.failed == 1 or self.failed % 1000 == 0:
+                log.warning("curve handshake failed on %s %s (%s %s: a client pinned to another server key, or one "
+                            "without CURVE) handshake_failed=%d", self.what,
+                            ev["endpoint"].decode("utf-8", "replace"), zmq.Event(ev["event"]).name,
+                            ev["value"], self.failed)
+
+    def close(self) -> None:
+        self.mon.close(0)
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+
+
 def start_authenticator(ctx: zmq.Context, allow_dir: str | os.PathLike):
     """Start a ZAP handler on `ctx` that accepts CURVE clients whose NAME.key is in `allow_dir`.
 

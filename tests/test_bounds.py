@@ -121,3 +121,39 @@ def test_a_producer_never_coalesces_beyond_the_brokers_message_bound():
     with pytest.raises(ValueError, match="coalesce_max_bytes=2147483648 outside"):
         Producer("ipc:///nonexistent-i67b", num_layers=4, top_k=2, coalesce_max_bytes=2 << 30)
     assert wire.MAX_PAYLOAD_FRAME_BYTES + wire.MAX_HEADER_BYTES <= wire.MAX_DATA_MESSAGE_BYTES
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_a_handshake_that_fails_before_the_allow_list_is_counted_and_logged_once(tmp_path):
+    """A client pinned to another server key fails the handshake before the allow-list is asked: the server counts
+    it and says so once at WARNING (libzmq's monitor names the bound endpoint, not the peer)."""
+    for name in ("broker", "consumer", "trainer"):
+        out = subprocess.run(CLI + ["keys", str(tmp_path), "--name", name], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+    (tmp_path / "allow").mkdir()
+    (tmp_path / "allow" / "trainer.key").write_bytes((tmp_path / "trainer.key").read_bytes())
+    broker, fe, be = start_broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "--curve-secret",
+                                  str(tmp_path / "broker.key_secret"), "--curve-allow", str(tmp_path / "allow"))
+    c = start_consumer(be, "--serve", "tcp://127.0.0.1:*", "--curve-secret", str(tmp_path / "consumer.key_secret"),
+                       "--broker-key", str(tmp_path / "broker.key"), "--curve-allow", str(tmp_path / "allow"))
+    serve = c.wait_for(r"serve=(\S+)").group(1)
+    try:
+        # pinned to the broker's key instead of the consumer's: the consumer cannot decrypt its hello
+        with TrainerClient(serve, curve_secret=str(tmp_path / "trainer.key_secret"),
+                           server_key=str(tmp_path / "broker.key")) as t, pytest.raises(TimeoutError):
+            t.fetch(["x"], timeout_s=1.0)
+        assert t.handshake_failures >= 1
+        c.wait_for(r"curve_refused=[1-9]", 20)
+        lines = [ln for ln in c.lines if "curve handshake failed on trainer endpoint" in ln]
+        assert len(lines) == 1 and "WARNING" in lines[0] and "HANDSHAKE_FAILED_PROTOCOL" in lines[0]
+        # the broker's frontend the same way: a producer pinned to the consumer's key
+        from routing_replay.producer import Producer
+        p = Producer(fe, num_layers=4, top_k=2, linger_ms=0, curve_secret=str(tmp_path / "trainer.key_secret"),
+                     server_key=str(tmp_path / "consumer.key"))
+        try:
+            broker.wait_for(r"curve handshake failed on frontend .*handshake_failed=1\b", 20)
+            broker.wait_for(r"curve_refused=[1-9]", 20)
+        finally:
+            p.close(0.2)
+    finally:
+        stop_all(c, broker)
