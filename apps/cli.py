@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -89,6 +90,29 @@ def directory_arg(value: str) -> str:
                 raise argparse.ArgumentTypeError(f"invalid directory {value!r}: {str(parent)!r} is not a directory")
             break
     return value
+
+
+def directory_problem(value: str) -> str | None:
+    """Make the directory a command writes to (parents too) and check that it takes a file; why it cannot (one
+    line: a path under /proc, a read-only file system, a file in the way), or None. Run by the command itself, after
+    parsing: the directory is created only when the command goes on to use it."""
+    import tempfile
+    p = Path(value)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return f"{value!r} exists and is not a directory"
+    except OSError as e:
+        return f"cannot create directory {value!r}: {e.strerror or e}"
+    if not p.is_dir():
+        return f"{value!r} exists and is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".tmp-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write in directory {value!r}: {e.strerror or e}"
+    return None
 
 
 def int_at_least(minimum: int):
@@ -224,6 +248,10 @@ def cmd_consume(a) -> int:
         err = _check_binds("consume", [("--serve", a.serve)], bool(a.curve_secret), a.insecure)
         if err:
             return _die("consume", err)
+    for flag, d in (("--npz-dir", a.npz_dir), ("--spill-dir", a.spill_dir)):
+        why = d and directory_problem(d)
+        if why:
+            return _die("consume", f"{flag}: {why}")
     try:
         c = Consumer(a.connect, consumer_id=a.consumer_id, npz_dir=a.npz_dir, shard_size=a.shard_size,
                      serve=a.serve, store_max_bytes=a.store_mb << 20, spill_dir=a.spill_dir,
@@ -299,6 +327,9 @@ def cmd_keys(a) -> int:
 
 def cmd_synth(a) -> int:
     from routing_replay.apps import synthetic
+    why = a.npz_dir and directory_problem(a.npz_dir)
+    if why:
+        return _die("synth", f"--npz-dir: {why}")
     return synthetic.main_from_args(a)
 
 

@@ -72,8 +72,12 @@ def main(argv=None) -> int:
     if min(a.rounds, a.requests, a.prefixes, a.max_tokens, a.group_size) < 1:
         ap.error("--rounds, --requests, --prefixes, --group-size and --max-tokens must be at least 1")
 
+    from routing_replay.apps.cli import directory_problem
+    why = directory_problem(a.out)
+    if why:
+        print(f"routing-replay demo: --out: {why}", file=sys.stderr)
+        return 2
     out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     removed = _clear(out)
     os.environ["ROUTING_REPLAY_BROKER"] = "embedded"
     os.environ["ROUTING_REPLAY_NPZ_DIR"] = str(out)

@@ -39,7 +39,8 @@ from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFligh
 from routing_replay.broker.ownership import OpenMsg, OpensEntry, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
 from routing_replay.protocol import memory, metrics, security, wire
-from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
+from routing_replay.protocol.loop import (MessageTooLarge, ServiceThread, guarded, recv_frames, send_frames,
+                                         start_zero_copy_collector)
 
 log = logging.getLogger("routing_replay.broker")
 
@@ -142,6 +143,7 @@ class Broker(ServiceThread):
         self._own_ctx = context is None and curve_secret is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self._auth = None
+        self._watches: list = []          # security.HandshakeWatch of each CURVE server socket, while serve() runs
         self.heartbeat_interval_s = heartbeat_interval_ms / 1000
         self.liveness = liveness
         self.stats_interval_s = stats_interval_s
@@ -205,9 +207,11 @@ class Broker(ServiceThread):
                 s.setsockopt(zmq.ROUTER_HANDOVER, 1)     # a peer that reconnects with its routing id takes over
                 s.setsockopt(zmq.SNDHWM, self.hwm)
                 s.setsockopt(zmq.RCVHWM, self.hwm)
-                s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
                 if self.curve_secret is not None:
                     security.curve_server(s, self.curve_secret)
+            # per frame: producers send rows, consumers only headers (the whole-message bounds: recv_frames below)
+            self._front.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+            self._back.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_MESSAGE_BYTES)
             self._front.bind(self.frontend)
             self._back.bind(self.backend)
         except BaseException:
@@ -217,6 +221,8 @@ class Broker(ServiceThread):
         self.backend = self._back.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _close_sockets(self) -> None:
+        for w in self._watches:           # kept: their counts go in the last stats line
+            w.close()
         for s in (self._front, self._back):
             if s is not None:
                 s.close(0)
@@ -239,6 +245,10 @@ class Broker(ServiceThread):
             poller = zmq.Poller()
             poller.register(front, zmq.POLLIN)
             poller.register(back, zmq.POLLIN)
+            if self.curve_secret is not None:
+                self._watches = [security.HandshakeWatch(front, "frontend"), security.HandshakeWatch(back, "backend")]
+                for w in self._watches:
+                    poller.register(w.mon, zmq.POLLIN)
             self._started = time.monotonic()
             self.ready.set()
             log.info("broker frontend=%s backend=%s epoch=%d curve=%s", self.frontend, self.backend, self.epoch,
@@ -252,17 +262,26 @@ class Broker(ServiceThread):
                 if back in events:
                     while True:
                         try:
-                            frames = recv_frames(back, zmq.NOBLOCK)
+                            frames = recv_frames(back, zmq.NOBLOCK, wire.MAX_CONTROL_MESSAGE_BYTES)
                         except zmq.Again:
                             break
+                        except MessageTooLarge as e:
+                            self._too_large(e, back)
+                            continue
                         guarded(self._on_backend, (frames, time.monotonic()), self.bad, log, "broker")
+                for w in self._watches:
+                    if w.mon in events:
+                        w.drain()
                 if front in events:
                     self._now = time.monotonic()
                     for _ in range(MAX_FRONTEND_BURST):
                         try:
-                            frames = recv_frames(front, zmq.NOBLOCK)
+                            frames = recv_frames(front, zmq.NOBLOCK, wire.MAX_DATA_MESSAGE_BYTES)
                         except zmq.Again:
                             break
+                        except MessageTooLarge as e:
+                            self._too_large(e, front)
+                            continue
                         guarded(self._on_frontend, (frames,), self.bad, log, "broker")
                 now = time.monotonic()
                 if now >= next_ack:
@@ -293,7 +312,7 @@ class Broker(ServiceThread):
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d notices_resent=%d links_lost=%d "
                  "producers_lost=%d claims_out=%d claimed=%d claims_refused=%d "
-                 "aborted_for_lost_producer=%d refusals_out=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
+                 "aborted_for_lost_producer=%d refusals_out=%d curve_refused=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
                  s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, s.opens_in, s.opens_grouped,
                  s.opens_unbatched,
                  s.finishes_in, s.finishes_unbatched, s.requests_opened, s.requests_closed, len(self.ownership),
@@ -302,7 +321,9 @@ class Broker(ServiceThread):
                  s.dropped_unreachable, s.resent_in, s.refused_gap, s.refused_unknown, s.rewinds_asked, s.acks_in,
                  s.acks_out, sum(len(k.sent) for k in self.links.values()), s.link_resyncs, s.notices_resent,
                  s.links_lost, s.producers_lost, s.claims_out, s.claimed, s.claims_refused,
-                 s.aborted_for_lost_producer, s.refusals_out, s.dropped_bad,
+                 s.aborted_for_lost_producer, s.refusals_out,
+                 (self._auth.refused if self._auth is not None else 0) + sum(w.failed for w in self._watches),
+                 s.dropped_bad,
                  sum(self.bad.values()), dict(self.bad) if self.bad else "")
 
     def metrics(self) -> list:
@@ -467,6 +488,11 @@ class Broker(ServiceThread):
             self._producer_lost(ps, "producer_lost", now)
 
     # ---- producers ----------------------------------------------------------------------------------------------
+
+    def _too_large(self, e: MessageTooLarge, sock) -> None:
+        """A message refused by its total size (recv_frames): counted and answered like any bad message."""
+        self.stats.msgs_in += 1
+        self._bad(wire.ProtocolError(e.reason, str(e)), e.first, sock)
 
     def _bad(self, e: wire.ProtocolError, peer: bytes, sock) -> None:
         self.bad[e.reason] += 1

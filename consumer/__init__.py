@@ -6,15 +6,17 @@ service's names are resolved on first use.
 
 from importlib import import_module
 
-from routing_replay.consumer.client import RecordEvicted, RecordUnknown, TrainerClient
-from routing_replay.consumer.npz import (NpzWriter, iter_records, load_records, read_record, record_files,
-                                        safe_filename, write_record)
+from routing_replay.consumer.client import (FetchTimeout, RecordEvicted, RecordsNotServed, RecordUnknown,
+                                           RecordUnreadable, TrainerClient)
+from routing_replay.consumer.npz import (NpzWriter, UnreadableRecord, iter_records, load_records, read_record,
+                                        record_files, safe_filename, write_record)
 
 _LAZY = {"Accumulator": "accumulator", "AccumulatorStats": "accumulator", "Consumer": "service",
          "RecordStore": "store", "TrainerService": "trainer_service"}
 
-__all__ = ["Accumulator", "AccumulatorStats", "Consumer", "NpzWriter", "RecordEvicted", "RecordStore",
-           "RecordUnknown", "TrainerClient", "TrainerService", "iter_records", "load_records", "read_record",
+__all__ = ["Accumulator", "AccumulatorStats", "Consumer", "FetchTimeout", "NpzWriter", "RecordEvicted",
+           "RecordStore", "RecordUnknown", "RecordUnreadable", "RecordsNotServed", "TrainerClient", "TrainerService",
+           "UnreadableRecord", "iter_records", "load_records", "read_record",
            "record_files", "safe_filename", "write_record"]
 
 

@@ -28,7 +28,8 @@ from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
 from routing_replay.protocol import memory, metrics, security, wire
-from routing_replay.protocol.loop import ServiceThread, guarded, recv_frames, send_frames, start_zero_copy_collector
+from routing_replay.protocol.loop import (MessageTooLarge, ServiceThread, guarded, recv_frames, send_frames,
+                                         start_zero_copy_collector)
 from routing_replay.protocol.ids import default_peer_id
 
 log = logging.getLogger("routing_replay.consumer")
@@ -191,6 +192,7 @@ class Consumer(ServiceThread):
         self.trainers = TrainerService(
             self.consumer_id, self.store, self._send_trainer, is_open=self.acc.requests.__contains__,
             disk=self.writer.index if self.writer is not None else None,
+            disk_pending=self.writer.pending if self.writer is not None else (lambda rid: False),
             fetched=FetchedRecords(fetched_retention_s, fetched_retention_bytes),
             bad=self._count_bad) if serve else None
         self.on_record = on_record
@@ -208,6 +210,8 @@ class Consumer(ServiceThread):
         self.msgs_in = 0
         self.skipped_undecodable = 0              # link messages taken without being read (see module docstring)
         self._server: zmq.Socket | None = None
+        self._auth = None                         # the trainers' CURVE authenticator, while run() serves
+        self._watch = None                        # its handshake failures before the allow-list (HandshakeWatch)
         self._dealer: zmq.Socket | None = None    # to the broker (run's thread only): `holds` answers go on it
         self._service_name = f"consumer-{self.consumer_id}"
         self._init_service(log)
@@ -232,12 +236,17 @@ class Consumer(ServiceThread):
         memory.keep_freed_memory()
         start_zero_copy_collector()
         socks = self._open_sockets()
+        watch = None
         try:
             poll_all, poll_trainers = zmq.Poller(), zmq.Poller()
             poll_all.register(socks.dealer, zmq.POLLIN)
             if socks.server is not None:
                 poll_all.register(socks.server, zmq.POLLIN)
                 poll_trainers.register(socks.server, zmq.POLLIN)
+                if self.curve_secret is not None:
+                    watch = self._watch = security.HandshakeWatch(socks.server, "trainer endpoint")
+                    poll_all.register(watch.mon, zmq.POLLIN)
+                    poll_trainers.register(watch.mon, zmq.POLLIN)
             self._send_ctl(socks.dealer, "hello")
             self.ready.set()
             log.info("consumer %s connected to %s serve=%s npz_dir=%s epoch=%d curve=%s", self.consumer_id,
@@ -253,12 +262,16 @@ class Consumer(ServiceThread):
                     self._read_broker(socks.dealer, timers.ack)
                 if socks.server is not None and socks.server in events:
                     self._read_trainers(socks.server)
+                if watch is not None and watch.mon in events:
+                    watch.drain()
                 self._run_timers(socks.dealer, timers, time.monotonic())
             self._say_goodbye(socks.dealer)
         except zmq.ContextTerminated:
             pass
         finally:
             self.ready.set()
+            if watch is not None:
+                watch.close()
             self._close_sockets(socks)
             self._log_stats()
 
@@ -266,6 +279,7 @@ class Consumer(ServiceThread):
         auth = None
         if self.serve and self.curve_allow is not None:
             auth = security.start_authenticator(self._ctx, self.curve_allow)
+            self._auth = auth
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.ROUTING_ID, self.consumer_id.encode())
         dealer.setsockopt(zmq.LINGER, 0)
@@ -309,7 +323,15 @@ class Consumer(ServiceThread):
         """How long the next poll may wait: until the next ack is due if one is owed, a trainer retry, or 100 ms."""
         wait_ms = 100 if self.link.upto == self.link.acked else max(1, int(self.ack_interval_s * 1000))
         if self.trainers is not None and (self.trainers.outbox or self.trainers.live_backlog):
-            wait_ms = min(wait_ms, max(1, int(self.trainers.retry(time.monotonic()) * 1000)))
+            try:
+                wait_ms = min(wait_ms, max(1, int(self.trainers.retry(time.monotonic()) * 1000)))
+            except Exception as e:  # noqa: BLE001 -- a bug here must not stop the consumer: its records are in it
+                self.bad["internal_error"] += 1
+                log.exception("consumer %s: trainer retry failed (internal_error=%d); outboxes dropped, trainers "
+                              "ask again: %s", self.consumer_id, self.bad["internal_error"], e)
+                self.trainers.outbox.clear()
+                self.trainers.backoff.clear()
+                self.trainers.live_backlog.clear()
         return wait_ms
 
     def _read_broker(self, dealer: zmq.Socket, ack_due: float) -> None:
@@ -318,9 +340,12 @@ class Consumer(ServiceThread):
         now = time.monotonic()
         for _ in range(BURST_MAX_MSGS):
             try:
-                frames = recv_frames(dealer, zmq.NOBLOCK)
+                frames = recv_frames(dealer, zmq.NOBLOCK, wire.MAX_DATA_MESSAGE_BYTES)
             except zmq.Again:
                 break
+            except MessageTooLarge as e:      # its link number is never applied: the broker's resync resends
+                self._count_bad(e.reason, e)
+                continue
             guarded(self._on_broker_message, (frames, now), self.bad, log, self.consumer_id)
             now = time.monotonic()
             if now >= ack_due:
@@ -330,9 +355,12 @@ class Consumer(ServiceThread):
         now = time.monotonic()
         while True:
             try:
-                frames = recv_frames(server, zmq.NOBLOCK)
+                frames = recv_frames(server, zmq.NOBLOCK, wire.MAX_CONTROL_MESSAGE_BYTES)
             except zmq.Again:
                 break
+            except MessageTooLarge as e:
+                self._count_bad(e.reason, e)
+                continue
             guarded(self.trainers.on_message, (frames[0].bytes, frames[1:], now), self.bad, log,
                     self.consumer_id)
 
@@ -412,7 +440,8 @@ class Consumer(ServiceThread):
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
-                 "disk_reads=%d renamed=%d", self.consumer_id, s.finished, s.complete, s.incomplete,
+                 "disk_reads=%d renamed=%d unreadable=%d curve_refused=%d", self.consumer_id, s.finished, s.complete,
+                 s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.adopted, s.adopted_records,
                  s.materialized, s.bytes / 1e6,
                  self.acc.bytes_held / 1e6, self.acc.kept_bytes / 1e6, self.acc.peak_bytes / 1e6, s.late_msgs,
@@ -426,7 +455,12 @@ class Consumer(ServiceThread):
                  w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
                  tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0,
-                 self.keys.renamed)
+                 self.keys.renamed, tr.unreadable if tr is not None else 0, self._curve_refused())
+
+    def _curve_refused(self) -> int:
+        """Trainer handshakes refused: by the allow-list, and before it (another server key, no CURVE)."""
+        return ((self._auth.refused if self._auth is not None else 0)
+                + (self._watch.failed if self._watch is not None else 0))
 
     def metrics(self) -> list:
         """The counters and queue depths of `_log_stats` as Prometheus samples (protocol/metrics.py). Runs on the
@@ -448,6 +482,7 @@ class Consumer(ServiceThread):
                             o.missing_rows),
             metrics.counter("consumer_msgs_in", "messages received from the broker", self.msgs_in),
             metrics.counter("consumer_acks_sent", "acks sent to the broker", self.acks_sent),
+            metrics.counter("consumer_curve_refused", "trainer CURVE handshakes refused", self._curve_refused()),
             metrics.counter("consumer_records_renamed", "records stored as key#n: their request id was taken",
                             self.keys.renamed),
             *[metrics.counter("consumer_bad_messages", "messages dropped as bad, by reason", n, reason=r)
@@ -463,7 +498,9 @@ class Consumer(ServiceThread):
         if tr is not None:
             out += [metrics.gauge("consumer_trainer_waiters", "trainer fetches waiting", len(tr.waiters)),
                     metrics.gauge("consumer_trainer_outbox", "replies queued for trainers", tr.queued),
-                    metrics.counter("consumer_subscriber_drops", "records a subscriber missed", self.subscriber_drops)]
+                    metrics.counter("consumer_subscriber_drops", "records a subscriber missed", self.subscriber_drops),
+                    metrics.counter("consumer_unreadable_records", "fetches of records whose file was unreadable",
+                                    tr.unreadable)]
         if w is not None:
             out += [metrics.counter("consumer_npz_records_written", "records written to npz", w.records),
                     metrics.counter("consumer_npz_write_failed", "npz writes that failed", w.write_failed),

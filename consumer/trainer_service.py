@@ -7,9 +7,11 @@ each finished record to `on_record`, and calls `tick` and `retry` on its timers.
 What a fetch of one request id gets (docs/RELIABILITY.md "Fetch"):
     HELD      finished, not fetched yet (RecordStore): the record, at once
     RETAINED  fetched before, within the retention bound (time and bytes): the same record again, at once
-    ON_DISK   in the consumer's npz dir (this run's or an earlier run's): read back and sent, at once
-    EVICTED   the store had to evict it: an `error` "evicted", at once
-    PENDING   open here, not finished: the record when it finishes, within the fetch's timeout
+    ON_DISK   in the consumer's npz dir (this run's or an earlier run's): read back and sent, at once; a file
+              that cannot be read: an `error` "unreadable: <file>: <why>", at once
+    EVICTED   the store had to evict it and it is nowhere else (not retained, not on disk): an `error` "evicted"
+    PENDING   open here, not finished (or finished and still on its way to the npz dir): the record when it
+              finishes (the client asks again for one on its way to disk), within the fetch's timeout
     UNKNOWN   none of the above: waited for like PENDING (the open may still be on its way); with
               `answer_unknown` in the fetch body, also one `error` "unknown" at once, key = the list of such ids
 """
@@ -33,6 +35,10 @@ MAX_SUBSCRIBERS = 1024
 MAX_GONE = 10_000              # unreachable trainers remembered (their outboxes are dropped)
 MAX_LIVE_BACKLOG = 4096        # live records waiting, per subscriber whose send queue was full (ids; beyond: dropped)
 UNKNOWN = "unknown"            # `error` reason: these ids are neither held, on disk, nor open here
+UNREADABLE = "unreadable"      # `error` reason prefix: "unreadable: <file>: <why>" (a record file that cannot be read)
+BACKOFF_MIN_S = 0.0005         # first retry after a trainer's send queue was found full; doubles while it stays full
+BACKOFF_MAX_S = 0.005          # ... up to this: a queue of large records frees up while the trainer reads one, and a
+                               # longer wait after that is idle time on the fetch's critical path
 
 
 class Sent(enum.Enum):
@@ -124,12 +130,14 @@ class TrainerService:
 
     def __init__(self, consumer_id: str, store: RecordStore, send: Callable[[bytes, list], Sent], *,
                  is_open: Callable[[str], bool] = lambda rid: False, disk: NpzIndex | None = None,
-                 fetched: FetchedRecords | None = None, bad: Callable[[str, Exception], None] | None = None):
+                 fetched: FetchedRecords | None = None, bad: Callable[[str, Exception], None] | None = None,
+                 disk_pending: Callable[[str], bool] = lambda rid: False):
         self.consumer_id = consumer_id
         self.store = store
         self.send = send
         self.is_open = is_open
         self.disk = disk
+        self.disk_pending = disk_pending
         self.fetched = fetched if fetched is not None else FetchedRecords()
         self.count_bad = bad or (lambda reason, err: None)
         self.waiters: dict[str, Waiter] = {}
@@ -143,6 +151,7 @@ class TrainerService:
         self.subscriber_drops = 0
         self.unknown_answers = 0
         self.disk_reads = 0
+        self.unreadable = 0            # fetches answered "unreadable" (a record file that cannot be read)
 
     # ---- records in ---------------------------------------------------------------------------------------------
 
@@ -204,15 +213,19 @@ class TrainerService:
                  len(self.subscribers))
 
     def where(self, rid: str) -> Where:
-        if rid in self.store:
-            return Where.EVICTED if self.store.is_evicted(rid) else Where.HELD
+        """Every copy is looked for before "evicted": an evicted record that is retained or on disk is served."""
+        evicted = self.store.is_evicted(rid)
+        if not evicted and rid in self.store:
+            return Where.HELD
         if rid in self.fetched:
             return Where.RETAINED
         if self.is_open(rid):
             return Where.PENDING
         if self.disk is not None and rid in self.disk:
             return Where.ON_DISK
-        return Where.UNKNOWN
+        if self.disk_pending(rid):
+            return Where.PENDING
+        return Where.EVICTED if evicted else Where.UNKNOWN
 
     def fetch(self, client: bytes, ids: list, deadline: float, answer_unknown: bool = False) -> None:
         """Queue what can be answered now, wait for the rest until `deadline`; say at once which ids are unknown
@@ -239,22 +252,37 @@ class TrainerService:
     # ---- sending ------------------------------------------------------------------------------------------------
 
     def _lookup(self, rid: str) -> tuple[wire.Record | str | None, bool]:
-        """(record or EVICTED or None, whether it came from the store)."""
+        """(record or EVICTED or None, whether it came from the store). Every copy (retained, on disk) is looked
+        for before EVICTED. UnreadableRecord (npz) if the copy found is a file that cannot be read."""
         got = self.store.peek(rid)
-        if got is not None:
-            return got, not isinstance(got, str)
-        got = self.fetched.get(rid)
-        if got is None and self.disk is not None:
-            got = self.disk.read(rid)
-            self.disk_reads += got is not None
-        return got, False
+        if got is not None and not isinstance(got, str):
+            return got, True
+        rec = self.fetched.get(rid)
+        if rec is None and self.disk is not None:
+            rec = self.disk.read(rid)
+            self.disk_reads += rec is not None
+        return (got if rec is None else rec), False
+
+    def _unservable(self, client: bytes, rid: str, err: Exception) -> None:
+        """A record that cannot be served (its file is unreadable): the trainer gets an error naming the file."""
+        self.unreadable += 1
+        log.error("consumer %s: fetch of %r by %r answered %s: %s (unreadable=%d)", self.consumer_id, rid[:64],
+                  client[:32], UNREADABLE, err, self.unreadable)
+        self._send(client, [wire.pack_header("error", self.consumer_id, 0, 0, rid,
+                                             {"reason": f"{UNREADABLE}: {err}"[:300]})])
 
     def _drain(self, client: bytes, now: float) -> None:
         """Send a trainer the records it asked for, in order, until its send queue is full (then back off)."""
         q = self.outbox.get(client)
         while q:
             rid = q[0]
-            got, from_store = self._lookup(rid)
+            try:
+                got, from_store = self._lookup(rid)
+                frames = None if got is None or isinstance(got, str) else wire.encode_record(got, self.consumer_id, 0)
+            except Exception as e:  # noqa: BLE001 -- a file's content (or a record read from it) is input
+                q.popleft()
+                self._unservable(client, rid, e)
+                continue
             if got is None:                        # retention ran out meanwhile: the trainer asks again
                 q.popleft()
                 continue
@@ -264,15 +292,18 @@ class TrainerService:
                 continue
             if from_store:            # out of the store before the trainer can see it; back if the send fails
                 self.store.discard(rid)
-            sent = self._send(client, wire.encode_record(got, self.consumer_id, 0))
+            sent = self._send(client, frames)
             if sent is not Sent.SENT:
                 if from_store:
                     self.store.put(got)
                 if sent is Sent.GONE:
                     break
-                delay = min(0.1, 2 * self.backoff.get(client, Backoff(0.0, 0.0005)).delay_s)
+                # full: try again soon, later each time it is still full; one successful send starts over, so
+                # a trainer that keeps up is never held back by a delay grown while it was briefly behind
+                delay = min(BACKOFF_MAX_S, 2 * self.backoff.get(client, Backoff(0.0, BACKOFF_MIN_S / 2)).delay_s)
                 self.backoff[client] = Backoff(now + delay, delay)
                 return
+            self.backoff.pop(client, None)
             self.fetched.put(got, now)
             q.popleft()
         self.outbox.pop(client, None)
@@ -310,7 +341,11 @@ class TrainerService:
         """Send a subscriber the live records that waited for room, in order, until its queue is full again."""
         q = self.live_backlog.get(client)
         while q:
-            got, _ = self._lookup(q[0])
+            try:
+                got, _ = self._lookup(q[0])
+            except Exception as e:  # noqa: BLE001 -- an unreadable file: fetch names it; live is best effort
+                log.error("consumer %s: live record %r for %r: %s", self.consumer_id, q[0][:64], client[:32], e)
+                got = None
             if got is None or isinstance(got, str):     # gone from the store and the retention meanwhile
                 q.popleft()
                 self._live_dropped(client)

@@ -165,6 +165,9 @@ class Producer:
         if (curve_secret is None) != (server_key is None):
             raise ValueError("CURVE needs both curve_secret (this producer's secret cert) and server_key "
                              "(the broker's public cert)")
+        if not 0 <= coalesce_max_bytes <= wire.MAX_PAYLOAD_FRAME_BYTES:     # the broker's whole-message bound
+            raise ValueError(f"coalesce_max_bytes={coalesce_max_bytes} outside 0..{wire.MAX_PAYLOAD_FRAME_BYTES} "
+                             f"(a coalesced delta must stay under wire.MAX_DATA_MESSAGE_BYTES)")
         self.endpoint = endpoint
         self.num_layers = num_layers
         self.top_k = top_k

@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 
 from routing_replay.protocol import security, wire
-from routing_replay.protocol.loop import send_frames, start_zero_copy_collector
+from routing_replay.protocol.loop import MessageTooLarge, recv_frames, send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
 from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
                                               RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
@@ -822,12 +822,16 @@ class Sender:
     def _read(self, sock: zmq.Socket, now: float) -> None:
         for _ in range(1000):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(sock, zmq.NOBLOCK, wire.MAX_CONTROL_MESSAGE_BYTES)
             except zmq.Again:
                 return
+            except MessageTooLarge as e:
+                frames = [e]
             self._heard(now)
             try:
-                h = wire.decode_header(frames[0])
+                if isinstance(frames[0], MessageTooLarge):
+                    raise wire.ProtocolError(MessageTooLarge.reason, str(frames[0]))
+                h = wire.decode_header(frames[0].buffer)
                 if h.epoch != self._broker_epoch:
                     if self._broker_epoch is not None:
                         log.info("producer %s: new broker epoch=%d (was %d)", self.cfg.producer_id, h.epoch,

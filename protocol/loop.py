@@ -40,17 +40,49 @@ def send_frames(sock: zmq.Socket, frames: Sequence, flags: int = 0) -> None:
     _bsend(sock, frames[last], flags, False)
 
 
-def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:
+class MessageTooLarge(ValueError):
+    """A multipart message above the receiving socket's total bound; `first`: its first frame's bytes (up to 255:
+    a ROUTER's routing id names the peer), `total` and `frames`: what it had."""
+
+    reason = "message_too_large"
+
+    def __init__(self, total: int, frames: int, max_bytes: int, first: bytes):
+        super().__init__(f"message of {frames} frames and {total} bytes exceeds {max_bytes} bytes")
+        self.total, self.frames, self.first = total, frames, first
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0, max_bytes: int | None = None) -> list:
     """sock.recv_multipart(flags, copy=False) (a list of zmq.Frame) without pyzmq's Python layer: each frame's
-    `more` flag instead of a getsockopt(RCVMORE) per frame (bench/zmq_calls.py compares the two)."""
+    `more` flag instead of a getsockopt(RCVMORE) per frame (bench/zmq_calls.py compares the two).
+
+    max_bytes: the message's total bound. Past it, every frame already read is released and the rest are read and
+    released one by one (the message is taken off the socket whole, so the next receive starts on a message
+    boundary); then MessageTooLarge. (libzmq has delivered the message whole by then: wire.MAX_DATA_MESSAGE_BYTES
+    says what that means for memory.)"""
     if _brecv is None:
-        return sock.recv_multipart(flags, copy=False)
+        parts = sock.recv_multipart(flags, copy=False)
+        total = sum(len(f) for f in parts)
+        if max_bytes is not None and total > max_bytes:
+            raise MessageTooLarge(total, len(parts), max_bytes, parts[0].bytes[:255])
+        return parts
     flags = int(flags)
     f = _brecv(sock, flags, False)
     parts = [f]
+    total = len(f)
     while f.more:
         f = _brecv(sock, flags, False)
+        total += len(f)
+        if max_bytes is not None and total > max_bytes:
+            first, n = parts[0].bytes[:255], len(parts) + 1
+            parts = None                    # released now, not at the end of the message
+            while f.more:
+                f = _brecv(sock, flags, False)
+                total += len(f)
+                n += 1
+            raise MessageTooLarge(total, n, max_bytes, first)
         parts.append(f)
+    if max_bytes is not None and total > max_bytes:
+        raise MessageTooLarge(total, 1, max_bytes, parts[0].bytes[:255])
     return parts
 
 

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import zmq
+import zmq.utils.z85
 
 log = logging.getLogger("routing_replay.protocol.security")
 
@@ -79,11 +80,81 @@ def curve_client(sock: zmq.Socket, secret_file: str | os.PathLike, server_key_fi
     sock.curve_serverkey = load_public(server_key_file)
 
 
+MAX_REFUSED_PEERS = 4096       # peers whose refusal was logged (beyond: counted only)
+
+
+def _refusal_counting(base):
+    """pyzmq's ThreadAuthenticator that counts every refused handshake (`refused`) and logs each refused peer (its
+    address and CURVE public key) once at WARNING, with the count so far: a client with a key not on the allow-list
+    is otherwise refused at DEBUG only and just times out. Read on the ZAP thread; `refused` is a plain counter."""
+
+    class RefusalCountingAuthenticator(base):
+        refused = 0
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._peer = ("?", "?")
+            self._warned: set = set()
+
+        async def handle_zap_message(self, msg):
+            address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+            key = zmq.utils.z85.encode(msg[6]).decode() if len(msg) > 6 and len(msg[6]) == 32 else "?"
+            self._peer = (address, key)
+            await super().handle_zap_message(msg)
+
+        def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+            if status_code != b"200":
+                self.refused += 1
+                if self._peer not in self._warned and len(self._warned) < MAX_REFUSED_PEERS:
+                    self._warned.add(self._peer)
+                    log.warning("curve handshake refused: peer address=%s public_key=%s (%s; not in the allow-list "
+                                "%s?) curve_refused=%d", self._peer[0], self._peer[1],
+                                status_text.decode("utf-8", "replace"), self.allow_dir, self.refused)
+            super()._send_zap_reply(request_id, status_code, status_text, user_id)
+
+    return RefusalCountingAuthenticator
+
+
+class HandshakeWatch:
+    """Own a socket monitor on a CURVE server socket: count the handshakes that fail before the allow-list is asked
+    (a client pinned to another server key, a client without CURVE), and say so once at WARNING. libzmq's monitor
+    names the bound endpoint, not the peer, so this is once per endpoint; refusals by the allow-list are logged per
+    peer by the authenticator. Created, read (`drain`, when `mon` polls readable) and closed by the socket's thread."""
+
+    def __init__(self, sock: zmq.Socket, what: str):
+        self.sock, self.what = sock, what
+        self.mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self.failed = 0
+
+    def drain(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        while True:
+            try:
+                ev = recv_monitor_message(self.mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.failed += 1
+            if self.failed == 1 or self.failed % 1000 == 0:
+                log.warning("curve handshake failed on %s %s (%s %s: a client pinned to another server key, or one "
+                            "without CURVE) handshake_failed=%d", self.what,
+                            ev["endpoint"].decode("utf-8", "replace"), zmq.Event(ev["event"]).name,
+                            ev["value"], self.failed)
+
+    def close(self) -> None:
+        self.mon.close(0)
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+
+
 def start_authenticator(ctx: zmq.Context, allow_dir: str | os.PathLike):
     """Start a ZAP handler on `ctx` that accepts CURVE clients whose NAME.key is in `allow_dir`.
 
     The directory is read once, here; restart the process to change the allow-list. Returns the authenticator
-    (call .stop() when the sockets are closed).
+    (call .stop() when the sockets are closed); its `refused` counts refused handshakes, each refused peer is
+    logged once at WARNING. (A client pinned to another server key fails before the allow-list is consulted: the
+    client reports that one, TrainerClient and the producer as a refused handshake.)
     """
     from zmq.auth.thread import ThreadAuthenticator
     d = Path(allow_dir)
@@ -92,7 +163,8 @@ def start_authenticator(ctx: zmq.Context, allow_dir: str | os.PathLike):
     n = len(list(d.glob("*.key")))
     if n == 0:
         raise ValueError(f"CURVE allow-list {d} holds no NAME.key public certs")
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("routing_replay.protocol.security.zap"))
+    auth = _refusal_counting(ThreadAuthenticator)(ctx, log=logging.getLogger("routing_replay.protocol.security.zap"))
+    auth.allow_dir = d
     auth.start()
     auth.configure_curve(domain="*", location=str(d))
     log.info("curve allow_dir=%s keys=%d", d, n)

@@ -151,6 +151,13 @@ MAX_POSITION = 1 << 26               # 64M tokens
 MAX_LAYERS = 1024
 MAX_TOP_K = 256
 MAX_FRAMES = 1 + MAX_REQUESTS_PER_DELTA
+# Whole-message bounds (protocol/loop.recv_frames): a multipart message above its socket's bound is refused by its
+# total size, frame by frame as it is read, whatever each frame's size. libzmq hands a multipart message over only
+# once all its frames have arrived and counts ZMQ_MAXMSGSIZE per frame, so what it holds for one message before
+# that is each frame's bound times the frames: these bounds stop the message at the receiver's loop (nothing is
+# decoded, forwarded or kept), the per-frame bound is what caps libzmq's buffer.
+MAX_CONTROL_MESSAGE_BYTES = MAX_HEADER_BYTES + 4096          # one header frame (and a ROUTER's routing id frame)
+MAX_DATA_MESSAGE_BYTES = MAX_MESSAGE_BYTES + MAX_HEADER_BYTES + 4096   # a header and at most one frame's rows
 COPY_THRESHOLD = 64 * 1024           # payload frames larger than this are sent zero-copy
 
 _UNPACK_LIMITS = dict(
