@@ -1,4 +1,5 @@
-# `make run`  : the main job (vLLM demo with capture on, npz to ./out, oracle check)
+# `make run`  : the main job (vLLM demo with capture on, npz to ./out, oracle check) on Qwen3-MoE; other models:
+#              `.venv/bin/routing-replay demo --arch deepseek_v3` (or glm4_moe, mixtral, ...: `--help`)
 # `make test` : the test suite (CPU; GPU tests are skipped without CUDA), including the shipping check
 #               (tests/test_wheel.py) against the wheel installed outside the checkout (`make wheel-venv`)
 # `make test-vllm-versions` : the vLLM engine tests against older vLLM releases (one environment each; CI runs it

@@ -3,6 +3,17 @@
     routing-replay demo [--out ./out] [--requests 64] [--group-size 8] [--arch qwen3_moe] [--inprocess]
                         [--prefix-rows fill|sentinel]
 
+--arch (ARCHS): qwen3_moe (the default; `make run`), qwen3_moe_mixed (dense layers mixed in), mixtral, two
+DeepSeek-V3-style models (sigmoid scores, `e_score_correction_bias`, 4 expert groups of which 2 are kept, a dense
+first layer): glm4_moe (GLM-4-MoE, grouped-query attention) and deepseek_v3 (DeepSeek-V3 itself, MLA attention),
+and qwen2_moe, olmoe, gpt_oss, granitemoe, llama4. vLLM's CPU build turns prefix caching off for MLA models. Its
+CPU rotary-embedding kernel (`_C.rotary_embedding`) rotates a 3-D (tokens, heads, dims) query wrongly when there
+is more than one head, and MLA hands it one (`q[..., qk_nope_head_dim:]`), so on CPU the demo runs DeepSeek-V3
+with vLLM's torch rotary embedding instead (`custom_ops: -rotary_embedding`, NATIVE_ROPE); with it vLLM's model
+computes what transformers' does and the oracle applies as to the others. gpt_oss and llama4 have several KV
+cache groups (sliding-window or chunked attention layers), for which the plugin cannot fill prefix-cached rows:
+they stay -1 and the trainer's router chooses there.
+
 1. Generates a random-weight MoE checkpoint (routing_replay.apps.models, peaked=True: peaked next-token
    distributions and distinct experts, so that a flipped expert shows in the log-probabilities; cached under
    the temp dir).
@@ -34,6 +45,12 @@ import sys
 import time
 from pathlib import Path
 
+ARCHS = ("qwen3_moe", "qwen3_moe_mixed", "mixtral", "glm4_moe", "deepseek_v3", "qwen2_moe", "olmoe", "gpt_oss",
+         "granitemoe", "llama4")
+# architectures whose vLLM model passes a 3-D query view to the rotary embedding (MLA): on CPU they run vLLM's torch
+# rotary embedding, because the CPU kernel rotates such a query wrongly when it has more than one head
+NATIVE_ROPE = ("deepseek_v3",)
+
 
 def _workload(n: int, prefixes: int, prefix_len: int, group_size: int, seed: int) -> list[list[int]]:
     """GRPO-like prompts: groups of `group_size` identical prompts (one question, n samples), each prompt a
@@ -58,7 +75,8 @@ def _clear(out: Path) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="routing-replay demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="./out", help="directory for the npz records (old *.npz there are removed)")
-    ap.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3_moe_mixed", "mixtral"])
+    ap.add_argument("--arch", default="qwen3_moe", choices=ARCHS,
+                    help="model family (default qwen3_moe; glm4_moe and deepseek_v3 route DeepSeek-V3 style)")
     ap.add_argument("--requests", type=int, default=64, help="requests per round")
     ap.add_argument("--prefixes", type=int, default=4, help="distinct shared system prompts")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
@@ -104,12 +122,17 @@ def main(argv=None) -> int:
     engine_kw = dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=1024,
                      max_num_batched_tokens=1024, enable_prefix_caching=True, kv_cache_memory_bytes=512 << 20,
                      seed=0)
+    from vllm.platforms import current_platform
+
+    if a.arch in NATIVE_ROPE and current_platform.is_cpu():
+        engine_kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     if a.inprocess:
         from routing_replay.apps.vllm_harness import inprocess_llm
         llm = inprocess_llm(model, **{k: v for k, v in engine_kw.items() if k != "model"})
     else:
         llm = LLM(**engine_kw)
     block = llm.llm_engine.vllm_config.cache_config.block_size
+    caching = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching     # off for MLA on vLLM's CPU build
     prompts = [{"prompt_token_ids": p} for p in _workload(a.requests, a.prefixes, a.prefix_len, a.group_size, seed=0)]
 
     def round_(capture: bool):
@@ -185,16 +208,21 @@ def main(argv=None) -> int:
                               f"per prompt; {a.prefixes} shared system prompts of {a.prefix_len} tokens)"),
         ("records", f"{len(records)} written, {complete} complete"),
         ("tokens", f"{prompt_rows:,} prompt + {output_rows:,} output"),
-        ("prefix-cached rows", f"{cached_rows:,} of {prompt_rows:,} prompt rows (block size {block}): "
-                               + (f"{filled_rows - filled_missing:,} filled from the prefix store, "
-                                  f"{filled_missing:,} not found" if a.prefix_rows == "fill" else
-                                  f"{cached_rows:,} are -1 (--prefix-rows sentinel)")),
+        ("prefix-cached rows", (f"{cached_rows:,} of {prompt_rows:,} prompt rows (block size {block}): "
+                                + (f"{filled_rows - filled_missing:,} filled from the prefix store, "
+                                   f"{filled_missing:,} not found"
+                                   + (f", {cached_rows - filled_rows:,} are -1 (the plugin cannot fill them for "
+                                      f"this model: its log says why)" if cached_rows > filled_rows else "")
+                                   if a.prefix_rows == "fill" else
+                                   f"{cached_rows:,} are -1 (--prefix-rows sentinel)")) if caching else
+                               f"none: vLLM turned prefix caching off for this model ({prompt_rows:,} prompt rows "
+                               f"computed)"),
         ("throughput, capture off", f"{off_tok:,.0f} tok/s (median of {len(off)})"),
         ("throughput, capture on", f"{on_tok:,.0f} tok/s ({100 * (on_tok / off_tok - 1):+.1f}%)"),
         ("oracle (HF transformers)", f"{'PASS' if verdict.ok else 'FAIL'}: {verdict.rows:,} (token, layer) rows, "
                                      f"{100 * verdict.agreement:.3f}% identical top-k sets, "
                                      f"{verdict.near_ties} near ties (within {NEAR_TIE_ULPS[verdict.dtype]} ulps of "
-                                     f"the k-th router logit), {verdict.disagree} disagree, "
+                                     f"the k-th selection score), {verdict.disagree} disagree, "
                                      f"{verdict.sentinel_errors} -1 misplacements"),
         *(r3.rows() if r3 is not None else []),
         ("npz", f"{out} ({len(recs)} files)"),

@@ -167,7 +167,7 @@ def _pass(model, records: Sequence, replay: bool, pad_id: int):
     trainer's routers used and the log-probabilities of the record's output tokens."""
     import torch
 
-    from routing_replay.replay.hf import find_moe_blocks, replay_routing
+    from routing_replay.replay.hf import record_selection, replay_routing
     from routing_replay.replay.tensors import padded
 
     tokens = [np.concatenate([r.prompt_token_ids, r.output_token_ids]).astype(np.int64) for r in records]
@@ -178,25 +178,18 @@ def _pass(model, records: Sequence, replay: bool, pad_id: int):
     for b, t in enumerate(tokens):
         input_ids[b, :len(t)] = torch.from_numpy(t)
         mask[b, :len(t)] = 1
-    blocks = find_moe_blocks(model)
-    used: dict[int, torch.Tensor] = {}
-    hooks = []
-    for m, (_, block, spec) in enumerate(blocks):
-        def hook(_mod, _inp, out, m=m):
-            used[m] = out[2].detach().reshape(B, S, -1)
-        hooks.append(getattr(block, spec.router_attr).register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            if replay:
-                with replay_routing(model, rt.expert_ids, rt.no_routing, layer_ids=rt.layer_ids):
-                    logits = model(input_ids=input_ids, attention_mask=mask).logits
-            else:
+    # the ids each router selected, read from its output by its router family (`record_selection`: position 2 of
+    # Qwen3-MoE's and DeepSeek-V3's output, 0 of Granite's, Llama-4's dense scores), under replay the replayed ones
+    with torch.no_grad(), record_selection(model) as selected:
+        if replay:
+            with replay_routing(model, rt.expert_ids, rt.no_routing, layer_ids=rt.layer_ids):
                 logits = model(input_ids=input_ids, attention_mask=mask).logits
-    finally:
-        for h in hooks:
-            h.remove()
+        else:
+            logits = model(input_ids=input_ids, attention_mask=mask).logits
     logp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.stack([used[m] for m in range(len(blocks))], dim=2).numpy()          # (B, S, L, K)
+    assert all(len(calls) == 1 for calls in selected.values()), {m: len(c) for m, c in selected.items()}
+    ids = torch.stack([selected[m][0].reshape(B, S, -1).cpu() for m in sorted(selected)], dim=2).numpy()
+    # ids: (B, S, L, K)
     out = []
     for b, r in enumerate(records):
         P, G = len(r.prompt_token_ids), len(r.output_token_ids)

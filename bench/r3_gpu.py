@@ -151,39 +151,20 @@ def default_model_dir(a) -> Path:
 
 def on_device(model, device):
     """`model` (already on `device`) wrapped so that apps.r3.measure can drive it: r3's trainer pass builds its
-    batch on the CPU and reads the routers' expert ids and the logits back with .numpy(). The wrapper moves the
-    inputs to the device and the logits back to the CPU (bf16, as the model made them; r3 takes log_softmax of
-    them in float32 there), and, for the duration of each forward, hands r3's router hooks the expert ids on the
-    CPU: a hook put before them moves the ids to the CPU, one put after them moves them back for the experts.
-    Routing, replay and arithmetic stay on the device, unchanged. (Without this wrapper apps/r3.py would need a
-    device argument.)"""
+    batch on the CPU and reads the logits back with .numpy() (the routers' expert ids it moves to the CPU itself).
+    The wrapper moves the inputs to the device and the logits back to the CPU (bf16, as the model made them; r3
+    takes log_softmax of them in float32 there). Routing, replay and arithmetic stay on the device, unchanged.
+    (Without this wrapper apps/r3.py would need a device argument.)"""
     import torch
     from types import SimpleNamespace
-
-    from routing_replay.replay.hf import find_moe_blocks
-
-    def ids_to_cpu(_mod, _inp, out):
-        return (*out[:2], out[2].cpu(), *out[3:])
-
-    def ids_back(_mod, _inp, out):
-        return (*out[:2], out[2].to(out[0].device), *out[3:])
 
     class OnDevice(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.inner = model
-            self.routers = [getattr(b, spec.router_attr) for _, b, spec in find_moe_blocks(model)]
 
         def forward(self, input_ids, attention_mask):
-            hooks = []
-            for r in self.routers:
-                hooks.append(r.register_forward_hook(ids_to_cpu, prepend=True))
-                hooks.append(r.register_forward_hook(ids_back))
-            try:
-                out = self.inner(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
-            finally:
-                for h in hooks:
-                    h.remove()
+            out = self.inner(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
             return SimpleNamespace(logits=out.logits.cpu())
 
     return OnDevice().eval()
@@ -213,21 +194,38 @@ def _probe_batch(records, device, pad_id: int):
     return ids, mask, mask.bool(), sel, nxt
 
 
+def _router_logits(out, num_experts: int):
+    """The (N, E) router logits in a router's output: its E-wide floating tensor (the last one where every output
+    is floating, as Llama-4's (dense scores, logits); the first otherwise: Qwen3-MoE's (logits, weights, ids),
+    Granite's (ids, weights, logits))."""
+    parts = [t for t in (out if isinstance(out, tuple) else (out,)) if hasattr(t, "is_floating_point")]
+    wide = [t for t in parts if t.is_floating_point() and t.shape[-1] == num_experts]
+    if not wide:
+        raise ValueError(f"router output {[tuple(t.shape) for t in parts]} holds no {num_experts}-wide logits")
+    return wide[-1] if all(t.is_floating_point() for t in parts) else wide[0]
+
+
 def _own_pass(model, ids, mask):
     """The model's own forward, reading each router's output: the logits (B, S, V), per MoE layer the router
-    logits (B, S, E) and the expert ids the router selected (B, S, K) (its third output, the ids its experts
-    get): these, not a top-k recomputed here, are what the model used, ties broken as the model broke them."""
+    logits (B, S, E) and the expert ids the router selected (B, S, K) (read from its output by its router family,
+    `RouterFamily.ids_of`: the ids its experts get): these, not a top-k recomputed here, are what the model used,
+    ties broken as the model broke them."""
     import torch
 
     from routing_replay.replay.hf import find_moe_blocks
 
     B, S = ids.shape
-    routers = [getattr(b, spec.router_attr) for _, b, spec in find_moe_blocks(model)]
+    found = [(getattr(b, spec.router_attr), spec.family) for _, b, spec in find_moe_blocks(model)]
+    routers = [r for r, _ in found]
     seen: dict[int, tuple] = {}
 
     def hook(m):
+        router, family = found[m]
+        E = int(getattr(router, "num_experts", None) or router.weight.shape[0])
+
         def f(_mod, _inp, out):
-            seen[m] = (out[0].detach().reshape(B, S, -1), out[2].detach().reshape(B, S, -1).to(torch.long))
+            seen[m] = (_router_logits(out, E).detach().reshape(B, S, -1),
+                       family.ids_of(router, out).detach().reshape(B, S, -1).to(torch.long))
         return f
 
     hs = [r.register_forward_hook(hook(m)) for m, r in enumerate(routers)]

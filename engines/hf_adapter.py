@@ -1,10 +1,13 @@
 """Capture the routing of Hugging Face transformers MoE models through router hooks and publish it per generation step.
 
-Second engine beside vLLM, for trainers and tests that run HF models directly. In transformers 5.x every MoE
-block (Qwen3-MoE, Mixtral, ...) owns a `.gate` router module whose forward returns
-`(router_logits, router_scores, router_indices)`; a forward hook on each router hands `router_indices` (n, K)
-to `RoutingCache.record(moe_index, ...)`. MoE index i is the i-th MoE layer in model order; `moe_layer_ids[i]`
-is its decoder layer index (they differ when `mlp_only_layers` makes some layers dense).
+Second engine beside vLLM, for trainers and tests that run HF models directly. The MoE blocks and their routers
+are the trainer side's (`replay.hf.find_moe_blocks`: routers found by their code, whatever the module is called:
+`mlp.gate`, `block_sparse_moe.router`, `feed_forward.router`, ...), and a forward hook on each router hands the
+ids it selected, read from its output by its router family (`replay.routers.RouterFamily.ids_of`: position 2 of
+Qwen3-MoE's and DeepSeek-V3's output, position 0 of Granite's and Aria's, the nonzero scores of Llama-4's dense
+ones), (n, K), to `RoutingCache.record(moe_index, ...)`. MoE index i is the i-th MoE layer in model order;
+`moe_layer_ids[i]` is its decoder layer index (they differ when `mlp_only_layers` or `first_k_dense_replace` make
+some layers dense). A model with a router no family reproduces is refused by `find_moe_blocks`, by name.
 
 `HFRoutingAdapter.generate` runs a greedy generation loop (prefill, then one token per step with the KV cache)
 over a batch of equal-length prompts and publishes, per step, the rows of the requests still running:
@@ -18,29 +21,23 @@ This module imports neither zmq nor the producer, so it runs on machines without
 
 from __future__ import annotations
 
-import re
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 
 from routing_replay.capture import AsyncCopier, RoutingCache
 from routing_replay.protocol.ids import record_key_for
+from routing_replay.replay.hf import find_moe_blocks
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate$")
-
-
-def find_moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """(decoder layer index, router module) of every MoE layer, in layer order.
-
-    A router is a `layers.<i>.mlp.gate` (or `block_sparse_moe.gate`) module with a `top_k` attribute; dense
-    MLPs have `gate_proj` instead and are skipped.
-    """
+def find_moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, Callable]]:
+    """(decoder layer index, router module, ids_of) of every MoE layer, in layer order: `ids_of(output)` is the
+    (n, K) ids the router selected, read from its forward's output (`replay.hf.find_moe_blocks` and the router's
+    family). Raises ValueError naming a router no family reproduces."""
     found = []
-    for name, mod in model.named_modules():
-        m = _LAYER_RE.search(name)
-        if m is not None and hasattr(mod, "top_k"):
-            found.append((int(m.group(1)), mod))
-    found.sort(key=lambda t: t[0])
+    for layer, block, spec in find_moe_blocks(model):
+        router = getattr(block, spec.router_attr)
+        found.append((layer, router, functools.partial(spec.family.ids_of, router)))
     return found
 
 
@@ -52,25 +49,26 @@ class HFRoutingAdapter:
                  fused: bool = True):
         routers = find_moe_routers(model)
         if not routers:
-            raise ValueError(f"{type(model).__name__} has no MoE router modules (layers.<i>.mlp.gate with top_k)")
-        top_ks = {int(r.top_k) for _, r in routers}
+            raise ValueError(f"{type(model).__name__} has no MoE router modules (replay.hf.find_moe_blocks)")
+        top_ks = {int(r.top_k) for _, r, _ in routers}
         if len(top_ks) != 1:
             raise ValueError(f"MoE layers disagree on top_k: {sorted(top_ks)}")
         self.model = model
         self.sink = sink
-        self.moe_layer_ids = [i for i, _ in routers]
+        self.moe_layer_ids = [i for i, _, _ in routers]
         self.num_layers = len(routers)
         self.top_k = top_ks.pop()
         self.device = next(model.parameters()).device
         self.cache = RoutingCache(max_tokens, self.num_layers, self.top_k, device=self.device, fused=fused)
         self.copier = AsyncCopier(self.cache, num_slots=num_slots)
-        self._hooks = [router.register_forward_hook(self._hook(i)) for i, (_, router) in enumerate(routers)]
+        self._hooks = [router.register_forward_hook(self._hook(i, ids_of))
+                       for i, (_, router, ids_of) in enumerate(routers)]
 
-    def _hook(self, moe_index: int):
+    def _hook(self, moe_index: int, ids_of: Callable):
         record = self.cache.record
 
         def hook(module, args, output):
-            record(moe_index, output[2])
+            record(moe_index, ids_of(output))
         return hook
 
     def close(self) -> None:

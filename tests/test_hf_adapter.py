@@ -112,7 +112,7 @@ def _check_rows(got: dict, rids, ref_rows: dict, P: int, outputs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_routers_found_at_the_moe_layer_ids(models, arch):
     model = models[arch]
-    assert [i for i, _ in find_moe_routers(model)] == moe_layer_ids(model.config)
+    assert [i for i, _, _ in find_moe_routers(model)] == moe_layer_ids(model.config)
     with HFRoutingAdapter(model, max_tokens=64) as ad:
         assert ad.moe_layer_ids == moe_layer_ids(model.config)
         assert (ad.num_layers, ad.top_k) == (len(moe_layer_ids(model.config)), 2)
@@ -139,6 +139,58 @@ def test_generate_rows_equal_router_topk(models, arch, batch, fused):
     for b, rid in enumerate(rids):
         assert sink.opens[rid] == (6, 0, prompts[b])
         assert sink.finishes[rid] == (5, "length", outputs[b])
+
+
+# Routers not called `mlp.gate`, or whose output does not hold the ids at position 2: Granite-MoE returns
+# (ids, weights, logits) from `block_sparse_moe.router`, Llama-4 (top-1) dense (N, E) scores and the logits from
+# `feed_forward.router`, Phi-MoE and GPT-OSS (logits, weights, ids) from `mlp.router`. Each selects the top-k of its
+# logits in eval mode (Phi-MoE's sparsemixer: the argmax, then the argmax of the rest), so the reference's top-k of
+# softmax(router_logits) is each router's own selection, in its order.
+OTHER_ARCHS = ("granitemoe", "llama4", "phimoe", "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def other_models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    return {arch: AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path_factory.mktemp(arch), arch)).eval()
+            for arch in OTHER_ARCHS}
+
+
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+def test_other_router_layouts_capture_the_routers_own_selection(other_models, arch):
+    model = other_models[arch]
+    K = model.config.num_experts_per_tok
+    routers = find_moe_routers(model)
+    assert [i for i, _, _ in routers] == moe_layer_ids(model.config) == [0, 1, 2, 3]
+    # the router's own output, read without the adapter: the ids it returns, or (Llama-4) its nonzero scores
+    own: dict = {}
+
+    def hook(i):
+        def read(_m, _a, out):
+            ids = out[0] if arch == "granitemoe" else out[2] if arch != "llama4" else out[0].ne(0).nonzero()[:, 1:]
+            own.setdefault(i, []).append(ids.reshape(-1, K).to(torch.int16).clone())
+        return read
+    handles = [router.register_forward_hook(hook(i)) for i, (_, router, _) in enumerate(routers)]
+    prompts = PROMPTS[:2]
+    sink = CollectSink()
+    try:
+        with HFRoutingAdapter(model, sink, max_tokens=32) as ad:
+            assert (ad.num_layers, ad.top_k) == (4, K)
+            outputs = ad.generate(prompts, request_ids=["a", "b"], max_new_tokens=5)
+    finally:
+        for h in handles:
+            h.remove()
+    got = sink.rows_by_request()
+    # the router's own ids, per forward call (prefill, then 4 decode steps), reassembled per request and position
+    calls = [torch.stack([own[i][c] for i in range(4)], dim=1).numpy() for c in range(5)]
+    for b, rid in enumerate(["a", "b"]):
+        assert sorted(got[rid]) == list(range(6 + 4))
+        for p in range(6 + 4):
+            c, j, S = (0, p, 6) if p < 6 else (p - 5, 0, 1)
+            assert np.array_equal(got[rid][p], calls[c][b * S + j]), (rid, p)
+    ref_out, ref_rows = reference(model, prompts, 5)
+    assert outputs == ref_out
+    _check_rows(got, ["a", "b"], ref_rows, 6, outputs)
 
 
 def test_generate_stops_requests_at_eos_and_publishes_only_running_ones(models):

@@ -61,6 +61,45 @@ def test_routing_agreement_sets_and_unrecorded_rows():
         routing_agreement(trainer[:2], engine)
 
 
+@pytest.mark.parametrize("arch", ["granitemoe", "llama4"])
+def test_measure_reads_the_ids_each_router_selected(tmp_path, arch):
+    """Granite-MoE's router returns (ids, weights, logits), Llama-4's dense scores and logits: the trainer pass reads
+    the selected ids by the router's family. Records holding the model's own choices (read here from each router's
+    output, independently) agree on every recorded row with and without replay, at the same log-probabilities."""
+    import torch
+
+    from routing_replay.apps.models import make_tiny_model
+    from routing_replay.apps.r3 import load_trainer, measure
+    from routing_replay.protocol import wire
+
+    model = load_trainer(make_tiny_model(tmp_path / "m", arch), "float32")
+    K = model.config.num_experts_per_tok
+    routers = [m for n, m in model.named_modules() if n.endswith(("block_sparse_moe.router", "feed_forward.router"))]
+    assert len(routers) == 4
+    rng = np.random.default_rng(3)
+    recs, eng = [], {}
+    for i in range(3):
+        P, G = int(rng.integers(5, 12)), int(rng.integers(3, 7))
+        toks = rng.integers(0, 256, P + G)
+        got = []
+        hs = [r.register_forward_hook(lambda _m, _a, out: got.append(
+            out[0] if arch == "granitemoe" else out[0].ne(0).nonzero()[:, 1:].reshape(-1, K))) for r in routers]
+        with torch.no_grad():
+            model(input_ids=torch.from_numpy(toks)[None])
+        for h in hs:
+            h.remove()
+        ids = torch.stack(got, dim=1).numpy().astype(np.int16)              # (P + G, L, K)
+        ids[-1] = -1                                                         # the last token: never fed
+        recs.append(wire.Record(f"r{i}", ids[:P], ids[P:], 0, np.arange(4, dtype=np.int32), True,
+                                prompt_token_ids=toks[:P], output_token_ids=toks[P:]))
+        eng[f"r{i}"] = np.full(G, -3.0)
+    rows = sum(len(r.prompt_token_ids) + len(r.output_token_ids) - 1 for r in recs) * 4
+    rep = measure(model, recs, eng, batch_size=3, pad_id=257)
+    assert (rep.own, rep.replay) == (Agreement(rows, rows), Agreement(rows, rows))
+    assert rep.own_drift == rep.replay_drift
+    assert (rep.fallback.last_token_rows, rep.fallback.other_rows) == (3 * 4, 0)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_demo_replay_agrees_on_every_recorded_row(tmp_path):

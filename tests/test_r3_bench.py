@@ -55,8 +55,8 @@ def _records(L: int, K: int, E: int, n: int, seed: int):
 
 
 def test_device_wrapper_measures_the_same(tmp_path):
-    """on_device() (hooks moving the routers' ids to the CPU for r3's hooks and back, logits to the CPU): on CPU it
-    must give exactly the measurement of the bare model, replay exact, own routing partly different."""
+    """on_device() (inputs to the device, logits back to the CPU): on CPU it must give exactly the measurement of the
+    bare model, replay exact, own routing partly different."""
     pytest.importorskip("transformers")
     from routing_replay.apps.models import make_tiny_model
     from routing_replay.apps.r3 import load_trainer, measure
