@@ -251,8 +251,8 @@ class TrainerService:
             self.sub_slices.pop(client, None)
         else:
             self.sub_slices[client] = sl
-        log.info("consumer %s: subscriber %r prefix=%r layers=%s tokens=%s subscribers=%d", self.consumer_id,
-                 client[:32], prefix, sl and sl.layers, sl and sl.tokens, len(self.subscribers))
+        log.info("consumer %s: subscriber %r prefix=%r subscribers=%d%s", self.consumer_id, client[:32], prefix,
+                 len(self.subscribers), "" if sl is None else f" layers={sl.layers} tokens={sl.tokens}")
 
     def where(self, rid: str) -> Where:
         """Every copy is looked for before "evicted": an evicted record that is retained or on disk is served."""

@@ -65,7 +65,8 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
 Control kinds, one frame (the header) each; key: the sender's id unless said:
     hello       producer -> broker      {unacked_from = 1}
                 consumer -> broker      {broker = 0}
-                trainer -> consumer     {[subscribe: prefix]}   without subscribe: no subscription
+                trainer -> consumer     {[subscribe: prefix][, layers][, tokens]}   without subscribe: no
+                                        subscription; layers, tokens: as in fetch (each live record's slice)
     heartbeat   producer -> broker      {unacked_from = 1}
                 broker -> producer      {consumers = 0[, takes = []]}   the reply to each producer hello/heartbeat;
                                                           key: the producer id; takes: the optional data kinds it
@@ -89,12 +90,17 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                                         and epoch (together, broker -> producer only): the data message of that
                                         producer epoch the broker accepted and dropped (Refusal, refusal_body,
                                         parse_refusal); key: "", a request id, or a list of ids (fetch answers)
-    fetch       trainer -> consumer     key: list of request ids; {timeout_ms = 60000[, answer_unknown = false]}
-                                        (Fetch, parse_fetch)
+    fetch       trainer -> consumer     key: list of request ids; {timeout_ms = 60000[, answer_unknown = false]
+                                        [, layers: [lo, hi]][, tokens: [lo, hi]]} (Fetch, parse_fetch, Slice):
+                                        layers: model layer ids [lo, hi), tokens: positions [lo, hi) of prompt +
+                                        output, 0 <= lo < hi (absent: all); only that slice of each record is sent
     record      consumer -> trainer     key: request id (encode_record, decode_record)
                 {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
                  ...], reason, finish_reason, n_prompt_tokens, n_output_tokens[, num_prefix_filled = 0]
-                 [, row_frames = [1, 1]]} (token counts -1: not sent)
+                 [, row_frames = [1, 1]][, layer_range: [lo, hi]][, token_range: [lo, hi]]} (token counts -1: not
+                 sent); layer_range, token_range: sent only for a slice (slice_record): the layer range asked for
+                 (layer_ids: the MoE layers kept), the positions [lo, hi) the rows cover (clipped to the record, so
+                 lo == hi when it lay past the end; prompt_len, num_output: the rows sent of each part)
                 frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
                 (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
                 int32 LE. A part over MAX_PAYLOAD_FRAME_BYTES goes as several frames of whole rows, each at most
