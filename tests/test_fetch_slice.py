@@ -203,3 +203,13 @@ def test_each_pipeline_stage_fetches_its_layers_and_megatron_gets_the_same_route
         payload = [_sent_bytes(full.values(), cid, wire.make_slice(st), header=False) for st in STAGES]
         assert sum(payload) == _sent_bytes(full.values(), cid, None, header=False) == \
             sum(r.nbytes for r in full.values())
+
+
+def test_the_subscribe_cli_refuses_a_bad_range_with_exit_2():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "routing_replay.apps.cli", "subscribe", "--connect",
+                          "tcp://127.0.0.1:1", "--layers", "4", "4"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == ["routing-replay subscribe: layers=(4, 4): expected integers 0 <= lo < hi "
+                                       "<= 65536"]
