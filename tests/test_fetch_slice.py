@@ -213,3 +213,20 @@ def test_the_subscribe_cli_refuses_a_bad_range_with_exit_2():
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines() == ["routing-replay subscribe: layers=(4, 4): expected integers 0 <= lo < hi "
                                        "<= 65536"]
+
+
+def test_the_slice_bench_reports_exact_bytes_per_rank(tmp_path, capsys):
+    """bench/slice_fetch.py, small: the per-rank figures are the encoded slices' sizes (it checks each record)."""
+    import json
+    from pathlib import Path
+
+    from tests.procs import load_script
+    bench = load_script(Path(__file__).resolve().parents[1] / "bench" / "slice_fetch.py", "bench_slice_fetch")
+    out = tmp_path / "s.json"
+    assert bench.main(["--records", "4", "--prompt", "12", "--output", "4", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert len(got["pp4"]) == 4 and len(got["pp4 x cp2"]) == 8 and len(got["dp4"]) == 4
+    row, tok, n = 48 * 8 * 2, 4, 4 * 16                   # every rank: its rows and the token ids of its positions
+    assert [b - hdr for b, hdr in zip(got["pp4"], got["pp4_headers"])] == [n * (row // 4 + tok)] * 4
+    assert sum(got["dp4"]) == got["whole"][0]
+    assert "pp4        ranks= 4" in capsys.readouterr().out
