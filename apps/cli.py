@@ -310,7 +310,7 @@ def cmd_subscribe(a) -> int:
                       f"cached={rec.num_cached_tokens} complete={rec.complete} reason={rec.reason or '-'} "
                       f"missing={rec.missing}" + ("" if rec.layer_range is None else
                                                   f" layer_ids={rec.moe_layer_ids.tolist()}")
-                      + ("" if rec.token_range is None else f" positions={list(rec.token_range)}"), flush=True)
+                      + ("" if rec.token_range is None else f" positions={list(rec.token_range[:2])} of {rec.token_range[2]}"), flush=True)
                 if a.count and n >= a.count:
                     break
                 if stop.is_set():

@@ -97,10 +97,11 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
     record      consumer -> trainer     key: request id (encode_record, decode_record)
                 {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
                  ...], reason, finish_reason, n_prompt_tokens, n_output_tokens[, num_prefix_filled = 0]
-                 [, row_frames = [1, 1]][, layer_range: [lo, hi]][, token_range: [lo, hi]]} (token counts -1: not
-                 sent); layer_range, token_range: sent only for a slice (slice_record): the layer range asked for
-                 (layer_ids: the MoE layers kept), the positions [lo, hi) the rows cover (clipped to the record, so
-                 lo == hi when it lay past the end; prompt_len, num_output: the rows sent of each part)
+                 [, row_frames = [1, 1]][, layer_range: [lo, hi]][, token_range: [lo, hi, n]]} (token counts -1:
+                 not sent); layer_range, token_range: sent only for a slice (slice_record): the layer range asked for
+                 (layer_ids: the MoE layers kept); the positions [lo, hi) the rows cover, of the record's n = P + G
+                 (clipped to n, so lo == hi == n when it lay past the end; prompt_len, num_output: the rows sent of
+                 each part)
                 frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
                 (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
                 int32 LE. A part over MAX_PAYLOAD_FRAME_BYTES goes as several frames of whole rows, each at most
@@ -1049,7 +1050,7 @@ def slice_record(rec: "Record", sl: Slice | None) -> "Record":
         pt = None if pt is None else pt[ps]
         ot = None if ot is None else ot[gs]
         missing = [(max(a, lo), min(b, hi)) for a, b in missing if max(a, lo) < min(b, hi)]
-        token_range = (lo, hi)
+        token_range = (lo, hi, P + G)
     return Record(rec.request_id, pr, ge, rec.num_cached_tokens, ids, rec.complete, missing, rec.reason,
                   rec.finish_reason, pt, ot, rec.num_prefix_filled, layer_range, token_range)
 
@@ -1082,9 +1083,10 @@ class Record:
     # row whose source was gone is -1 and listed in `missing` (reason "prefix_not_found").
     num_prefix_filled: int = 0
     # a slice (slice_record, a fetch or subscribe that asked for one): the model layer range [lo, hi) asked for
-    # (moe_layer_ids are the MoE layers kept) and the absolute positions [lo, hi) the rows cover: prompt rows are
-    # positions [lo, min(hi, P)) and generation rows the rest, so row i of concat(prompt, generation) is position
-    # lo + i. None: all layers / all positions (the whole record).
+    # (moe_layer_ids are the MoE layers kept); (lo, hi, n): the absolute positions [lo, hi) the rows cover, of the
+    # whole record's n = P + G: prompt rows are positions [lo, min(hi, P)) and generation rows the rest, so row i
+    # of concat(prompt, generation) is position lo + i, and the sample's last position is in it when hi == n.
+    # None: all layers / all positions (the whole record).
     layer_range: tuple | None = None
     token_range: tuple | None = None
 
@@ -1209,11 +1211,12 @@ def decode_record(h: Header, frames: Sequence) -> Record:
         layer_range = check_range(_as_range(b.get("layer_range")), "layer_range", MAX_LAYER_ID)
     except ValueError as e:
         raise _bad("bad_field", f"record {e}") from None
-    token_range = b.get("token_range")          # [lo, hi], lo == hi where the range lay past the record's end
+    token_range = b.get("token_range")          # [lo, hi, n], lo == hi == n where the range lay past the end
     if token_range is not None:
-        if not (isinstance(token_range, list) and len(token_range) == 2 and all(type(x) is int for x in token_range)
-                and 0 <= token_range[0] <= token_range[1] <= MAX_POSITION):
-            raise _bad("bad_field", f"record token_range {str(token_range)[:64]}: expected [lo, hi]")
+        if not (isinstance(token_range, list) and len(token_range) == 3 and all(type(x) is int for x in token_range)
+                and 0 <= token_range[0] <= token_range[1] <= token_range[2] <= 2 * MAX_POSITION):
+            raise _bad("bad_field", f"record token_range {str(token_range)[:64]}: expected [lo, hi, n], "
+                                    f"0 <= lo <= hi <= n")
         token_range = tuple(token_range)
     if token_range is not None and token_range[1] - token_range[0] != P + G:
         raise _bad("bad_field", f"record token_range {list(token_range)} for {P} + {G} rows")

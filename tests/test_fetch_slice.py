@@ -57,7 +57,7 @@ def test_a_sliced_fetch_is_the_slice_of_the_full_record_and_only_its_bytes_leave
                     rows = np.concatenate([got[rid].prompt_routed_experts, got[rid].routed_experts])
                     whole = np.concatenate([rec.prompt_routed_experts, rec.routed_experts])
                     cols = [MOE.index(x) for x in got[rid].moe_layer_ids]
-                    assert got[rid].token_range == (lo, hi) and np.array_equal(rows, whole[lo:hi][:, cols])
+                    assert got[rid].token_range == (lo, hi, P + G) and np.array_equal(rows, whole[lo:hi][:, cols])
                     assert all(lo <= a < b <= hi for a, b in got[rid].missing)
         one_stage = _sent_bytes(full.values(), cid, wire.make_slice((3, 5)))
         whole = _sent_bytes(full.values(), cid, None)
@@ -195,6 +195,15 @@ def test_each_pipeline_stage_fetches_its_layers_and_megatron_gets_the_same_route
                 a = megatron_replay_data(build(mine), model_layers=routers)
                 b = megatron_replay_data(build([full[r] for r in ids]), model_layers=routers)
                 assert len(a) == len(routers) and all(torch.equal(x, y) for x, y in zip(a, b))
+            for rid in ids:                                   # and each stage's 2 context-parallel ranks
+                n = full[rid].prompt_routed_experts.shape[0] + full[rid].routed_experts.shape[0]
+                whole = megatron_replay_data(packed([full[rid]]), model_layers=routers)
+                for lo_t, hi_t in ((0, n // 2), (n // 2, n)):
+                    with TrainerClient(pipe.serve) as t:
+                        chunk = t.fetch([rid], timeout_s=30, layers=(lo, hi), tokens=(lo_t, hi_t))[rid]
+                    assert chunk.token_range == (lo_t, hi_t, n)
+                    a = megatron_replay_data(packed([chunk]), model_layers=routers)
+                    assert all(torch.equal(x, y[lo_t:hi_t]) for x, y in zip(a, whole))
         cid = pipe.consumer.consumer_id
         assert whole_bytes == _sent_bytes(full.values(), cid, None)
         for (lo, hi), n in zip(STAGES, per_stage):           # each stage: its layers' columns, nothing more
@@ -230,3 +239,26 @@ def test_the_slice_bench_reports_exact_bytes_per_rank(tmp_path, capsys):
     assert [b - hdr for b, hdr in zip(got["pp4"], got["pp4_headers"])] == [n * (row // 4 + tok)] * 4
     assert sum(got["dp4"]) == got["whole"][0]
     assert "pp4        ranks= 4" in capsys.readouterr().out
+
+
+def test_a_context_parallel_chunk_that_stops_before_its_samples_end_keeps_its_last_row_a_context_row():
+    """Megatron fills a sample's last row (never fed) with harmless ids; a chunk's last row is a context row
+    unless the chunk reaches the sample's end (token_range hi == n), so a missing row there needs the fallback."""
+    torch = pytest.importorskip("torch")
+    from routing_replay.replay import packed, padded
+    from routing_replay.replay.megatron import megatron_replay_data
+    from tests.test_replay_tensors import K as K2, L as L2, record
+    rec = record("cp", 6, 4, cached=3)                  # rows 0..2 prefix-cache hits (-1), row 9 never fed
+    first = wire.slice_record(rec, wire.make_slice(tokens=(0, 3)))      # only cached rows
+    last = wire.slice_record(rec, wire.make_slice(tokens=(5, 10)))
+    assert first.token_range == (0, 3, 10) and last.token_range == (5, 10, 10)
+    with pytest.raises(ValueError, match=r"3 context tokens have no routing"):   # all 3, its last row too
+        megatron_replay_data(packed([first]))
+    for build in (packed, padded):
+        assert build([first]).sample_end.tolist() == [False] and build([last]).sample_end is None
+        fb = [torch.full((3, K2), 7)] * L2
+        got = megatron_replay_data(build([first]), fallback=fb)
+        assert all(torch.equal(x, torch.full((3, K2), 7)) for x in got)
+        tail = megatron_replay_data(build([last]))     # the sample's last row: the filler, as for the whole record
+        whole = megatron_replay_data(build([rec]), fallback=[torch.full((10, K2), 7)] * L2)
+        assert all(torch.equal(x, y[5:]) for x, y in zip(tail, whole))
