@@ -89,6 +89,12 @@ def test_bad_ranges_are_refused_naming_the_values_and_the_record_stays(tmp_path)
             assert list(e.value.failed) == [rid] and e.value.records == {}
             assert pipe.consumer.trainers.bad_slices == 1
             assert t.fetch([rid], timeout_s=10)[rid].moe_layer_ids.tolist() == MOE      # still served whole
+            held = specs[1].request_id                      # a sliced fetch straight from the store
+            assert held in pipe.consumer.store
+            part = t.fetch([held], timeout_s=10, layers=(7, 9), tokens=(0, 2))[held]
+            whole = t.fetch([held], timeout_s=10)[held]
+            assert part.equals(wire.slice_record(whole, wire.make_slice((7, 9), (0, 2))))
+            assert held not in pipe.consumer.store and part.moe_layer_ids.tolist() == [7, 8]
         raw = zmq.Context.instance().socket(zmq.DEALER)          # a malformed slice on the wire: an error, no crash
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(pipe.serve)
@@ -114,18 +120,35 @@ def test_a_subscriber_gets_its_slice_of_each_live_record(tmp_path):
                 break
             list(sub.records(timeout_s=0.01))
         assert trainers.subscribers
+        waited = {}                  # a sliced fetch that waits for records not finished yet (the waiter path)
+
+        def fetch_before_finish():
+            with TrainerClient(pipe.serve) as t:
+                waited.update(t.fetch([s.request_id for s in specs], timeout_s=30, unknown="wait", layers=(0, 2),
+                                      tokens=(1, 4)))
+
+        th = threading.Thread(target=fetch_before_finish)
+        th.start()
+        for _ in range(1000):                         # until the consumer waits for all three
+            if len(trainers.waiters) == 3:
+                break
+            th.join(0.01)
+        assert len(trainers.waiters) == 3
         _run(pipe, specs)
         got = {}
         for rec in sub.records(timeout_s=5):
             got[rec.request_id] = rec
             if len(got) == 3:
                 break
+        th.join(30)
         with TrainerClient(pipe.serve) as t:
             full = t.fetch(list(got), timeout_s=30)
         sl = wire.make_slice((5, 7), (2, 30))
-        assert sorted(got) == sorted(s.request_id for s in specs)
+        assert sorted(got) == sorted(waited) == sorted(s.request_id for s in specs)
         for rid, rec in got.items():
             assert rec.equals(wire.slice_record(full[rid], sl)) and rec.moe_layer_ids.tolist() == [5, 6]
+            assert waited[rid].equals(wire.slice_record(full[rid], wire.make_slice((0, 2), (1, 4))))
+            assert waited[rid].moe_layer_ids.tolist() == [1] and waited[rid].token_range[:2] == (1, 4)
 
 
 def test_a_consumer_that_sends_whole_records_is_sliced_by_the_client_and_counted(tmp_path):
