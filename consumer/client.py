@@ -264,8 +264,8 @@ class TrainerClient:
 
     def _as_asked(self, rec: wire.Record, sl: wire.Slice | None, sock: int | None) -> wire.Record | None:
         """The record as the slice `sl` asks for it: as it came when the consumer sliced it; sliced here (and
-        counted in `sliced_locally`) when a consumer that does not take slices sent it whole; None (counted in
-        `bad_replies`) when it is some other slice."""
+        counted in `sliced_locally`) when a consumer that does not take slices sent it whole (ProtocolError
+        "bad_slice" when its layers hold none of the record's); None when it is some other slice."""
         if sl is None:
             return rec if rec.layer_range is None and rec.token_range is None else None
         if rec.layer_range is None and rec.token_range is None:
@@ -276,10 +276,7 @@ class TrainerClient:
                             "(it does not take slices): sliced here; sliced_locally=%d", self.client_id,
                             self.endpoints[sock] if sock is not None else "?", rec.request_id[:64], sl.layers,
                             sl.tokens, self.sliced_locally)
-            try:
-                return wire.slice_record(rec, sl)
-            except wire.ProtocolError:
-                return None
+            return wire.slice_record(rec, sl)
         tr = rec.token_range
         if rec.layer_range == sl.layers and (
                 (tr is None and sl.tokens is None)
@@ -318,7 +315,10 @@ class TrainerClient:
         got = {}
         for rid in list(want):
             if rid in self._early:
-                rec = self._as_asked(self._early.pop(rid), sl, None)
+                try:
+                    rec = self._as_asked(self._early.pop(rid), sl, None)
+                except wire.ProtocolError:
+                    rec = None                   # asked of the consumers, which answer why
                 if rec is not None:
                     got[rid] = rec
         failed: dict[str, str] = {}              # id -> a consumer's error reason
@@ -366,7 +366,11 @@ class TrainerClient:
                 continue
             if r.kind == "record":
                 if r.value.request_id in want:
-                    rec = self._as_asked(r.value, sl, r.sock)
+                    try:
+                        rec = self._as_asked(r.value, sl, r.sock)
+                    except wire.ProtocolError as e:      # sliced here: the slice holds none of its layers
+                        failed[r.value.request_id] = f"{e.reason}: {e}"
+                        continue
                     if rec is None:
                         self.bad_replies += 1     # another slice than asked: dropped, asked again
                         continue
@@ -423,7 +427,10 @@ class TrainerClient:
                 return
             started = time.monotonic()
             if r.kind == "record":
-                rec = self._as_asked(r.value, self._sub_slice, r.sock)
+                try:
+                    rec = self._as_asked(r.value, self._sub_slice, r.sock)
+                except wire.ProtocolError:
+                    rec = None
                 if rec is None:
                     self.bad_replies += 1      # another slice than subscribed to (a late reply of a sliced fetch)
                     continue

@@ -181,6 +181,9 @@ def test_a_consumer_that_sends_whole_records_is_sliced_by_the_client_and_counted
             assert got[rec.request_id].equals(wire.slice_record(rec, wire.make_slice((3, 5), (1, 7))))
             assert t.sliced_locally == 1
             assert t.reply_bytes == _sent_bytes([rec], "old-consumer", None)     # what did leave: all of it
+            with pytest.raises(SliceRefused, match=r"bad_slice: layers \[20, 30\) hold no MoE layer"):
+                t.fetch([rec.request_id], timeout_s=10, layers=(20, 30))
+            assert t.sliced_locally == 2
     finally:
         stop.set()
         th.join(5)
