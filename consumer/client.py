@@ -294,8 +294,8 @@ class TrainerClient:
         (data-parallel rank); `layers=(lo, hi)` model layer ids [lo, hi), a pipeline stage's own layers (the
         record keeps the MoE layers among them: `moe_layer_ids`, `layer_range`); `tokens=(lo, hi)` absolute
         positions [lo, hi) of prompt + output, a context-parallel rank's chunk (clipped to the record's length;
-        `token_range` (lo, hi, n) says which rows came, of n). A bad range is a ValueError naming it; a layer range that holds none
-        of a record's MoE layers is SliceRefused (a RecordsNotServed) naming both.
+        `token_range` (lo, hi, n) says which rows came, of n). A bad range is a ValueError naming it; a layer range
+        that holds none of a record's MoE layers is SliceRefused (a RecordsNotServed) naming both.
 
         Every id is waited for until it is received, a consumer answers it with an error, or (by `unknown`) every
         consumer says it never saw it; only then does a failure raise, carrying what was received (`records`):

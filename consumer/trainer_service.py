@@ -149,7 +149,7 @@ class TrainerService:
         self.sub_slices: dict[bytes, wire.Slice] = {}     # subscriber -> the part of each record it asked for
         self.slices: dict[bytes, dict] = {}        # trainer -> {request id in its outbox: the Slice it asked for}
         self.bad_slices = 0            # records answered "bad_slice" (a layer range holding none of their layers)
-        self.sliced = 0                # records sent as a slice
+        self.sliced = 0                # records encoded as a slice (only the asked layers' columns and rows)
         # subscriber -> ids of live records that found its send queue full (TRAINER_SNDHWM), sent in order as it
         # drains; the records stay where they are (store, retention): a burst of finishes is not lost
         self.live_backlog: dict[bytes, deque] = {}
@@ -326,18 +326,15 @@ class TrainerService:
                 got, from_store = self._lookup(rid)
                 part = None if got is None or isinstance(got, str) else wire.slice_record(got, sl)
                 frames = None if part is None else wire.encode_record(part, self.consumer_id, 0)
-            except wire.ProtocolError as e:
-                if e.reason != "bad_slice":
-                    raise
-                q.popleft()                 # a layer range holding none of its layers: answered; the record stays
-                slices.pop(rid, None)
-                self._frames(client, got, sl)
-                continue
             except Exception as e:  # noqa: BLE001 -- a file's content (or a record read from it) is input
                 q.popleft()
                 slices.pop(rid, None)
-                self._unservable(client, rid, e)
+                if isinstance(e, wire.ProtocolError) and e.reason == "bad_slice":
+                    self._frames(client, got, sl)    # answered "bad_slice" (its layers miss the range); it stays
+                else:
+                    self._unservable(client, rid, e)
                 continue
+            self.sliced += sl is not None
             if got is None:                        # retention ran out meanwhile: the trainer asks again
                 q.popleft()
                 continue
@@ -361,7 +358,7 @@ class TrainerService:
             self.backoff.pop(client, None)
             self.fetched.put(got, now)
             q.popleft()
-            self.sliced += slices.pop(rid, None) is not None
+            slices.pop(rid, None)
         self.outbox.pop(client, None)
         self.backoff.pop(client, None)
         self.slices.pop(client, None)

@@ -288,3 +288,19 @@ def test_a_context_parallel_chunk_that_stops_before_its_samples_end_keeps_its_la
         tail = megatron_replay_data(build([last]))     # the sample's last row: the filler, as for the whole record
         whole = megatron_replay_data(build([rec]), fallback=[torch.full((10, K2), 7)] * L2)
         assert all(torch.equal(x, y[5:]) for x, y in zip(tail, whole))
+
+
+def test_a_sliced_fetch_of_records_read_back_from_the_npz_dir(tmp_path):
+    specs = workload(4, seed=10, prefix="disk", features=False)
+    npz = str(tmp_path / "npz")
+    with EmbeddedPipeline(npz) as pipe:                   # no trainer endpoint: records go to disk only
+        _run(pipe, specs)
+    with EmbeddedPipeline(npz, serve="tcp://127.0.0.1:*", fetched_retention_s=0) as pipe, \
+            TrainerClient(pipe.serve) as t:
+        ids = [s.request_id for s in specs]
+        part = t.fetch(ids, timeout_s=30, layers=(4, 6), tokens=(3, 11))
+        whole = t.fetch(ids, timeout_s=30)
+        assert pipe.consumer.trainers.disk_reads >= 8 and pipe.consumer.trainers.sliced >= 4
+        for rid in ids:
+            assert part[rid].equals(wire.slice_record(whole[rid], wire.make_slice((4, 6), (3, 11))))
+            assert part[rid].moe_layer_ids.tolist() == [4, 5] and part[rid].token_range[:2] == (3, 11)
