@@ -296,7 +296,10 @@ def cmd_subscribe(a) -> int:
     except ValueError as e:
         return _die("subscribe", str(e))
     with client:
-        client.subscribe(a.prefix)
+        try:
+            client.subscribe(a.prefix, layers=a.layers, tokens=a.tokens)
+        except ValueError as e:
+            return _die("subscribe", str(e))
         while not stop.is_set() and (a.count == 0 or n < a.count):
             got = False
             for rec in client.records(timeout_s=0.5):
@@ -305,7 +308,9 @@ def cmd_subscribe(a) -> int:
                 P, L, K = rec.prompt_routed_experts.shape
                 print(f"{rec.request_id} prompt={P} output={len(rec.routed_experts)} layers={L} top_k={K} "
                       f"cached={rec.num_cached_tokens} complete={rec.complete} reason={rec.reason or '-'} "
-                      f"missing={rec.missing}", flush=True)
+                      f"missing={rec.missing}" + ("" if rec.layer_range is None else
+                                                  f" layer_ids={rec.moe_layer_ids.tolist()}")
+                      + ("" if rec.token_range is None else f" positions={list(rec.token_range[:2])} of {rec.token_range[2]}"), flush=True)
                 if a.count and n >= a.count:
                     break
                 if stop.is_set():
@@ -424,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect", type=CONNECT, nargs="+", default=[DEFAULT_SERVE], help="consumer --serve endpoints")
     p.add_argument("--prefix", default="", help="only request ids starting with this")
     p.add_argument("--count", type=NON_NEGATIVE, default=0, help="exit after this many records (0: run until signalled)")
+    p.add_argument("--layers", type=NON_NEGATIVE, nargs=2, metavar=("LO", "HI"), help="only model layers [LO, HI) "
+                   "(a pipeline stage's own): only their columns leave the consumer")
+    p.add_argument("--tokens", type=NON_NEGATIVE, nargs=2, metavar=("LO", "HI"), help="only positions [LO, HI) of "
+                   "prompt + output (a context-parallel rank's chunk)")
     p.add_argument("--timeout", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--curve-secret", metavar="FILE", help="this trainer's secret cert (NAME.key_secret)")
     p.add_argument("--server-key", metavar="FILE", nargs="+", help="the consumers' public cert (NAME.key): one "

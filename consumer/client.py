@@ -49,6 +49,11 @@ class RecordUnreadable(RecordsNotServed):
     ("unreadable: <file> is unreadable: <why>")."""
 
 
+class SliceRefused(RecordsNotServed):
+    """A consumer refused the slice asked for some records ("bad_slice: ..." naming the layer range and the
+    record's MoE layers): the layer range holds none of their MoE layers."""
+
+
 class FetchTimeout(TimeoutError):
     """Not every record came within the fetch's timeout. `request_ids`: the ids still missing; `records`: what the
     fetch did get."""
@@ -154,6 +159,10 @@ class TrainerClient:
         self._sub_pending: list = []
         self._early: dict[str, wire.Record] = {}
         self._seq = 0
+        self._sub_slice: wire.Slice | None = None
+        self.reply_bytes = 0          # bytes of every reply frame received (what left the consumers for this client)
+        self.sliced_locally = 0       # records a consumer sent whole although a slice was asked (an older one)
+        self._warned_whole: set[int] = set()
 
     def close(self) -> None:
         for mon in self._monitors:
@@ -185,7 +194,7 @@ class TrainerClient:
             self._ever_up.add(i)
             self._handshake_warned.discard(i)
             if again and self._subscribed:
-                self._send_all("hello", self.client_id, {"subscribe": self._prefix}, [self._socks[i]])
+                self._send_all("hello", self.client_id, self._sub_body(), [self._socks[i]])
                 gap = SubscriptionGap(ep, now if lost is None else lost, now)
                 self.gaps.append(gap)
                 log.warning("trainer %s: consumer %s back after %.3fs: resubscribed prefix=%r gaps=%d",
@@ -239,6 +248,7 @@ class TrainerClient:
             except MessageTooLarge:
                 self.bad_replies += 1            # dropped like a malformed one: fetch asks again
                 continue
+            self.reply_bytes += sum(f.buffer.nbytes if hasattr(f, "buffer") else len(f) for f in frames)
             try:
                 if len(frames) > wire.MAX_FRAMES:       # (a record over 1 GiB comes in several row frames)
                     raise wire.ProtocolError("frame_count", f"reply of {len(frames)} frames")
@@ -252,9 +262,40 @@ class TrainerClient:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
+    def _as_asked(self, rec: wire.Record, sl: wire.Slice | None, sock: int | None) -> wire.Record | None:
+        """The record as the slice `sl` asks for it: as it came when the consumer sliced it; sliced here (and
+        counted in `sliced_locally`) when a consumer that does not take slices sent it whole (ProtocolError
+        "bad_slice" when its layers hold none of the record's); None when it is some other slice."""
+        if sl is None:
+            return rec if rec.layer_range is None and rec.token_range is None else None
+        if rec.layer_range is None and rec.token_range is None:
+            self.sliced_locally += 1
+            if sock not in self._warned_whole:
+                self._warned_whole.add(sock)
+                log.warning("trainer %s: consumer %s sent record %r whole although layers=%s tokens=%s was asked "
+                            "(it does not take slices): sliced here; sliced_locally=%d", self.client_id,
+                            self.endpoints[sock] if sock is not None else "?", rec.request_id[:64], sl.layers,
+                            sl.tokens, self.sliced_locally)
+            return wire.slice_record(rec, sl)
+        tr = rec.token_range
+        if rec.layer_range == sl.layers and (
+                (tr is None and sl.tokens is None)
+                or (tr is not None and sl.tokens is not None and tr[1] <= sl.tokens[1]
+                    and (tr[0] == sl.tokens[0] or tr[0] == tr[1]))):
+            return rec
+        return None
+
     def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0, *, unknown: str = "grace",
-              unknown_grace_s: float = UNKNOWN_GRACE_S) -> dict[str, wire.Record]:
+              unknown_grace_s: float = UNKNOWN_GRACE_S, layers: tuple[int, int] | None = None,
+              tokens: tuple[int, int] | None = None) -> dict[str, wire.Record]:
         """Return {request_id: Record} for every id, within timeout_s.
+
+        Each trainer rank fetches only its slice (only those bytes leave the consumer): `request_ids` its samples
+        (data-parallel rank); `layers=(lo, hi)` model layer ids [lo, hi), a pipeline stage's own layers (the
+        record keeps the MoE layers among them: `moe_layer_ids`, `layer_range`); `tokens=(lo, hi)` absolute
+        positions [lo, hi) of prompt + output, a context-parallel rank's chunk (clipped to the record's length;
+        `token_range` (lo, hi, n) says which rows came, of n). A bad range is a ValueError naming it; a layer range
+        that holds none of a record's MoE layers is SliceRefused (a RecordsNotServed) naming both.
 
         Every id is waited for until it is received, a consumer answers it with an error, or (by `unknown`) every
         consumer says it never saw it; only then does a failure raise, carrying what was received (`records`):
@@ -269,8 +310,17 @@ class TrainerClient:
         if unknown not in ("wait", "raise", "grace"):
             raise ValueError(f"unknown must be 'grace', 'raise' or 'wait', got {unknown!r}")
         grace = {"raise": 0.0, "grace": unknown_grace_s, "wait": None}[unknown]
+        sl = wire.make_slice(layers, tokens)
         want = set(request_ids)
-        got = {rid: self._early.pop(rid) for rid in list(want) if rid in self._early}
+        got = {}
+        for rid in list(want):
+            if rid in self._early:
+                try:
+                    rec = self._as_asked(self._early.pop(rid), sl, None)
+                except wire.ProtocolError:
+                    rec = None                   # asked of the consumers, which answer why
+                if rec is not None:
+                    got[rid] = rec
         failed: dict[str, str] = {}              # id -> a consumer's error reason
         unknown_at: dict[str, set] = {}          # id -> the consumers that said, since the last ask, it is unknown
         unknown_since: dict[str, float] = {}     # id -> when an ask was first answered "unknown" by every consumer
@@ -299,6 +349,8 @@ class TrainerClient:
             if now >= next_ask:
                 ask = sorted(outstanding)
                 body = {"timeout_ms": max(1, int((deadline - now) * 1000))}
+                if sl is not None:
+                    body.update(sl.body())
                 if grace is not None:
                     body["answer_unknown"] = True
                     unknown_at.clear()           # asked again: the answers start over
@@ -314,14 +366,22 @@ class TrainerClient:
                 continue
             if r.kind == "record":
                 if r.value.request_id in want:
-                    got[r.value.request_id] = r.value
+                    try:
+                        rec = self._as_asked(r.value, sl, r.sock)
+                    except wire.ProtocolError as e:      # sliced here: the slice holds none of its layers
+                        failed[r.value.request_id] = f"{e.reason}: {e}"
+                        continue
+                    if rec is None:
+                        self.bad_replies += 1     # another slice than asked: dropped, asked again
+                        continue
+                    got[r.value.request_id] = rec
                     failed.pop(r.value.request_id, None)
                 else:
                     self._early[r.value.request_id] = r.value
                 continue
             key, reason = r.value
             if type(key) is str and key in want and key not in got and (
-                    reason == "evicted" or reason.startswith("unreadable")):
+                    reason == "evicted" or reason.startswith("unreadable") or reason.startswith("bad_slice")):
                 failed[key] = reason
             elif reason == "unknown" and isinstance(key, list):
                 for rid in key:
@@ -334,13 +394,21 @@ class TrainerClient:
     @staticmethod
     def _not_served(failed: dict, got: dict, missing: list) -> RecordsNotServed:
         unreadable = any(reason.startswith("unreadable") for reason in failed.values())
+        if not unreadable and any(reason.startswith("bad_slice") for reason in failed.values()):
+            return SliceRefused(failed, got, missing)
         return (RecordUnreadable if unreadable else RecordEvicted)(failed, got, missing)
 
-    def subscribe(self, prefix: str = "") -> None:
-        """Receive live records whose request id starts with prefix (best effort; fetch is the lossless path)."""
+    def _sub_body(self) -> dict:
+        return {"subscribe": self._prefix, **(self._sub_slice.body() if self._sub_slice is not None else {})}
+
+    def subscribe(self, prefix: str = "", *, layers: tuple[int, int] | None = None,
+                  tokens: tuple[int, int] | None = None) -> None:
+        """Receive live records whose request id starts with prefix (best effort; fetch is the lossless path);
+        `layers`, `tokens`: only that slice of each record, as in `fetch`."""
+        self._sub_slice = wire.make_slice(layers, tokens)
         self._prefix = prefix
         self._subscribed = True
-        self._sub_pending = self._send_all("hello", self.client_id, {"subscribe": prefix})
+        self._sub_pending = self._send_all("hello", self.client_id, self._sub_body())
 
     def records(self, timeout_s: float | None = None) -> Iterator[wire.Record]:
         """Yield records as they come (from subscribe); stops after timeout_s without one (None: never)."""
@@ -348,8 +416,7 @@ class TrainerClient:
         while True:
             wait_ms = -1 if timeout_s is None else int(timeout_s * 1000)
             if self._sub_pending:   # a consumer that was not reachable yet is asked again every 100 ms
-                self._sub_pending = self._send_all("hello", self.client_id, {"subscribe": self._prefix},
-                                                   self._sub_pending)
+                self._sub_pending = self._send_all("hello", self.client_id, self._sub_body(), self._sub_pending)
                 wait_ms = 100 if wait_ms < 0 else min(wait_ms, 100)
             r = self._recv(wait_ms)
             if r is None:
@@ -360,4 +427,11 @@ class TrainerClient:
                 return
             started = time.monotonic()
             if r.kind == "record":
-                yield r.value
+                try:
+                    rec = self._as_asked(r.value, self._sub_slice, r.sock)
+                except wire.ProtocolError:
+                    rec = None
+                if rec is None:
+                    self.bad_replies += 1      # another slice than subscribed to (a late reply of a sliced fetch)
+                    continue
+                yield rec

@@ -330,6 +330,7 @@ class Consumer(ServiceThread):
                 log.exception("consumer %s: trainer retry failed (internal_error=%d); outboxes dropped, trainers "
                               "ask again: %s", self.consumer_id, self.bad["internal_error"], e)
                 self.trainers.outbox.clear()
+                self.trainers.slices.clear()
                 self.trainers.backoff.clear()
                 self.trainers.live_backlog.clear()
         return wait_ms

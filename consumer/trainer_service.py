@@ -68,6 +68,7 @@ class Waiter(NamedTuple):
 
     client: bytes
     deadline: float
+    slice: wire.Slice | None = None        # the part of the record it asked for (None: all of it)
 
 
 class Backoff(NamedTuple):
@@ -145,6 +146,10 @@ class TrainerService:
         self.backoff: dict[bytes, Backoff] = {}    # trainer -> when to try again, while its send queue is full
         self.gone: set[bytes] = set()              # trainers found unreachable (their outboxes were dropped)
         self.subscribers: dict[bytes, str] = {}    # trainer -> request id prefix
+        self.sub_slices: dict[bytes, wire.Slice] = {}     # subscriber -> the part of each record it asked for
+        self.slices: dict[bytes, dict] = {}        # trainer -> {request id in its outbox: the Slice it asked for}
+        self.bad_slices = 0            # records answered "bad_slice" (a layer range holding none of their layers)
+        self.sliced = 0                # records encoded as a slice (only the asked layers' columns and rows)
         # subscriber -> ids of live records that found its send queue full (TRAINER_SNDHWM), sent in order as it
         # drains; the records stay where they are (store, retention): a burst of finishes is not lost
         self.live_backlog: dict[bytes, deque] = {}
@@ -157,25 +162,57 @@ class TrainerService:
 
     def on_record(self, rec: wire.Record, now: float) -> None:
         """A finished record: to live subscribers, to a trainer waiting for it, and into the store."""
-        frames = None
+        encoded: dict = {}                         # slice -> frames: each part encoded once for every trainer
         for client, prefix in list(self.subscribers.items()):
             if rec.request_id.startswith(prefix):
                 if self.live_backlog.get(client):         # behind the ones already waiting: order kept
                     self._live_wait(client, rec.request_id)
                     continue
-                frames = frames or wire.encode_record(rec, self.consumer_id, 0)
-                if self._send(client, frames) is Sent.FULL:
+                frames = self._frames(client, rec, self.sub_slices.get(client), encoded)
+                if frames is not None and self._send(client, frames) is Sent.FULL:
                     self._live_wait(client, rec.request_id)
         w = self.waiters.pop(rec.request_id, None)
         if w is not None and not self.outbox.get(w.client):
-            if self._send(w.client, frames or wire.encode_record(rec, self.consumer_id, 0)) is Sent.SENT:
+            frames = self._frames(w.client, rec, w.slice, encoded)
+            if frames is None:                         # a slice it cannot have: answered; the record stays
+                self.store.put(rec)
+                return
+            if self._send(w.client, frames) is Sent.SENT:
                 self.fetched.put(rec, now)
                 return
             if w.client not in self.gone:
                 self.outbox.setdefault(w.client, deque()).append(rec.request_id)    # its queue is full: later
+                self._set_slice(w.client, rec.request_id, w.slice)
         elif w is not None:
             self.outbox[w.client].append(rec.request_id)
+            self._set_slice(w.client, rec.request_id, w.slice)
         self.store.put(rec)
+
+    def _set_slice(self, client: bytes, rid: str, sl: wire.Slice | None) -> None:
+        if sl is not None:
+            self.slices.setdefault(client, {})[rid] = sl
+        elif client in self.slices:
+            self.slices[client].pop(rid, None)
+
+    def _frames(self, client: bytes, rec: wire.Record, sl: wire.Slice | None, encoded: dict | None = None):
+        """The record's frames for a trainer that asked for `sl`: only that slice's columns and rows are encoded.
+        None (the trainer got an `error` "bad_slice" naming the range) where the slice holds none of its layers."""
+        if encoded is not None and sl in encoded:
+            return encoded[sl]
+        try:
+            part = wire.slice_record(rec, sl)
+        except wire.ProtocolError as e:
+            self.bad_slices += 1
+            log.warning("consumer %s: fetch of %r by %r refused: %s (bad_slices=%d)", self.consumer_id,
+                        rec.request_id[:64], client[:32], e, self.bad_slices)
+            self._send(client, [wire.pack_header("error", self.consumer_id, 0, 0, rec.request_id,
+                                                 {"reason": f"{e.reason}: {e}"[:300]})])
+            return None
+        self.sliced += sl is not None
+        frames = wire.encode_record(part, self.consumer_id, 0)
+        if encoded is not None:
+            encoded[sl] = frames
+        return frames
 
     # ---- trainer messages ---------------------------------------------------------------------------------------
 
@@ -190,13 +227,14 @@ class TrainerService:
                 if len(self.waiters) + len(f.request_ids) > MAX_WAITERS:
                     raise wire.ProtocolError("too_many_waiters", f"{len(self.waiters)} ids already waited for, "
                                              f"limit {MAX_WAITERS}")
-                self.fetch(client, f.request_ids, now + f.timeout_ms / 1000, f.answer_unknown)
+                self.fetch(client, f.request_ids, now + f.timeout_ms / 1000, f.answer_unknown, f.slice)
             elif h.kind == "hello":
                 prefix = wire.parse_subscribe(h)
                 if prefix is not None:
-                    self.subscribe(client, prefix)
+                    self.subscribe(client, prefix, wire.parse_slice(h.body))
             elif h.kind == "bye":
                 self.subscribers.pop(client, None)
+                self.sub_slices.pop(client, None)
                 self.live_backlog.pop(client, None)
             elif h.kind != "heartbeat":
                 raise wire.ProtocolError("unexpected_kind", f"trainer endpoint does not take {h.kind!r}")
@@ -205,12 +243,16 @@ class TrainerService:
             self._send(client, [wire.pack_header("error", self.consumer_id, 0, 0, "",
                                                  {"reason": f"{e.reason}: {e}"[:200]})])
 
-    def subscribe(self, client: bytes, prefix: str) -> None:
+    def subscribe(self, client: bytes, prefix: str, sl: wire.Slice | None = None) -> None:
         if client not in self.subscribers and len(self.subscribers) >= MAX_SUBSCRIBERS:
             raise wire.ProtocolError("too_many_subscribers", f"limit {MAX_SUBSCRIBERS}")
         self.subscribers[client] = prefix
-        log.info("consumer %s: subscriber %r prefix=%r subscribers=%d", self.consumer_id, client[:32], prefix,
-                 len(self.subscribers))
+        if sl is None:
+            self.sub_slices.pop(client, None)
+        else:
+            self.sub_slices[client] = sl
+        log.info("consumer %s: subscriber %r prefix=%r subscribers=%d%s", self.consumer_id, client[:32], prefix,
+                 len(self.subscribers), "" if sl is None else f" layers={sl.layers} tokens={sl.tokens}")
 
     def where(self, rid: str) -> Where:
         """Every copy is looked for before "evicted": an evicted record that is retained or on disk is served."""
@@ -227,9 +269,10 @@ class TrainerService:
             return Where.PENDING
         return Where.EVICTED if evicted else Where.UNKNOWN
 
-    def fetch(self, client: bytes, ids: list, deadline: float, answer_unknown: bool = False) -> None:
+    def fetch(self, client: bytes, ids: list, deadline: float, answer_unknown: bool = False,
+              sl: wire.Slice | None = None) -> None:
         """Queue what can be answered now, wait for the rest until `deadline`; say at once which ids are unknown
-        when the trainer asked for that."""
+        when the trainer asked for that. `sl`: only that part of each record is sent."""
         self.gone.discard(client)
         q = self.outbox.get(client)
         queued = set(q) if q else ()
@@ -239,8 +282,9 @@ class TrainerService:
             if where in SERVABLE:
                 if rid not in queued:
                     self.outbox.setdefault(client, deque()).append(rid)
+                self._set_slice(client, rid, sl)
                 continue
-            self.waiters[rid] = Waiter(client, deadline)
+            self.waiters[rid] = Waiter(client, deadline, sl)
             if where is Where.UNKNOWN:
                 unknown.append(rid)
         if unknown and answer_unknown:
@@ -274,15 +318,23 @@ class TrainerService:
     def _drain(self, client: bytes, now: float) -> None:
         """Send a trainer the records it asked for, in order, until its send queue is full (then back off)."""
         q = self.outbox.get(client)
+        slices = self.slices.get(client, {})
         while q:
             rid = q[0]
+            sl = slices.get(rid)
             try:
                 got, from_store = self._lookup(rid)
-                frames = None if got is None or isinstance(got, str) else wire.encode_record(got, self.consumer_id, 0)
+                part = None if got is None or isinstance(got, str) else wire.slice_record(got, sl)
+                frames = None if part is None else wire.encode_record(part, self.consumer_id, 0)
             except Exception as e:  # noqa: BLE001 -- a file's content (or a record read from it) is input
                 q.popleft()
-                self._unservable(client, rid, e)
+                slices.pop(rid, None)
+                if isinstance(e, wire.ProtocolError) and e.reason == "bad_slice":
+                    self._frames(client, got, sl)    # answered "bad_slice" (its layers miss the range); it stays
+                else:
+                    self._unservable(client, rid, e)
                 continue
+            self.sliced += sl is not None
             if got is None:                        # retention ran out meanwhile: the trainer asks again
                 q.popleft()
                 continue
@@ -306,8 +358,10 @@ class TrainerService:
             self.backoff.pop(client, None)
             self.fetched.put(got, now)
             q.popleft()
+            slices.pop(rid, None)
         self.outbox.pop(client, None)
         self.backoff.pop(client, None)
+        self.slices.pop(client, None)
 
     def retry(self, now: float) -> float:
         """Retry trainers whose send queue was full; returns seconds until the next retry is due (at most 0.1)."""
@@ -350,7 +404,11 @@ class TrainerService:
                 q.popleft()
                 self._live_dropped(client)
                 continue
-            sent = self._send(client, wire.encode_record(got, self.consumer_id, 0))
+            frames = self._frames(client, got, self.sub_slices.get(client))
+            if frames is None:
+                q.popleft()
+                continue
+            sent = self._send(client, frames)
             if sent is Sent.FULL:
                 return
             if sent is Sent.GONE:
@@ -362,8 +420,10 @@ class TrainerService:
         sent = self.send(client, frames)
         if sent is Sent.GONE:
             self.subscribers.pop(client, None)
+            self.sub_slices.pop(client, None)
             self.live_backlog.pop(client, None)
             self.outbox.pop(client, None)
+            self.slices.pop(client, None)
             self.backoff.pop(client, None)
             self.gone.add(client)
             if len(self.gone) > MAX_GONE:

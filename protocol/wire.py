@@ -65,7 +65,8 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
 Control kinds, one frame (the header) each; key: the sender's id unless said:
     hello       producer -> broker      {unacked_from = 1}
                 consumer -> broker      {broker = 0}
-                trainer -> consumer     {[subscribe: prefix]}   without subscribe: no subscription
+                trainer -> consumer     {[subscribe: prefix][, layers][, tokens]}   without subscribe: no
+                                        subscription; layers, tokens: as in fetch (each live record's slice)
     heartbeat   producer -> broker      {unacked_from = 1}
                 broker -> producer      {consumers = 0[, takes = []]}   the reply to each producer hello/heartbeat;
                                                           key: the producer id; takes: the optional data kinds it
@@ -89,12 +90,18 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
                                         and epoch (together, broker -> producer only): the data message of that
                                         producer epoch the broker accepted and dropped (Refusal, refusal_body,
                                         parse_refusal); key: "", a request id, or a list of ids (fetch answers)
-    fetch       trainer -> consumer     key: list of request ids; {timeout_ms = 60000[, answer_unknown = false]}
-                                        (Fetch, parse_fetch)
+    fetch       trainer -> consumer     key: list of request ids; {timeout_ms = 60000[, answer_unknown = false]
+                                        [, layers: [lo, hi]][, tokens: [lo, hi]]} (Fetch, parse_fetch, Slice):
+                                        layers: model layer ids [lo, hi), tokens: positions [lo, hi) of prompt +
+                                        output, 0 <= lo < hi (absent: all); only that slice of each record is sent
     record      consumer -> trainer     key: request id (encode_record, decode_record)
                 {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
                  ...], reason, finish_reason, n_prompt_tokens, n_output_tokens[, num_prefix_filled = 0]
-                 [, row_frames = [1, 1]]} (token counts -1: not sent)
+                 [, row_frames = [1, 1]][, layer_range: [lo, hi]][, token_range: [lo, hi, n]]} (token counts -1:
+                 not sent); layer_range, token_range: sent only for a slice (slice_record): the layer range asked for
+                 (layer_ids: the MoE layers kept); the positions [lo, hi) the rows cover, of the record's n = P + G
+                 (clipped to n, so lo == hi == n when it lay past the end; prompt_len, num_output: the rows sent of
+                 each part)
                 frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
                 (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
                 int32 LE. A part over MAX_PAYLOAD_FRAME_BYTES goes as several frames of whole rows, each at most
@@ -149,6 +156,7 @@ MAX_REQUESTS_PER_DELTA = 1 << 16
 MAX_ROWS_PER_DELTA = 1 << 20
 MAX_POSITION = 1 << 26               # 64M tokens
 MAX_LAYERS = 1024
+MAX_LAYER_ID = 1 << 16               # model layer ids a slice may name ([lo, hi), hi at most this)
 MAX_TOP_K = 256
 MAX_FRAMES = 1 + MAX_REQUESTS_PER_DELTA
 # Whole-message bounds (protocol/loop.recv_frames): a multipart message above its socket's bound is refused by its
@@ -937,12 +945,61 @@ def parse_refusal(h: Header) -> Refusal | None:
     return Refusal(parse_error(h), int_field(h.body, "refused_seq", 1, _U63), int_field(h.body, "epoch", 0, _U63))
 
 
+class Slice(NamedTuple):
+    """The part of each record a trainer rank asks for (`fetch`/`subscribe` body fields `layers`, `tokens`).
+
+    layers: (lo, hi) model layer ids [lo, hi) -- a pipeline stage's own decoder layers (Megatron: its layer
+    offset and count); the record keeps the MoE layers whose `moe_layer_ids` fall there (at least one, or the
+    record is answered `error` "bad_slice"). tokens: (lo, hi) absolute positions [lo, hi) of prompt + output (a
+    context-parallel rank's chunk), clipped to the record's length. None: all of that axis."""
+
+    layers: tuple | None = None
+    tokens: tuple | None = None
+
+    def body(self) -> dict:
+        return {k: [int(v[0]), int(v[1])] for k, v in (("layers", self.layers), ("tokens", self.tokens))
+                if v is not None}
+
+
+def check_range(value: Any, name: str, hi_limit: int) -> tuple | None:
+    """A slice range (lo, hi), 0 <= lo < hi <= hi_limit, or None; ValueError naming the value otherwise."""
+    if value is None:
+        return None
+    try:
+        lo, hi = value
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={str(value)[:64]}: expected (lo, hi)") from None
+    if type(lo) not in (int, np.int32, np.int64) or type(hi) not in (int, np.int32, np.int64) \
+            or not 0 <= lo < hi <= hi_limit:
+        raise ValueError(f"{name}=({str(lo)[:32]}, {str(hi)[:32]}): expected integers 0 <= lo < hi <= {hi_limit}")
+    return int(lo), int(hi)
+
+
+def make_slice(layers: Any = None, tokens: Any = None) -> Slice | None:
+    """A Slice from a trainer's arguments (None when both are None); ValueError naming a bad range."""
+    sl = Slice(check_range(layers, "layers", MAX_LAYER_ID), check_range(tokens, "tokens", MAX_POSITION))
+    return None if sl == Slice() else sl
+
+
+def parse_slice(body: dict) -> Slice | None:
+    """The `layers`/`tokens` fields of a fetch or subscribe body (absent: None, the whole record)."""
+    try:
+        return make_slice(_as_range(body.get("layers")), _as_range(body.get("tokens")))
+    except ValueError as e:
+        raise _bad("bad_slice", str(e)) from None
+
+
+def _as_range(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
 class Fetch(NamedTuple):
     """trainer -> consumer `fetch`: the records of these request ids, waiting up to timeout_ms for unfinished ones."""
 
     request_ids: list
     timeout_ms: int
     answer_unknown: bool = False   # also answer `error{reason: "unknown"}` at once for ids the consumer never saw
+    slice: Slice | None = None     # only this part of each record (None: all of it)
 
 
 def parse_fetch(h: Header) -> Fetch:
@@ -951,7 +1008,8 @@ def parse_fetch(h: Header) -> Fetch:
         raise _bad("bad_field", f"fetch key must be a list of at most {MAX_REQUESTS_PER_DELTA} request ids")
     for rid in ids:
         check_request_id(rid)
-    return Fetch(ids, int_field(h.body, "timeout_ms", 0, 1 << 31, 60_000), h.body.get("answer_unknown") is True)
+    return Fetch(ids, int_field(h.body, "timeout_ms", 0, 1 << 31, 60_000), h.body.get("answer_unknown") is True,
+                 parse_slice(h.body))
 
 
 def parse_subscribe(h: Header) -> str | None:
@@ -962,6 +1020,39 @@ def parse_subscribe(h: Header) -> str | None:
     if type(prefix) is not str or len(prefix) > MAX_REQUEST_ID_BYTES:
         raise _bad("bad_field", f"subscribe prefix must be a str of at most {MAX_REQUEST_ID_BYTES} characters")
     return prefix
+
+
+def slice_record(rec: "Record", sl: Slice | None) -> "Record":
+    """The part of `rec` that `sl` asks for, as a Record that says which part it is (layer_range, token_range).
+
+    Rows and token ids are views where the kept layers are consecutive. `missing` keeps the absolute positions that
+    fall in the token range; num_cached_tokens and num_prefix_filled stay absolute counts. A layer range that
+    holds none of the record's MoE layers is ProtocolError "bad_slice" naming both."""
+    if sl is None:
+        return rec
+    P, G = rec.prompt_routed_experts.shape[0], rec.routed_experts.shape[0]
+    pr, ge, ids = rec.prompt_routed_experts, rec.routed_experts, np.asarray(rec.moe_layer_ids)
+    pt, ot, missing = rec.prompt_token_ids, rec.output_token_ids, list(rec.missing)
+    layer_range = token_range = None
+    if sl.layers is not None:
+        lo, hi = sl.layers
+        cols = np.nonzero((ids >= lo) & (ids < hi))[0]
+        if not len(cols):
+            raise _bad("bad_slice", f"layers [{lo}, {hi}) hold no MoE layer of record {rec.request_id[:64]!r} "
+                                    f"(moe_layer_ids {ids.tolist()[:8]}{'...' if len(ids) > 8 else ''})")
+        c = (slice(int(cols[0]), int(cols[-1]) + 1) if int(cols[-1]) - int(cols[0]) + 1 == len(cols) else cols)
+        pr, ge, ids = pr[:, c], ge[:, c], ids[c]
+        layer_range = (lo, hi)
+    if sl.tokens is not None:
+        lo, hi = min(sl.tokens[0], P + G), min(sl.tokens[1], P + G)
+        ps, gs = slice(min(lo, P), min(hi, P)), slice(max(lo - P, 0), max(hi - P, 0))
+        pr, ge = pr[ps], ge[gs]
+        pt = None if pt is None else pt[ps]
+        ot = None if ot is None else ot[gs]
+        missing = [(max(a, lo), min(b, hi)) for a, b in missing if max(a, lo) < min(b, hi)]
+        token_range = (lo, hi, P + G)
+    return Record(rec.request_id, pr, ge, rec.num_cached_tokens, ids, rec.complete, missing, rec.reason,
+                  rec.finish_reason, pt, ot, rec.num_prefix_filled, layer_range, token_range)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -991,6 +1082,13 @@ class Record:
     # the routing that computed the cached KV. 0: prefix-cached rows are -1 (the default, `sentinel`). A filled
     # row whose source was gone is -1 and listed in `missing` (reason "prefix_not_found").
     num_prefix_filled: int = 0
+    # a slice (slice_record, a fetch or subscribe that asked for one): the model layer range [lo, hi) asked for
+    # (moe_layer_ids are the MoE layers kept); (lo, hi, n): the absolute positions [lo, hi) the rows cover, of the
+    # whole record's n = P + G: prompt rows are positions [lo, min(hi, P)) and generation rows the rest, so row i
+    # of concat(prompt, generation) is position lo + i, and the sample's last position is in it when hi == n.
+    # None: all layers / all positions (the whole record).
+    layer_range: tuple | None = None
+    token_range: tuple | None = None
 
     @property
     def nbytes(self) -> int:
@@ -1004,6 +1102,7 @@ class Record:
         return (self.request_id == other.request_id and self.complete == other.complete
                 and self.num_cached_tokens == other.num_cached_tokens
                 and self.num_prefix_filled == other.num_prefix_filled
+                and self.layer_range == other.layer_range and self.token_range == other.token_range
                 and [tuple(m) for m in self.missing] == [tuple(m) for m in other.missing]
                 and self.reason == other.reason and self.finish_reason == other.finish_reason
                 and np.array_equal(self.moe_layer_ids, other.moe_layer_ids)
@@ -1035,6 +1134,10 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
     }
     if rec.num_prefix_filled:
         body["num_prefix_filled"] = int(rec.num_prefix_filled)
+    if rec.layer_range is not None:
+        body["layer_range"] = [int(x) for x in rec.layer_range]
+    if rec.token_range is not None:
+        body["token_range"] = [int(x) for x in rec.token_range]
     prompt = _row_frames(rec.prompt_routed_experts, L * K * ROW_DTYPE.itemsize)
     gen = _row_frames(rec.routed_experts, L * K * ROW_DTYPE.itemsize)
     if len(prompt) > 1 or len(gen) > 1:
@@ -1104,7 +1207,21 @@ def decode_record(h: Header, frames: Sequence) -> Record:
     if nout >= 0:
         ot = tokens_from_frame(frames[i], nout, "output token")
     missing = [tuple(m) for m in b.get("missing", [])]
+    try:
+        layer_range = check_range(_as_range(b.get("layer_range")), "layer_range", MAX_LAYER_ID)
+    except ValueError as e:
+        raise _bad("bad_field", f"record {e}") from None
+    token_range = b.get("token_range")          # [lo, hi, n], lo == hi == n where the range lay past the end
+    if token_range is not None:
+        if not (isinstance(token_range, list) and len(token_range) == 3 and all(type(x) is int for x in token_range)
+                and 0 <= token_range[0] <= token_range[1] <= token_range[2] <= 2 * MAX_POSITION):
+            raise _bad("bad_field", f"record token_range {str(token_range)[:64]}: expected [lo, hi, n], "
+                                    f"0 <= lo <= hi <= n")
+        token_range = tuple(token_range)
+    if token_range is not None and token_range[1] - token_range[0] != P + G:
+        raise _bad("bad_field", f"record token_range {list(token_range)} for {P} + {G} rows")
     return Record(rid, prompt, gen, int_field(b, "num_cached", 0, MAX_POSITION),
                   np.asarray(b.get("layer_ids", list(range(L))), dtype=np.int32), bool(b.get("complete")),
                   missing, str(b.get("reason", "")), str(b.get("finish_reason", "")), pt, ot,
-                  int_field(b, "num_prefix_filled", 0, P, 0))
+                  int_field(b, "num_prefix_filled", 0, P if token_range is None else MAX_POSITION, 0),
+                  layer_range, token_range)

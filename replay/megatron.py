@@ -83,13 +83,16 @@ def megatron_replay_data(rt: ReplayTensors, *, padding_side: str = "right", laye
         rel = pos - start                                 # position inside the sample
         real = (rel >= 0) & (rel < lengths[:, None])
         last = rel == (lengths[:, None] - 1)
+        if rt.sample_end is not None:                     # a context-parallel chunk's last row is not its sample's
+            last &= rt.sample_end[:, None]
         ids, mask = ids.transpose(0, 1).reshape(S * B, *ids.shape[2:]), mask.transpose(0, 1).reshape(S * B, -1)
         real, last = real.t().reshape(-1), last.t().reshape(-1)
     elif ids.dim() == 3:                                  # (T, L, K) packed
         T = ids.shape[0]
         real = torch.ones(T, dtype=torch.bool)
         last = torch.zeros(T, dtype=torch.bool)
-        last[rt.cu_seqlens[1:].to(torch.int64) - 1] = True
+        ends = rt.cu_seqlens[1:].to(torch.int64) - 1
+        last[ends if rt.sample_end is None else ends[rt.sample_end]] = True
     else:
         raise ValueError(f"expert_ids have shape {tuple(ids.shape)}, expected (B, S, L, K) or (T, L, K)")
     column_layers = rt.layer_ids.tolist()

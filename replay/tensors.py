@@ -22,6 +22,11 @@ Layouts. "moe": axis L is the MoE layers in model order (the record's own column
 model layer index). "all": axis L is every decoder layer (`num_layers` rows), MoE layer `moe_layer_ids[m]`
 gets column m of the record and the dense layers stay -1. `layers=(lo, hi)` keeps a slice of that axis, for a
 pipeline stage: MoE layer indices [lo, hi) in "moe", model layer indices [lo, hi) in "all".
+
+Sliced records (`TrainerClient.fetch(..., layers=, tokens=)`, wire.slice_record) lay out as they are: a layer
+slice's `moe_layer_ids` are its columns (every record of a batch the same slice); a token slice (`token_range`
+(lo, hi, n)) is a context-parallel rank's chunk, its rows the chunk's positions lo .. hi - 1 from its first row
+on, and `sample_end` says whether the sample's last position (never fed, -1) is among them.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class ReplayTensors:
     lengths: (B,) int64 tokens of each sample (P + G, or the trainer's own length).
     cu_seqlens: (B + 1,) int32 packed only (flash-attention convention), None when padded.
     layer_ids: (L,) int32 the model layer index of each column of axis L.
+    sample_end: (B,) bool whether each sample's last position is in it (False for a context-parallel chunk that
+    stops before its sample's end); None: every sample is whole.
     """
 
     expert_ids: torch.Tensor
@@ -54,6 +61,7 @@ class ReplayTensors:
     lengths: torch.Tensor
     layer_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
+    sample_end: torch.Tensor | None = None
 
 
 @dataclass
@@ -167,9 +175,11 @@ def _negative_rows(src: np.ndarray, out: np.ndarray) -> None:
 
 
 def _finish(out: np.ndarray, mask: np.ndarray, plan: _Plan, cu: torch.Tensor | None) -> ReplayTensors:
+    ends = [rec.token_range is None or rec.token_range[1] == rec.token_range[2] for rec in plan.records]
     return ReplayTensors(expert_ids=torch.from_numpy(out), no_routing=torch.from_numpy(mask),
                          lengths=torch.from_numpy(plan.lengths),
-                         layer_ids=torch.from_numpy(plan.layer_ids), cu_seqlens=cu)
+                         layer_ids=torch.from_numpy(plan.layer_ids), cu_seqlens=cu,
+                         sample_end=None if all(ends) else torch.tensor(ends, dtype=torch.bool))
 
 
 def _plan(records, layout, layers, num_layers, dtype, token_ids, allow_incomplete, allow_prefix) -> _Plan:
