@@ -2,8 +2,12 @@
 #              `.venv/bin/routing-replay demo --arch deepseek_v3` (or glm4_moe, mixtral, ...: `--help`)
 # `make test` : the test suite (CPU; GPU tests are skipped without CUDA), including the shipping check
 #               (tests/test_wheel.py) against the wheel installed outside the checkout (`make wheel-venv`)
-# `make test-vllm-versions` : the vLLM engine tests against older vLLM releases (one environment each; CI runs it
-#               after `make test`, .ci/run)
+# `make test-archs` : the architecture matrices (`-m archs`): every MoE family on vLLM's CPU build against the HF
+#               oracle, the trainer side's replay on every family transformers ships, the demo on them
+# `make test-vllm-versions` : the vLLM engine tests against older vLLM releases (one environment each)
+# `make test-megatron-latest` : the Megatron-Core tests against the newest megatron-core (its own environment)
+# `make check-vllm-latest` : the plugin's self-check against vLLM 0.33/0.34 (CUDA wheels, no GPU needed)
+# CI (.ci/run) runs test, test-archs, test-vllm-versions and test-megatron-latest.
 # They create .venv (and the environments they test in) and install what they need on a fresh machine.
 PY ?= python3
 VENV := .venv
@@ -45,7 +49,7 @@ VLLM_TEST_FILES := $(filter-out tests/test_vllm_gpu.py tests/test_vllm_gpu_fill_
 	$(wildcard tests/test_vllm_*.py))
 vllm_env = $(VLLM_ENVS)/$(1)-$(CHECKOUT_ID)
 
-.PHONY: venv wheel-venv dist run test test-gpu test-vllm-versions check-vllm-latest bench clean
+.PHONY: venv wheel-venv dist run test test-archs test-gpu test-vllm-versions check-vllm-latest bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -113,7 +117,7 @@ $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps se
 .PRECIOUS: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.deps $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed
 
 test-vllm-%: $(VLLM_ENVS)/%-$(CHECKOUT_ID)/.installed
-	$(call vllm_env,$*)/bin/python -m pytest -q -m "not gpu" $(VLLM_TEST_FILES)
+	$(call vllm_env,$*)/bin/python -m pytest -q -m "not gpu and not archs" $(VLLM_TEST_FILES)
 
 test-vllm-versions: $(VLLM_TEST_VERSIONS:%=test-vllm-%)
 
@@ -170,7 +174,10 @@ run: venv
 	$(BIN)/routing-replay demo --out ./out
 
 test: venv wheel-venv
-	ROUTING_REPLAY_WHEEL_VENV=$(WHEEL_VENV) $(BIN)/python -m pytest -q
+	ROUTING_REPLAY_WHEEL_VENV=$(WHEEL_VENV) $(BIN)/python -m pytest -q -m "not archs"
+
+test-archs: venv
+	$(BIN)/python -m pytest -q -m archs
 
 test-gpu: venv
 	$(BIN)/python -m pytest -q -m gpu

@@ -151,5 +151,8 @@ def test_the_c_copy_lets_other_threads_run_while_it_copies():
     finally:
         stop.set()
         t.join()
-    # the main thread holds the GIL only between calls (a few bytecodes): the counter moves inside most copies
-    assert sum(d > 0 for d in during) >= 20, during
+    # the main thread holds the GIL only between calls (a few bytecodes): the counter moves inside many copies. With
+    # the GIL held through a copy it could move only when a switch interval ends in the few bytecodes between the
+    # read of `before` and the call: a handful at most. A loaded machine (other processes on both cores) leaves the
+    # counting thread unscheduled through some copies, so the bound is a quarter of them, not most.
+    assert sum(d > 0 for d in during) >= 10, during

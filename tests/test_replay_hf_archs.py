@@ -161,6 +161,7 @@ def run(model, x, seed=7, **replay):
     return out.logits.detach(), grads, stats, {m: v[0] for m, v in sel.items()}
 
 
+@pytest.mark.archs
 def test_routers_are_found_by_their_code(arch):
     model = _MODELS[arch]
     blocks = find_moe_blocks(model)
@@ -170,6 +171,7 @@ def test_routers_are_found_by_their_code(arch):
     assert [layer for layer, _, _ in blocks] == want
 
 
+@pytest.mark.archs
 def test_replayed_ids_reach_every_moe_block_bit_for_bit(arch):
     check_replayed_ids(_MODELS[arch], arch)
 
@@ -208,6 +210,7 @@ def check_replayed_ids(model, arch):
     assert all("forward" not in vars(getattr(blk, spec.router_attr)) for _, blk, spec in blocks)   # restored
 
 
+@pytest.mark.archs
 def test_own_ids_replay_to_the_unpatched_model_exactly(arch):
     check_own_ids_exact(_MODELS[arch])
 
@@ -227,6 +230,7 @@ def check_own_ids_exact(model):
     model.eval()
 
 
+@pytest.mark.archs
 def test_fallback_rows_select_what_the_model_selects(arch):
     check_fallback(_MODELS[arch])
 
@@ -268,6 +272,7 @@ def check_fallback(model):
     assert stats.replayed_rows == (B * S - fell.sum(0)).tolist()
 
 
+@pytest.mark.archs
 def test_router_gradients_flow(arch):
     check_router_grads(_MODELS[arch])
 
@@ -285,6 +290,7 @@ def check_router_grads(model):
     model.eval()
 
 
+@pytest.mark.archs
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe", "llama4", "minimax_m2",
                                   "mixtral", "phimoe", "qwen3_moe"])
 def test_own_ids_replay_exactly_in_bfloat16(name):
@@ -294,6 +300,7 @@ def test_own_ids_replay_exactly_in_bfloat16(name):
     check_own_ids_exact(build(model_type, **over).to(torch.bfloat16))
 
 
+@pytest.mark.archs
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss", "granitemoe", "llama4", "minimax_m2", "phimoe"])
 def test_gradient_checkpointing_gives_the_same_grads(name):
     """The recompute in backward runs each router again (calls counted twice) on the same replay columns and, for
@@ -317,6 +324,7 @@ def test_gradient_checkpointing_gives_the_same_grads(name):
     assert sorted(g0) == sorted(g1) and [n for n in g0 if not torch.equal(g0[n], g1[n])] == []
 
 
+@pytest.mark.archs
 @pytest.mark.parametrize("name", sorted(MORE))
 def test_more_architectures_replay_exactly(name):
     model_type, family, over = MORE[name]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.archs]
 vllm = pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402

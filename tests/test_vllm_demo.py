@@ -30,6 +30,7 @@ def test_demo_passes_and_writes_records(tmp_path):
     assert f"{cached:,} filled from the prefix store, 0 not found" in p.stdout
 
 
+@pytest.mark.archs
 def test_demo_on_deepseek_v3(tmp_path):
     """`--arch deepseek_v3`: MLA attention, sigmoid scores with `e_score_correction_bias`, 4 expert groups of which
     2 are kept, a dense first layer. vLLM's CPU build turns prefix caching off for MLA; with its torch rotary
@@ -65,6 +66,7 @@ def test_demo_on_deepseek_v3(tmp_path):
     assert re.search(r"R3 trainer\s+HF transformers bfloat16, 8 samples, 128 generated tokens", s), s[-3000:]
 
 
+@pytest.mark.archs
 def test_demo_on_glm4_moe(tmp_path):
     """`--arch glm4_moe`: the DeepSeek-V3 router (sigmoid, correction bias, groups) with grouped-query attention, which
     vLLM computes as transformers does: the oracle is counted and passes, prefix-cache hits carry filled routing,
@@ -124,6 +126,7 @@ def test_vllm_cpu_rotary_kernel_and_a_3d_query():
     assert torch.allclose(one_q.reshape(5, -1), want_q[:, :64], atol=1e-5)
 
 
+@pytest.mark.archs
 @pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "llama4"])
 def test_demo_on_other_families(tmp_path, arch):
     """The other families vLLM's CPU build runs and the trainer replays: oracle passes, replay agrees on every
