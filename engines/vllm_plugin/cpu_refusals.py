@@ -57,3 +57,31 @@ def check_engine(vllm_config, version: str) -> None:
     reason = moe_dtype_refusal(version, mc.dtype) if moe else None
     if reason is not None:
         raise RuntimeError(f"routing-replay: {reason}")
+
+
+ROTARY_SETTING = 'compilation_config={"custom_ops": ["all", "-rotary_embedding"]}'
+
+
+def mla_rotary_kernel_warning(model, use_mla: bool, device_type: str) -> str | None:
+    """The WARNING for an MLA model on vLLM's CPU build whose rotary embedding runs the CPU kernel
+    `_C.rotary_embedding` (`RotaryEmbedding.forward_cpu`: the `rotary_embedding` custom op enabled), or None.
+    MLA rotates `q[..., qk_nope_head_dim:]`, a 3-D (tokens, heads, dims) view, and that kernel rotates such a query
+    wrongly when it has more than one head (tests/test_vllm_demo.py::test_vllm_cpu_rotary_kernel_and_a_3d_query):
+    the model computes other hidden states, and so other routing, than the checkpoint's own. Rotary classes with
+    no CPU kernel of their own (DeepSeek's YaRN scaling) run the torch path and are not named."""
+    if device_type != "cpu" or not use_mla:
+        return None
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    except ImportError:         # another layout: nothing to say about it
+        return None
+    for name, mod in model.named_modules():
+        # what the module runs: CustomOp binds its forward at construction (forward_native where the op is
+        # disabled); a subclass with its own forward_cpu does not call the kernel
+        run = getattr(getattr(mod, "_forward_method", None), "__func__", None)
+        if isinstance(mod, RotaryEmbedding) and run is RotaryEmbedding.forward_cpu:
+            return (f"routing-replay: MLA model on vLLM's CPU build with the rotary_embedding custom op enabled "
+                    f"({name or 'model'}: {type(mod).__name__}): its CPU kernel rotates MLA's 3-D multi-head query "
+                    f"wrongly, so hidden states and routing differ from the checkpoint's; start vLLM with "
+                    f"{ROTARY_SETTING}")
+    return None

@@ -210,7 +210,14 @@ def _install_worker_hooks(cls) -> None:
 
         # a release that refuses this model's MoE dtype on this CPU says so once, before any layer loads
         cpu_refusals.check_engine(self.vllm_config, vllm.__version__)
-        return orig_load(self, *args, **kwargs)
+        out = orig_load(self, *args, **kwargs)
+        model = getattr(getattr(self, "model_runner", None), "model", None)
+        if model is not None:
+            warning = cpu_refusals.mla_rotary_kernel_warning(model, bool(getattr(self.model_config, "use_mla", False)),
+                                                             self.vllm_config.device_config.device_type)
+            if warning is not None:
+                log.warning(warning)
+        return out
 
     cls.load_model = load_model
     after("load_model", on_load)
