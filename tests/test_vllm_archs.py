@@ -54,7 +54,7 @@ RUNS = {
     "deepseek_v2": ("float32", "DeepseekV2ForCausalLM", True),
     "deepseek_v3": ("float32", "DeepseekV3ForCausalLM", True),
     # as issue 64 ran it: vLLM computes the gate in bfloat16, transformers' DeepSeek-V3 router in float32 from the
-    # same bfloat16 input, so the router check has near ties here
+    # same bfloat16 input, so the checks may meet near ties here (COUNTS)
     "deepseek_v3/bfloat16": ("bfloat16", "DeepseekV3ForCausalLM", True),
     # vLLM's PhiMoE on CPU computes non-finite hidden states from the first MoE layer on (every output token 0)
     "phimoe": ("float32", "PhiMoEForCausalLM", False),
