@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.archs]
 vllm = pytest.importorskip("vllm")
@@ -272,7 +273,9 @@ def test_records_equal_the_oracle(case, embedded, record_property):
     if same_model and not vllm_class.startswith("Transformers"):
         for o, v in zip(outs, verdicts):
             assert v.ok, (arch, o.request_id, v.mismatches[:3], v.forced_error)
-    if case in COUNTS:
+    if case in COUNTS and not torch.cpu._is_amx_tile_supported():
+        # pinned where they were taken: an AMX CPU runs vLLM's bfloat16 MoE through other kernels, so its near ties
+        # fall elsewhere (every record's v.ok above still holds there)
         assert (agree, ties, flips, router[1]) == COUNTS[case]
     if dtype == "float32":
         assert router[1] == 0                       # float32: HF's router on vLLM's input picks the same experts
