@@ -35,7 +35,6 @@ from routing_replay.apps.oracle import Oracle, near_tie_gap_ulps  # noqa: E402
 from routing_replay.apps.vllm_harness import inprocess_llm, shutdown, wait_records, worker_of  # noqa: E402
 from routing_replay.engines.vllm_plugin import capture_of  # noqa: E402
 
-ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS")
 MAX_TOKENS = 8
 
 # family -> (dtype vLLM's CPU build runs it in, vLLM's model class that runs it, whether vLLM's model computes what
@@ -86,17 +85,12 @@ def _model(arch: str, dtype: str) -> Path:
 
 
 @pytest.fixture
-def embedded(tmp_path):
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(tmp_path),
-                      ROUTING_REPLAY_REQUESTS="all")
-    os.environ.pop("ROUTING_REPLAY_SERVE", None)
-    yield tmp_path
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def embedded(tmp_path, monkeypatch):
+    for k, v in dict(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(tmp_path),
+                     ROUTING_REPLAY_REQUESTS="all").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("ROUTING_REPLAY_SERVE", raising=False)
+    return tmp_path
 
 
 def _prompts() -> list:
