@@ -346,10 +346,16 @@ def test_server_embedded_helper_killed_is_started_again_and_its_losses_named(ser
     L = len(oracle.layer_ids)
     _check_record(oracle, recs[keys[1]], pl, later["choices"][0]["token_ids"], L)
     r = recs[keys[0]]
-    assert not r.complete and r.missing and r.reason == "rows_not_delivered", (r.reason, r.missing)
+    assert not r.complete and r.missing, (r.reason, r.missing)
+    if r.reason == "no_open":
+        # the producer's resent deltas can reach the new helper before the open sent again (a known race, see
+        # docs/RELIABILITY.md): the record is still flagged, with no prompt, never guessed
+        assert r.prompt_routed_experts.shape[0] == 0 and r.missing[0][0] == 0, r.missing
+        return
+    assert r.reason == "rows_not_delivered", r.reason
+    assert len(_log_lines(logf, "opens of 1 requests in flight sent again to the restarted helper")) == 1
     # the worker sent its open again to the new helper: the record has its prompt length and tokens
     assert r.prompt_token_ids.tolist() == pv and r.output_token_ids.tolist() == vt[0]
-    assert len(_log_lines(logf, "opens of 1 requests in flight sent again to the restarted helper")) == 1
     v = oracle.check(r)
     assert v.ok and v.rows > 0, (v.error, v.mismatches[:3], v.sentinel_errors[:3])
     have = set(range(r.num_cached_tokens, len(pv) + 480 - 1))
