@@ -187,11 +187,12 @@ def _rpc_line_profile(worker, on: bool):
         # what pre_step and post_step call, line by line too (profiled only while inside one of them)
         import inspect as _inspect
 
-        from routing_replay.engines.vllm_plugin import worker as _worker
+        from routing_replay.engines.vllm_plugin import runners as _runners
+        from routing_replay.engines.vllm_plugin import step_batch as _step_batch
         for name, fn in _inspect.getmembers(cls, _inspect.isfunction):
             if name.startswith("_") and not name.startswith("__"):
                 lp.add_function(fn)
-        for fn in (_worker.step_layout, *(f for n, f in _inspect.getmembers(_worker._StepBatch, _inspect.isfunction)
+        for fn in (_runners.step_layout, *(f for n, f in _inspect.getmembers(_step_batch.StepBatch, _inspect.isfunction)
                                            if not n.startswith("__"))):
             lp.add_function(fn)
         for obj, names in ((cap.producer, ("open_many", "end_many", "publish_steps", "_publish_parts")),

@@ -41,7 +41,8 @@ from routing_replay.capture import AsyncCopier, RoutingCache  # noqa: E402
 from routing_replay.engines.vllm_plugin import scheduler_hooks  # noqa: E402
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding, MoELayer  # noqa: E402
 from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
-from routing_replay.engines.vllm_plugin.worker import MAX_BATCH_STEPS, WorkerCapture, _StepBatch  # noqa: E402
+from routing_replay.engines.vllm_plugin.step_batch import MAX_BATCH_STEPS, StepBatch  # noqa: E402
+from routing_replay.engines.vllm_plugin.worker import WorkerCapture  # noqa: E402
 from routing_replay.producer import Producer  # noqa: E402
 
 MODES = ("on", "optout", "optout-fill", "fill")
@@ -155,7 +156,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         kw.update(slots=STEP_RING_SLOTS, slot_rows=512)     # vLLM's default largest CUDA graph
     cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **kw)
     cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
-    cap.batch = _StepBatch(top_k, stamped=stamp)
+    cap.batch = StepBatch(top_k, stamped=stamp)
     cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
     if eager:       # the real hooks on stand-in routers: the loop calls them as the routers do, timed (hooks_us)
         cap.binding = CaptureBinding([MoELayer(i, f"model.layers.{i}.mlp", SimpleNamespace(router=_Router()), top_k,

@@ -25,7 +25,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
-from routing_replay.engines.vllm_plugin.worker import _batch_refs  # noqa: E402
+from routing_replay.engines.vllm_plugin.runners import batch_refs  # noqa: E402
 from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_model, wait_records,  # noqa: E402
                                                 worker_of)
 
@@ -133,12 +133,12 @@ def test_many_concurrent_requests(eng):
 @pytest.mark.parametrize("direct", [True, False])
 def test_the_runners_batch_read_directly_or_through_its_properties_gives_the_same_records(eng, direct):
     """An eager CPU step reads V1's InputBatch `_req_ids` and `req_id_to_index` itself where vLLM's `req_ids` and
-    `num_reqs` hand out just those (_batch_refs), else the two properties; under churn (requests of different
+    `num_reqs` hand out just those (batch_refs), else the two properties; under churn (requests of different
     lengths finishing, the batch condensed and reordered) both ways give every record exact."""
     rnd = random.Random(21)
     cap = eng.cap
     ib = worker_of(eng.llm).model_runner.input_batch
-    assert _batch_refs(ib) == (ib, True)            # vLLM 0.27-0.32: the properties hand out those two
+    assert batch_refs(ib) == (ib, True)            # vLLM 0.27-0.32: the properties hand out those two
     cap._ib_refs = (ib, direct)                     # (the same InputBatch: kept as it is, not checked again)
     lens = [rnd.randrange(3, 40) for _ in range(12)]
     h0 = cap.stats.host_steps

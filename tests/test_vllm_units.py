@@ -16,7 +16,8 @@ import torch
 from routing_replay.protocol import wire
 from routing_replay.engines.vllm_plugin import keys, plugin, scheduler_hooks, settings
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding
-from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
+from routing_replay.engines.vllm_plugin.stamps import LostHookError
+from routing_replay.engines.vllm_plugin.step_batch import StepBatch
 
 
 @pytest.fixture
@@ -455,7 +456,7 @@ def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_pa
 
 
 def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_those_attributes():
-    """_batch_refs: vLLM's own InputBatch hands out `_req_ids` through `req_ids` and counts `req_id_to_index` in
+    """batch_refs: vLLM's own InputBatch hands out `_req_ids` through `req_ids` and counts `req_id_to_index` in
     `num_reqs`, so the engine thread may read those two; a batch whose `req_ids` makes a new list, or that counts
     otherwise, or lacks them, is read through its properties."""
     import inspect
@@ -463,7 +464,7 @@ def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_t
     import torch
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
-    from routing_replay.engines.vllm_plugin.worker import _batch_refs
+    from routing_replay.engines.vllm_plugin.runners import batch_refs
 
     kw = dict(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
               vocab_size=100, block_sizes=[16], max_num_blocks_per_req=[4])
@@ -484,9 +485,9 @@ def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_t
         req_ids, num_reqs = ["a"], 1
 
     ib = InputBatch(**kw)
-    assert _batch_refs(ib) == (ib, True)
+    assert batch_refs(ib) == (ib, True)
     for b in (Copying(**kw), Counting(**kw), Other()):
-        assert _batch_refs(b) == (b, False)
+        assert batch_refs(b) == (b, False)
 
 
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
@@ -546,7 +547,7 @@ def test_a_queue_bound_counts_the_router_tensors_an_eager_cpu_batch_holds(tmp_pa
     copier = AsyncCopier(RoutingCache(64, L, K), num_slots=2, max_rows=32)
 
     def batch_of(steps: int) -> tuple:
-        b = _StepBatch(K)
+        b = StepBatch(K)
         want = []
         for s in range(steps):
             tensors = [torch.arange(N * K, dtype=torch.int32).reshape(N, K) + 100 * layer + 1000 * s
@@ -731,7 +732,7 @@ class FakePending:
 def test_step_batch_concatenates_in_order_and_releases_all():
     a = FakePending(np.arange(2 * 3 * 2, dtype=np.int16).reshape(2, 3, 2))
     b = FakePending(np.arange(100, 100 + 3 * 3 * 2, dtype=np.int16).reshape(3, 3, 2))
-    batch = _StepBatch()
+    batch = StepBatch()
     batch.add(a, ["x", "y"], [10, 20], [1, 1])
     batch.add(b, ["x", "y"], [11, 21], [1, 2])
     ks, starts, counts, rows = batch.take()
@@ -747,7 +748,7 @@ def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
     """Decode steps hand the same key list and their positions as arrays; take() gives flat lists of ints."""
     keys = ["x", "y", "z"]
     parts = [FakePending(np.full((3, 3, 2), i, dtype=np.int16)) for i in range(3)]
-    batch = _StepBatch()
+    batch = StepBatch()
     batch.add(parts[0], keys, np.array([5, 9, 0], np.int32), np.array([1, 1, 1], np.int32))
     batch.add(parts[1], keys, np.array([6, 10, 1], np.int32), np.array([1, 1, 1], np.int32))
     batch.add(parts[2], ["w"], [0], [3], strict=False)            # a prefix gather: lists
@@ -756,7 +757,7 @@ def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
     assert (ks, starts, counts) == (["x", "y", "z", "x", "y", "z", "w"], [5, 9, 0, 6, 10, 1, 0], [1] * 6 + [3])
     assert all(type(v) is int for v in starts + counts)
     assert np.array_equal(rows.result(), np.concatenate([p.rows for p in parts]))
-    one = _StepBatch()
+    one = StepBatch()
     one.add(parts[0], keys, np.array([5, 9, 0], np.int32), np.array([1, 1, 1], np.int32))
     ks, starts, counts, _ = one.take()
     assert ks == keys and ks is not keys and (starts, counts) == ([5, 9, 0], [1, 1, 1])
@@ -766,7 +767,7 @@ def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
 def test_step_batch_refuses_unwritten_rows():
     r = np.zeros((2, 3, 2), np.int16)
     r[1, 2] = -1
-    batch = _StepBatch()
+    batch = StepBatch()
     batch.add(FakePending(r), ["x"], [0], [2])
     _, _, _, rows = batch.take()
     with pytest.raises(LostHookError, match="never written by a router .*row 1 of 2, local MoE layer 2"):
@@ -791,8 +792,8 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
     from routing_replay.capture import AsyncCopier, RoutingCache
     cache = RoutingCache(64, 3, K, stamp=True)
     copier = AsyncCopier(cache, num_slots=4, max_rows=32)
-    batch = _StepBatch(K, stamped=True)
-    assert _StepBatch(K).stamps is None
+    batch = StepBatch(K, stamped=True)
+    assert StepBatch(K).stamps is None
     batch.stamps.baseline(cache.stamp_value(), 0)          # after warm-up: counter -1, no forward yet
     forward = 0
     for b in range(3):
@@ -804,7 +805,7 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
         _, _, _, rows = batch.take_parts()
         assert rows.result().shape == (sum(8 + i for i in range(4)), 3, K)
         rows.release()
-    assert batch.stamps.steps == 12 and batch.stamps.offset == (-1) & batch.stamps._mask
+    assert batch.stamps.steps == 12 and batch.stamps.offset == (-1) & batch.stamps.mask
     # a forward whose hooks did not run at all (a graph replayed without them), right after an unchecked forward
     # whose hooks did: the stamp moved on, but one flush fewer than forwards
     forward += 2
@@ -815,7 +816,7 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
         rows.result()
     rows.release()
     # the refusal took the device's count: the next forward is checked against it (no baseline needed)
-    mask = batch.stamps._mask
+    mask = batch.stamps.mask
     assert batch.stamps.resyncs == 1 and batch.stamps.offset == (cache.stamp_value() - forward) & mask
     # a forward that missed one layer: its flush adds nothing (the rows of the missed layer would be stale)
     forward += 1
@@ -847,7 +848,7 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
 
 @pytest.mark.parametrize("K,bits", [(2, 32), (8, 64)])
 def test_step_stamps_wrap_around_their_width(K, bits):
-    check = _StepBatch(K, stamped=True).stamps
+    check = StepBatch(K, stamped=True).stamps
     lane = np.uint32 if bits == 32 else np.uint64
     top = (1 << bits) - 1
 
@@ -944,7 +945,7 @@ def test_pipeline_process_that_cannot_start_raises(tmp_path):
 
 
 def test_batched_steps_hand_out_request_major_rows_in_one_copy():
-    """_BatchedRows of consecutive decode steps: result_request_major(steps) is result() reordered request-major
+    """BatchedRows of consecutive decode steps: result_request_major(steps) is result() reordered request-major
     (request i's rows of every step together), still stamp-checked; a batch of several steps owns its result (a
     new array: the producer need not copy it out of the host ring), a batch of one does not; steps of different
     sizes are refused."""
@@ -952,7 +953,7 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     from routing_replay.producer.messages import RequestMajor, StepParts
     cache = RoutingCache(64, 3, 8, stamp=True)
     copier = AsyncCopier(cache, num_slots=4, max_rows=32)
-    batch = _StepBatch(8, stamped=True)
+    batch = StepBatch(8, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
     keys_ = ["a", "b", "c", "d"]
     for s in range(3):
@@ -1012,16 +1013,16 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     batch's checkpoint), lose the batch (RingReadLost) and never hand out another step's rows; a forward whose
     hooks did not run is a LostHookError; a step larger than a slot is not written to the ring."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.engines.vllm_plugin.worker import RingReadLost
+    from routing_replay.engines.vllm_plugin.stamps import RingReadLost
     S = 4
     cache = RoutingCache(64, 3, K, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
-    batch = _StepBatch(K, stamped=True)
+    batch = StepBatch(K, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
     state = {"forward": 0}
 
     def slot_of(forward):
-        return ((forward + batch.stamps.offset) & batch.stamps._mask) % S
+        return ((forward + batch.stamps.offset) & batch.stamps.mask) % S
 
     def step(seed, n=8, a=1, m=5, layers=None, count=True):
         if count:
@@ -1065,7 +1066,7 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     rows.release()
     # the refusal took the device's count from the batch's checkpoint: later batches read the slots it writes
     assert batch.stamps.resyncs == 1
-    assert batch.stamps.offset == (cache.stamp_value() - state["forward"]) & batch.stamps._mask
+    assert batch.stamps.offset == (cache.stamp_value() - state["forward"]) & batch.stamps.mask
     want = step(51)
     rows = hand_over()
     assert np.array_equal(rows.result(), want)
@@ -1128,7 +1129,7 @@ def _producer_to_fake(tmp_path, layers: int, top_k: int, **kw):
 
 @pytest.mark.parametrize("as_bytes", [False, True])
 def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_captured_stays_out(tmp_path, as_bytes):
-    """A step-ring step goes to the producer as the runner laid it out (_StepBatch.add_raw): engine ids,
+    """A step-ring step goes to the producer as the runner laid it out (StepBatch.add_raw): engine ids,
     computed positions, query start locations (arrays, or their bytes as the worker hands them over, whose rows are
     those the locations span). The producer's thread maps the ids to record keys through the worker's table and
     leaves out a request that is not captured, one captured only from a later forward on, and one with no rows in
@@ -1141,11 +1142,11 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
-    batch = _StepBatch(Kr, stamped=True)
+    batch = StepBatch(Kr, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
 
     def slot_of(forward):
-        return ((forward + batch.stamps.offset) & batch.stamps._mask) % S
+        return ((forward + batch.stamps.offset) & batch.stamps.mask) % S
 
     def add_raw(first, n, slot, ids, computed, qsl, forward):
         if not as_bytes:
@@ -1205,7 +1206,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
 
 
 def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_producers_thread(tmp_path):
-    """An eager CPU step goes to the producer as the runner laid it out (_StepBatch.add_host): the routers' tensors
+    """An eager CPU step goes to the producer as the runner laid it out (StepBatch.add_host): the routers' tensors
     unchecked, the engine ids, and the bytes of the computed positions and query start locations. On the
     producer's thread the ids become keys through the worker's table; a request not captured, one captured only
     from a later forward on, and one with no rows in the step stay out with their rows. Decode steps of one id list
@@ -1214,7 +1215,7 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
     query start locations span, whatever the worker counted; a step whose tensors hold fewer is refused there
     (encode_errors) and the next delta still goes out; a batch released unread lets its tensors go."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.engines.vllm_plugin.worker import host_layouts, resolve_raw_steps
+    from routing_replay.engines.vllm_plugin.step_batch import host_layouts, resolve_raw_steps
     from tests.test_producer_faults import wait_for
     Lr, Kr = 3, 2
     copier = AsyncCopier(RoutingCache(64, Lr, Kr), num_slots=4, max_rows=32)
@@ -1231,7 +1232,7 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
                        np.asarray(qsl, np.int32).tobytes(), (np.dtype(np.int32), np.dtype(np.int32)), forward)
 
     table = {"r0": ("k0", 1), "r2": ("k2", 1), "r3": ("k3", 2), "r4": ("k4", 1)}     # r1: not captured
-    batch = _StepBatch(Kr)
+    batch = StepBatch(Kr)
     # forward 1: r0 3 rows, r1 1 (not captured), r2 none, r3 2 (captured from forward 2 on), r4 1; int32 ids with
     # 9 rows (the tensors may hold more than the step reads)
     t1 = tensors(9, np.int32)
@@ -1311,9 +1312,9 @@ def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
-    batch = _StepBatch(Kr, stamped=True)
+    batch = StepBatch(Kr, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
-    slot = ((1 + batch.stamps.offset) & batch.stamps._mask) % S
+    slot = ((1 + batch.stamps.offset) & batch.stamps.mask) % S
     _ring_step(cache, 1, 5)
     computed, qsl = np.array([0, 10, 6], np.int32), np.array([0, 3, 4, 5], np.int32)
     if as_bytes:

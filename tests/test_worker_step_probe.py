@@ -85,7 +85,7 @@ def _watch(events: list, entries: list | None = None):
     """on_producer for run(): the worker's calls into its real producer, in order (each call goes on to it); the
     delta entries (key, start, count) in `entries`. Steps added raw are resolved as the producer's thread will
     (their table only gains ids no step of theirs holds before that thread reads them)."""
-    from routing_replay.engines.vllm_plugin.worker import host_layouts, resolve_raw_steps
+    from routing_replay.engines.vllm_plugin.step_batch import host_layouts, resolve_raw_steps
 
     def attach(p):
         steps, ends, opens = p.publish_steps, p.end_many, p.open_many
@@ -197,7 +197,7 @@ def test_churn_with_requests_not_captured_publishes_what_the_engine_thread_mappi
     same_ids a captured and an uncaptured request take turns on one id). Exactly the same delta entries, in the
     same order, as the engine thread's own mapping (stamps without the ring), and no request's rows outside its
     open .. finish. With 600-token prefills every step after the first is larger than a ring slot: copied whole
-    and handed over raw the same way (_StepBatch.add_copied)."""
+    and handed over raw the same way (StepBatch.add_copied)."""
     n, steps, prompt_len = 8, 40, 16
     runs = {}
     for ring in (True, False):
@@ -436,7 +436,7 @@ def test_keys_refused_at_a_hand_over_leave_the_steps_not_added_raw_too():
     of a request whose open was refused may have taken the refusal back; so the steps added with their keys (an
     unchanged batch, prefix rows) leave that key's entries and rows out there, exactly, like a raw step whose
     table no longer holds the id."""
-    from routing_replay.engines.vllm_plugin.worker import resolve_raw_steps
+    from routing_replay.engines.vllm_plugin.step_batch import resolve_raw_steps
     table = {"e1": ("a", 0), "e2": ("b", 0), "e3": ("c", 0)}          # "b" is gone: no longer in the table
     del table["e2"]
     ids = [["e1", "e2", "e3"], ["a", "b", "c"], ["b"], ["a", "c"]]
@@ -496,7 +496,7 @@ def test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left():
     publishing the earlier forward's routing (a step of the running batch: the left tensor has its shape)."""
     import torch
 
-    from routing_replay.engines.vllm_plugin.worker import LostHookError
+    from routing_replay.engines.vllm_plugin.stamps import LostHookError
 
     stale = torch.zeros(8, 2, dtype=torch.int32)
     bad = 12
@@ -713,25 +713,26 @@ def test_a_step_copied_whole_into_a_full_host_ring_is_published_lost_and_no_othe
 def _watch_batches(monkeypatch):
     """The producer's thread, per batch it reads: each step's rows (by the engine's forward) as published, and the
     forwards of the batches refused (LostHookError) or lost (RingReadLost)."""
-    from routing_replay.engines.vllm_plugin import worker as wmod
+    from routing_replay.engines.vllm_plugin import stamps
+    from routing_replay.engines.vllm_plugin import step_batch as wmod
 
     published, refused, behind = {}, [], []
-    checked = wmod._BatchedRows._checked
+    checked = wmod.BatchedRows._checked
 
     def watched(self):
         forwards = list(self._forwards)
         try:
             arrays = checked(self)
-        except wmod.LostHookError:
+        except stamps.LostHookError:
             refused.append(forwards)
             raise
-        except wmod.RingReadLost:
+        except stamps.RingReadLost:
             behind.append(forwards)
             raise
         for f, a in zip(forwards, arrays):
             published[f] = a.copy()
         return arrays
-    monkeypatch.setattr(wmod._BatchedRows, "_checked", watched)
+    monkeypatch.setattr(wmod.BatchedRows, "_checked", watched)
     return published, refused, behind
 
 
@@ -750,7 +751,7 @@ def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published
     device's count, so every later step is published, each step's rows exactly the ids its forward wrote (they
     differ per step and per layer). A hook lost for good (every step from `bad` on) is refused at every later
     delta and publishes nothing stale."""
-    from routing_replay.engines.vllm_plugin import worker as wmod
+    from routing_replay.engines.vllm_plugin import step_batch as wmod
 
     n, layers, steps, bad = 8, 4, 40, 20
     published, refused, behind = _watch_batches(monkeypatch)
@@ -787,12 +788,12 @@ def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published
 @pytest.mark.parametrize("eager", [False, True], ids=["ring", "eager-cpu"])
 def test_a_batch_whose_raw_steps_do_not_resolve_is_dropped_and_the_producer_goes_on(eager, monkeypatch):
     """The producer's thread maps a batch's raw steps (engine ids, the runner's layout: step-ring steps under
-    graphs, an eager CPU engine's host steps) to record keys before it encodes them (_BatchedRows.resolve). One
+    graphs, an eager CPU engine's host steps) to record keys before it encodes them (BatchedRows.resolve). One
     batch whose mapping fails (here: resolve_raw_steps raises for the batch that holds forward `bad`) is dropped:
     its rows released, its bytes out of the queue's count, one encode error, and the thread goes on: every other
     step is published, exactly as its forward wrote it. (Before, the failure ended the producer's thread, and with
     it the engine at its next step.)"""
-    from routing_replay.engines.vllm_plugin import worker as wmod
+    from routing_replay.engines.vllm_plugin import step_batch as wmod
 
     n, layers, steps, bad = 8, 4, 40, 21
     published, refused, behind = _watch_batches(monkeypatch)

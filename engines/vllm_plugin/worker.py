@@ -61,31 +61,19 @@ import numpy as np
 import torch
 
 from routing_replay.capture import AsyncCopier, HostRows, PrefixStore, RoutingCache, hit_slots_many, ring_kernels
-from routing_replay.capture.cache import _ID_DTYPES, read_stamp, stamp_bits, stamp_dtype, stamp_lanes
-from routing_replay.capture.copier import ROW_DTYPE, launch_rows
+from routing_replay.capture.cache import _ID_DTYPES, stamp_dtype
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
 from routing_replay.engines.vllm_plugin.binding import _HOLDS, CaptureBinding, find_moe_layers, record_held
 from routing_replay.engines.vllm_plugin.endpoint import Sink
+from routing_replay.engines.vllm_plugin.runners import check_runner_supported, runner_kind, step_layout, batch_refs
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
+from routing_replay.engines.vllm_plugin.stamps import LostHookError
+from routing_replay.engines.vllm_plugin.step_batch import MAX_BATCH_STEPS, StepBatch, resolve_raw_steps
 from routing_replay.protocol import ids as _ids
-from routing_replay.producer.messages import RowsLost, flat_ids, flat_ints, request_major
 
 log = logging.getLogger("vllm.routing_replay")
-
-
-MAX_BATCH_STEPS = 16          # steps per delta message at most
-
-
-class LostHookError(RuntimeError):
-    """A MoE layer did not record its routing in a step that captured a request: never publish stale rows."""
-
-
-class RingReadLost(RowsLost):
-    """Rows read from the step ring cannot be shown to be their step's (a later step reused the slot before it was
-    read, or the device counted a forward the engine did not), or the host ring had no room for them: the batch's
-    positions are reported lost (not refused: nothing was wrong with what the forward wrote)."""
 
 
 STEP_RING_SLOTS = 64                # steps the producer's thread may fall behind before step-ring rows are lost
@@ -127,361 +115,6 @@ class WorkerStats:
     skipped: int = 0                # requests not captured (or closed as aborted) after an error of their own
 
 
-class StampCheck:
-    """Check, on the producer's thread, that each step's rows were written by the forward of that step. The stamped
-    cache (RoutingCache(stamp=True)) counts complete flushes on the device; the engine thread counts the forwards
-    it launched (WorkerCapture.forwards, steps with tokens). Their difference, the offset, can only grow (a forward
-    the engine did not launch through execute_model, e.g. a data-parallel dummy batch, adds a flush and no
-    forward). A step whose stamp leaves the offset below the last one's had a forward without a complete flush:
-    its hooks did not run (a graph replayed without them) or missed a layer, so its rows are stale:
-    LostHookError. So are rows of one step that carry different stamps.
-
-    A refusal moves the offset to what the device counted (the stale step's stamp, or the batch's checkpoint), so
-    one lost flush loses the batch that holds it and the steps after it are checked, and published, against the
-    new count: a graph that never stamps is still refused at every step (each falls one more flush behind)."""
-
-    __slots__ = ("_mask", "offset", "steps", "resyncs")
-
-    def __init__(self, top_k: int):
-        self._mask = (1 << stamp_bits(top_k)) - 1
-        self.offset: int | None = None      # flushes - forwards (mod 2**bits): from baseline() or the first step
-        self.steps = 0
-        self.resyncs = 0                    # refusals after which the offset moved to the device's count
-
-    def baseline(self, stamp: int, forwards: int) -> None:
-        """The device counter and the engine's forward count at a quiet point (after warm-up), so that the very
-        first step is checked too."""
-        self.offset = (stamp - forwards) & self._mask
-
-    def __call__(self, stamps: np.ndarray, forward: int) -> None:
-        v = read_stamp(stamps)
-        if v is None:
-            lanes = stamp_lanes(stamps)
-            bad = int(np.argmax((lanes != lanes.flat[0]).any(axis=1)))
-            raise LostHookError(f"routing-replay: rows of one step carry different step stamps (row 0 and row "
-                                f"{bad} of {len(stamps)}): a capture hook was lost for some of the step's tokens. "
-                                "Refusing to publish stale routing.")
-        off = (v - forward) & self._mask
-        last = self.offset
-        if last is not None:
-            behind = (last - off) & self._mask
-            if 0 < behind <= self._mask >> 1:
-                self.offset = off           # later steps are checked against what the device counted
-                self.resyncs += 1
-                raise LostHookError(f"routing-replay: the rows of forward {forward} carry step stamp {v}: {behind} "
-                                    "complete flush(es) fewer than forwards since the last checked step. The "
-                                    "forward did not run the capture hooks of every MoE layer (e.g. a CUDA graph "
-                                    "replayed without them). Refusing to publish stale routing; later steps are "
-                                    "checked against the device's count")
-        self.offset = off
-        self.steps += 1
-
-    def exact(self, stamps: np.ndarray, forward: int, where: str) -> None:
-        """Step-ring rows (read from the slot the offset predicts for `forward`): their stamps must be the ones
-        that forward's flush wrote. Older: the forward did not write the slot (LostHookError); newer, or lanes
-        that differ: a later step reused the slot before it was read (RingReadLost)."""
-        mask = self._mask
-        want = (forward + self.offset) & mask
-        v = read_stamp(stamps)
-        if v == want:
-            self.steps += 1
-            return
-        if v is not None and 0 < ((want - v) & mask) <= mask >> 1:
-            raise LostHookError(f"routing-replay: {where} of forward {forward} holds step stamp {v}, its flush "
-                                f"would have written {want}: the forward did not run the capture hooks of every "
-                                "MoE layer (e.g. a CUDA graph replayed without them). Refusing to publish stale "
-                                "routing.")
-        raise RingReadLost(f"routing-replay: {where} of forward {forward} was reused by a later step (stamp "
-                           f"{'mixed' if v is None else v}, expected {want}) before the producer's thread read it "
-                           "(it fell behind by the ring's size): the batch's rows are lost, never wrong")
-
-    def checkpoint(self, value: int, forward: int) -> None:
-        """The device counter at the batch's hand-over, when the engine had launched `forward` forwards: equal to
-        forward + offset, or some step-ring read of the batch may have taken another forward's slot."""
-        mask = self._mask
-        want = (forward + self.offset) & mask
-        v = value & mask
-        if v == want:
-            return
-        ahead = (v - want) & mask
-        if 0 < ahead <= mask >> 1:
-            self.offset = (v - forward) & mask
-            raise RingReadLost(f"routing-replay: the device counted {ahead} complete flush(es) more than the "
-                               f"engine's forwards by forward {forward} (a forward the engine did not launch through "
-                               "execute_model): this batch's step-ring reads may hold another forward's rows, so its "
-                               "rows are reported lost; later steps use the new offset")
-        self.resync(v, forward)             # later batches read the slots the device writes now
-        raise LostHookError(f"routing-replay: the device counted {(want - v) & mask} complete flush(es) fewer than "
-                            f"the engine's {forward} forwards at the hand-over: a forward did not run the capture "
-                            "hooks of every MoE layer. Refusing to publish stale routing; later batches use the "
-                            "device's count")
-
-    def resync(self, value: int | None, forward: int) -> None:
-        """After a step-ring read of a batch was refused: the offset from the batch's checkpoint (the device
-        counter at the hand-over, when the engine had launched `forward` forwards), so that a lost flush does not
-        make every later batch read the slot before its own. None (no checkpoint taken): nothing."""
-        if value is None:
-            return
-        off = (value - forward) & self._mask
-        if off != self.offset:
-            self.offset = off
-            self.resyncs += 1
-
-
-class _BatchedRows:
-    """Own the PendingRows of consecutive steps on their way through the producer as one delta: the producer's
-    thread concatenates them (C speed), refuses rows no router wrote (-1, or a stale step stamp), sends, and
-    releases every part."""
-
-    __slots__ = ("_parts", "_strict", "_forwards", "_stamps", "_ckpt_forward", "_copier", "_slots", "shape",
-                 "dtype", "dropped", "_raw", "_table", "_select", "extra_nbytes", "_gone", "_top_k")
-
-    def __init__(self, parts: list, strict: list, stamps: StampCheck | None = None, forwards: list | None = None,
-                 ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None, rows: int = 0,
-                 raw: list | None = None, table: dict | None = None, extra_nbytes: int = 0,
-                 gone: set | None = None, top_k: int | None = None):
-        self._parts = parts
-        self._top_k = top_k             # host steps added raw (_StepBatch.add_host): their HostRows' top-k
-        self._gone = gone               # keys whose open the producer refused at this hand-over: left out too
-        self.extra_nbytes = extra_nbytes    # bytes the parts hold beyond their int16 rows (HostRows' tensors)
-        self._raw = raw                 # indices of the parts added raw (_StepBatch.add_raw) until resolve(); or None
-        self._table = table             # engine id -> (record key, first forward it holds for) for resolve()
-        self._select = None             # per part: the rows resolve() kept (an index array), or None for all
-        self._ckpt_forward = ckpt_forward   # step-ring parts: the engine's forward count at the hand-over
-        self._strict = strict           # per part: -1 rows are a lost hook (computed rows) or not (prefix rows)
-        self._forwards = forwards       # per part: the engine's forward count at its step (stamped parts)
-        self._stamps = stamps
-        self._copier = copier           # parts handed over by reference, (first, n, slot): taken from it here
-        self._slots = slots             # their SlotBatch (mark_batch(slots=...))
-        if copier is not None:
-            self.shape = (rows, copier.cache.num_layers, copier.cache.top_k)
-            self.dtype = ROW_DTYPE
-        elif _is_host_raw(parts[0]):        # (the step's tensors, one per MoE layer)
-            self.shape = (rows, len(parts[0][0]), top_k)
-            self.dtype = ROW_DTYPE
-        else:
-            self.shape = (rows, *parts[0].shape[1:])
-            self.dtype = parts[0].dtype
-        self.dropped = False
-
-    @property
-    def owns_result(self) -> bool:
-        """result() of several steps is a new array (their concatenation); of one step, a view of the host ring
-        (unless resolve() left some of its rows out)."""
-        return len(self._parts) > 1 or (self._select is not None and self._select[0] is not None)
-
-    @property
-    def deferred(self) -> bool:
-        """Some steps were added raw: their id lists are engine ids until resolve() runs (producer's thread)."""
-        return self._raw is not None
-
-    def resolve(self, request_ids: list, starts: list, counts: list) -> tuple[list, list, list]:
-        """On the producer's thread, before anything else reads the batch: the steps added raw (_StepBatch.add_raw:
-        the runner's engine ids, computed positions and query start locations) as record keys, starts and counts,
-        as post_step would have made them on the engine thread. A request with no key for the step (not captured,
-        or captured only from a later step on) or no rows in it is left out, and so are its rows. Steps not added
-        raw pass as they are. Returns the per-step (keys, starts, counts) for Producer.publish_steps' StepParts."""
-        raw, table = self._raw, self._table
-        if raw is None:
-            return request_ids, starts, counts
-        self._raw = None
-        parts = self._parts
-        starts, counts = host_layouts(parts, raw, starts, counts)
-        grown = 0
-        for i in raw:   # the rows each step's layout spans: host steps' tensors as HostRows (checked in result()),
-            p = parts[i]            # step-ring steps' rows of their slot
-            if _in_bytes(p):
-                qsl = counts[i]
-                lo = int(qsl[0])
-                n = int(qsl[-1]) - lo
-                if type(p) is not tuple:    # a step copied whole (_StepBatch.add_copied): its rows are fixed
-                    if lo != 0 or n != p.shape[0]:
-                        raise LostHookError(f"routing-replay: a step's layout spans rows [{lo}, {lo + n}) but its "
-                                            f"copy holds rows [0, {p.shape[0]}); refusing to publish them")
-                elif _is_host_raw(p):       # (tensors, bytes of one, rows, dtypes)
-                    parts[i] = HostRows(p[0], [(lo, n)], self._top_k, p[1], checked=False)
-                    grown += n - p[2]       # (the rows the worker counted: the scheduler's, V1's too)
-                else:                       # (first, rows, slot, dtypes)
-                    parts[i] = (lo, n, p[2])
-                    grown += n - p[1]
-        if grown:
-            self.shape = (self.shape[0] + grown, *self.shape[1:])
-        keys_out, starts_out, counts_out, select, cut = resolve_raw_steps(raw, table, self._forwards, request_ids,
-                                                                          starts, counts, self._gone)
-        if cut:
-            self._select = select
-            self.shape = (self.shape[0] - cut, *self.shape[1:])
-        return keys_out, starts_out, counts_out
-
-    def _taken(self) -> None:
-        """The parts handed over by reference get their host-ring rows now (on this thread, not the engine's)."""
-        if self._slots is None:
-            return
-        parts, copier, sb = self._parts, self._copier, self._slots
-        check, forwards = self._stamps, self._forwards
-        off, mask, ring = check.offset, check._mask, copier.cache.slots
-        for i, p in enumerate(parts):           # (a part taken is no tuple: a second call takes the rest only)
-            if type(p) is tuple:
-                # the slot the device wrote for this forward, by the offset now: the one the engine thread used,
-                # unless a refused batch before this one moved the offset to the device's count since
-                slot = ((forwards[i] + off) & mask) % ring if off is not None else p[2]
-                parts[i] = copier.take_slot(p[0], p[1], slot, sb)
-        lost = sum(p.dropped for p in parts)
-        if lost:
-            raise RingReadLost(f"routing-replay: the host ring was full when the producer's thread took this "
-                               f"batch's step-ring rows ({lost} of {len(parts)} steps): the batch's rows are lost")
-
-    def _checked(self) -> list:
-        self._taken()
-        launch_rows(self._parts)            # consecutive steps: one host copy for all of them
-        arrays = [p.result() for p in self._parts]
-        if self._select is not None:        # resolve() left rows of raw steps out
-            arrays = [a if k is None else a[k] for a, k in zip(arrays, self._select)]
-        check = self._stamps
-        ring = None                         # a part read from the step ring: it carries the batch's checkpoint
-        try:
-            for i, (p, a, strict) in enumerate(zip(self._parts, arrays, self._strict)):
-                if strict and a.size:
-                    if getattr(p, "slot", None) is not None:
-                        ring = p
-                        check.exact(p.stamps(), self._forwards[i], f"step ring slot {p.slot[0]}")
-                    elif check is not None and p.stamped:
-                        check(p.stamps(), self._forwards[i])
-                    if int(a.min()) < 0:
-                        self._lost_hook(a)
-        except (LostHookError, RingReadLost):
-            if ring is not None:            # a lost flush: later batches read the slots the device writes now
-                check.resync(ring.checkpoint(), self._ckpt_forward)
-            raise
-        if ring is not None:
-            check.checkpoint(ring.checkpoint(), self._ckpt_forward)
-        return arrays
-
-    def result(self) -> np.ndarray:
-        arrays = self._checked()
-        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-    def result_request_major(self, steps: int, inverse: np.ndarray | None = None) -> np.ndarray:
-        """The rows of `steps` steps of n rows each, request-major (producer.messages.RequestMajor): one copy out
-        of the host ring, as result() makes. With `inverse`, request i of each step goes to place inverse[i] (the
-        producer's owner grouping), in the same copy."""
-        arrays = self._checked()
-        if len(arrays) != steps or len({a.shape for a in arrays}) != 1:
-            raise ValueError(f"{len(arrays)} parts of shapes {sorted({a.shape for a in arrays})}: not {steps} "
-                             "steps of equal size")
-        return request_major(arrays, inverse)
-
-    @staticmethod
-    def _lost_hook(rows: np.ndarray):
-        bad = np.argwhere((rows < 0).any(axis=2))
-        raise LostHookError(f"routing-replay: {len(bad)} (row, layer) cells were never written by a router "
-                            f"(first: row {bad[0][0]} of {len(rows)}, local MoE layer {bad[0][1]}); a capture "
-                            "hook was lost (e.g. a layer rebuilt after binding). Refusing to publish stale "
-                            "routing.")
-
-    def release(self) -> None:
-        for p in self._parts:
-            if type(p) is tuple:
-                if not _is_host_raw(p):     # never taken: its share of the batch's event goes back
-                    self._copier.forget_slot(self._slots)
-            else:
-                p.release()
-
-
-def _is_host_raw(part) -> bool:
-    """A host step added raw (_StepBatch.add_host): (its tensors, bytes of one, rows, dtypes), until resolve()."""
-    return type(part) is tuple and type(part[0]) is list
-
-
-def _in_bytes(part) -> bool:
-    """A step added raw with its layout as bytes (_StepBatch.add_host, add_raw with dtypes, add_copied)."""
-    return _layout_dtypes(part) is not None
-
-
-def _layout_dtypes(part):
-    """The dtypes of the computed positions and query start locations of a step added raw with its layout as bytes:
-    a tuple part's last entry (add_host, add_raw), a copied step's tag (add_copied); None for any other part."""
-    if type(part) is tuple:
-        return part[3] if len(part) == 4 else None
-    return getattr(part, "tag", None)
-
-
-def host_layouts(parts: list, raw: list, starts: list, counts: list) -> tuple[list, list]:
-    """`starts` and `counts` of a batch's steps (per step) with those of the steps added raw as bytes (the runner's
-    computed positions and query start locations: _StepBatch.add_host, add_raw with dtypes) as arrays; the lists
-    themselves when there are none. Consecutive steps with the same bytes share one array (decode steps repeat
-    their layout)."""
-    if not any(_in_bytes(parts[i]) for i in raw):
-        return starts, counts
-    starts, counts = list(starts), list(counts)
-    prev = (None, None, None, None)         # (bytes, array) of the last such step's two layouts
-    for i in raw:
-        if not _in_bytes(parts[i]):
-            continue
-        dtypes = _layout_dtypes(parts[i])
-        qb, cb = counts[i], starts[i]
-        qsl = prev[1] if qb == prev[0] else np.frombuffer(qb, dtype=dtypes[0])
-        comp = prev[3] if cb == prev[2] else np.frombuffer(cb, dtype=dtypes[1])
-        prev = (qb, qsl, cb, comp)
-        counts[i], starts[i] = qsl, comp
-    return starts, counts
-
-
-def _kept_rows(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The rows of the kept entries of a step, in order: entry j's `counts[j]` rows from row `firsts[j]` on."""
-    ends = np.cumsum(counts)
-    return np.repeat(firsts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends) else 0)
-
-
-def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list, starts: list, counts: list,
-                      gone: set | None = None):
-    """_BatchedRows.resolve's work, without changing the batch: for the steps at indices `raw`, per step (keys,
-    starts, counts), each step's kept rows (an index array into the step's rows, or None for all of them) and the
-    rows left out in all. `gone`: record keys whose open the producer refused after their steps were batched; the
-    steps not added raw leave them out too (those added raw do through `table`, which no longer holds them)."""
-    keys_out, starts_out, counts_out = list(request_ids), list(starts), list(counts)
-    select = [None] * len(request_ids)
-    cut = 0
-    get = table.get
-    last_ids = last_keys = last_qsl = last_count = None
-    for i in raw:
-        ids, computed, qsl = request_ids[i], starts[i], counts[i]
-        fwd = forwards[i]
-        if ids is last_ids:
-            keys = last_keys            # (the same id list as the step before, all captured by then: still so)
-        else:
-            keys = [k[0] if k is not None and k[1] <= fwd else None for k in map(get, ids)]
-            # decode steps share one id list: mapped once while every id of it was captured by its step
-            last_ids, last_keys = (ids, keys) if None not in keys else (None, None)
-        if qsl is last_qsl:
-            count = last_count
-        else:
-            count = last_count = qsl[1:] - qsl[:-1]
-            last_qsl = qsl
-        if None not in keys and np.count_nonzero(count) == len(count):
-            keys_out[i], starts_out[i], counts_out[i] = keys, computed, count
-            continue
-        idx = np.flatnonzero(np.array([k is not None for k in keys], dtype=bool) & (count > 0))
-        keys_out[i] = [keys[j] for j in idx.tolist()]
-        cn = count[idx]
-        starts_out[i], counts_out[i] = computed[idx], cn
-        select[i] = _kept_rows((qsl[:-1] - qsl[0])[idx], cn)    # from each kept request's first row in the step
-        cut += int(qsl[-1] - qsl[0]) - len(select[i])
-    if gone:
-        done = set(raw)
-        for i, keys in enumerate(request_ids):
-            if i in done or gone.isdisjoint(keys):
-                continue
-            on = np.array([k not in gone for k in keys], dtype=bool)
-            cn = np.asarray(counts[i], dtype=np.int64)
-            firsts = np.cumsum(cn) - cn                  # each entry's first row in the step
-            keys_out[i] = [k for k, o in zip(keys, on.tolist()) if o]
-            starts_out[i], counts_out[i] = np.asarray(starts[i])[on], cn[on]
-            select[i] = _kept_rows(firsts[on], cn[on])
-            cut += int(cn.sum()) - len(select[i])
-    return keys_out, starts_out, counts_out, select, cut
-
-
 class _Fill:
     """One request's prefix rows on their way out of the store: positions [0, hits), whose KV slots follow from
     the request's first blocks (`blocks`, the engine's block ids), and how many were gathered so far. The slots
@@ -491,146 +124,6 @@ class _Fill:
 
     def __init__(self, rid: str, key: str, blocks: list, hits: int):
         self.rid, self.key, self.blocks, self.hits, self.done = rid, key, blocks, hits, 0
-
-
-class _StepBatch:
-    """Own the copied-but-unpublished rows of consecutive engine steps until they leave as one delta message.
-
-    Batching leaves the records' timing unchanged (a record is emitted at its request's finish, and a finish
-    flushes the batch first) and divides the per-message cost of producer, broker and consumer by the number
-    of steps batched. Per step it keeps references only (the step's key list, which decode steps share, and its
-    starts and counts as arrays): nothing per request is touched on the engine thread; the producer's thread
-    flattens them (Producer.publish_steps)."""
-
-    __slots__ = ("parts", "strict", "forwards", "keys", "starts", "counts", "rows", "stamps", "ringed", "by_ref",
-                 "raw", "extra", "top_k", "row_nbytes")
-
-    def __init__(self, top_k: int = 1, stamped: bool = False):
-        # used on the producer's thread, one batch after the other
-        self.stamps = StampCheck(top_k) if stamped else None
-        self.top_k = top_k
-        self.row_nbytes = top_k * ROW_DTYPE.itemsize       # one layer's row, as HostRows makes it
-        self.parts: list = []
-        self.strict: list = []
-        self.forwards: list = []        # per step: the engine's forward count (StampCheck)
-        self.keys: list = []            # per step: its list of record keys (never modified afterwards)
-        self.starts: list = []          # per step: 1-D integer array or list
-        self.counts: list = []
-        self.rows = 0
-        self.ringed = False             # a part reads the step ring: the hand-over takes a checkpoint
-        self.by_ref = 0                 # step-ring steps added by reference (add_slot, add_raw)
-        self.raw: list = []             # indices of the steps added raw (add_raw)
-        self.extra = 0                  # bytes the parts hold beyond their rows (HostRows: the routers' tensors)
-
-    def add(self, pending, keys: list, starts, counts, strict: bool = True, forward: int = 0) -> None:
-        """strict=False: rows from the prefix store, where -1 means "not found" and travels as it is. `keys` must
-        not be modified afterwards; `starts` and `counts` (lists or 1-D integer arrays) must not be either.
-        `forward`: the engine's forward count at this step (checked against a stamped step's stamp)."""
-        self.parts.append(pending)
-        if getattr(pending, "slot", None) is not None:
-            self.ringed = True
-        self.strict.append(strict)
-        self.forwards.append(forward)
-        self.keys.append(keys)
-        self.starts.append(starts)
-        self.counts.append(counts)
-        self.rows += pending.shape[0]
-        extra = getattr(pending, "extra_nbytes", 0)
-        if extra:
-            self.extra += extra
-
-    def add_slot(self, first: int, n: int, slot: int, keys: list, starts, counts, forward: int) -> None:
-        """A step-ring step by reference: its rows [first, first + n) of slot `slot` get their host-ring rows on
-        the producer's thread (AsyncCopier.take_slot), so the engine thread makes no object and takes no lock.
-        Hand such a batch over with hand_over()."""
-        self.parts.append((first, n, slot))
-        self.ringed = True
-        self.by_ref += 1
-        self.strict.append(True)
-        self.forwards.append(forward)
-        self.keys.append(keys)
-        self.starts.append(starts)
-        self.counts.append(counts)
-        self.rows += n
-
-    def add_raw(self, first: int, n: int, slot: int, ids: list, computed, qsl, forward: int,
-                dtypes: tuple | None = None) -> None:
-        """A step-ring step by reference, as the runner laid it out: its engine ids, the positions computed
-        before it and its query start locations (rows [first, first + n) of slot `slot`: the whole step). The
-        producer's thread maps the ids to record keys and leaves out what is not captured (_BatchedRows.resolve),
-        so a step costs the engine thread no work per request. With `dtypes`, `computed` and `qsl` are the bytes
-        of arrays of those dtypes, and the rows are those `qsl` spans (`first` and `n`: the scheduler's count).
-        `ids`, `computed` and `qsl` must not be modified afterwards; hand the batch over with
-        hand_over(table=...)."""
-        self.raw.append(len(self.parts))
-        self.add_slot(first, n, slot, ids, computed, qsl, forward)
-        if dtypes is not None:
-            self.parts[-1] = (first, n, slot, dtypes)
-
-    def add_copied(self, pending, ids: list, computed: bytes, qsl: bytes, dtypes: tuple, forward: int) -> None:
-        """A step copied whole (AsyncCopier.submit of rows [0, n), mark=False), as the runner laid it out (add_raw's
-        counterpart for a step larger than a ring slot): its engine ids and the bytes of its computed positions and
-        query start locations (`dtypes`: theirs). The producer's thread maps the ids to keys and leaves out the
-        rows of what is not captured (_BatchedRows.resolve). `ids` must not be modified afterwards; hand the batch
-        over with hand_over(table=...)."""
-        pending.tag = dtypes
-        self.raw.append(len(self.parts))
-        self.add(pending, ids, computed, qsl, forward=forward)
-
-    def add_host(self, tensors: list, tensor_nbytes: int, n: int, ids: list, computed: bytes, qsl: bytes,
-                 dtypes: tuple, forward: int) -> None:
-        """An eager CPU step by reference, as the runner laid it out (add_raw's host counterpart): each MoE layer's
-        top-k tensor as its router made it (`tensor_nbytes` bytes each; not checked yet), the step's `n` rows, its
-        engine ids, and the bytes of its computed positions and query start locations (`dtypes`: theirs). The
-        producer's thread turns them into arrays and the tensors into HostRows, which checks them
-        (_BatchedRows.resolve): the engine thread makes no array and no object but the part. `tensors` and `ids`
-        must not be modified afterwards; hand the batch over with hand_over(table=...)."""
-        self.raw.append(len(self.parts))
-        self.parts.append((tensors, tensor_nbytes, n, dtypes))
-        self.strict.append(True)
-        self.forwards.append(forward)
-        self.keys.append(ids)
-        self.starts.append(computed)
-        self.counts.append(qsl)
-        self.rows += n
-        extra = len(tensors) * (tensor_nbytes - n * self.row_nbytes)     # (as HostRows.extra_nbytes)
-        if extra > 0:
-            self.extra += extra
-
-    def hand_over(self, copier: AsyncCopier, forward: int, table: dict | None = None, gone: set | None = None):
-        """On the engine thread: the batch's one event (and, with step-ring parts, the checkpoint), then the
-        batch as Producer.publish_steps arguments; `forward`: the engine's forward count now; `table`: engine id
-        -> (record key, first forward) for the steps added raw; `gone`: see take_parts."""
-        ringed = self.ringed
-        sb = copier.mark_batch(self.parts, checkpoint=ringed, slots=self.by_ref)
-        return self.take_parts(forward if ringed else None, copier if sb is not None else None, sb, table, gone)
-
-    def take_parts(self, ckpt_forward: int | None = None, copier: AsyncCopier | None = None, slots=None,
-                   table: dict | None = None, gone: set | None = None):
-        """The batched steps as Producer.publish_steps arguments (per-step references, flattened on the producer's
-        thread); the batch is empty afterwards. `ckpt_forward`: the engine's forward count when the batch's
-        checkpoint was taken (batches with step-ring parts); `copier` and `slots`: for parts added by reference;
-        `table`: for the steps added raw (add_raw); `gone`: record keys whose open the producer refused at this
-        hand-over, left out of a batch with raw steps on the producer's thread (resolve_raw_steps), before their
-        finish takes the refusal back (a batch without raw steps is screened at publish_steps, on this thread)."""
-        raw = self.raw or None
-        if raw is not None and table is None:
-            raise ValueError("a batch with steps added raw needs the table of their engine ids")
-        out = (self.keys, self.starts, self.counts,
-               _BatchedRows(self.parts, self.strict, self.stamps, self.forwards, ckpt_forward, copier, slots,
-                            self.rows, raw, table, self.extra, gone if raw is not None else None, self.top_k))
-        self.raw = []
-        self.extra = 0
-        self.ringed = False
-        self.by_ref = 0
-        self.parts, self.strict, self.forwards = [], [], []
-        self.keys, self.starts, self.counts, self.rows = [], [], [], 0
-        return out
-
-    def take(self):
-        """The batched steps as publish_rows arguments (flat lists); the batch is empty afterwards."""
-        keys, starts, counts, rows = self.take_parts()
-        return flat_ids(keys), flat_ints(starts), flat_ints(counts), rows
 
 
 def show_id(request_id: str, limit: int = 64) -> str:
@@ -648,75 +141,6 @@ def _check_fill_supported(vc) -> None:
         raise NotImplementedError(
             "routing-replay: ROUTING_REPLAY_PREFIX_ROWS=fill with a KV connector (kv_transfer_config): KV loaded "
             "from outside this engine has no routing rows here. Use ROUTING_REPLAY_PREFIX_ROWS=sentinel.")
-
-
-V1_RUNNER = "vllm.v1.worker.gpu_model_runner"      # GPUModelRunner of Model Runner V1 (persistent batch)
-V2_RUNNER = "vllm.v1.worker.gpu.model_runner"      # GPUModelRunner of Model Runner V2 (CPUModelRunner subclasses it)
-
-
-def runner_kind(runner) -> str:
-    """"v1" or "v2": which of vLLM's model runners `runner` is (by the module of a class in its MRO, so nothing
-    is imported: V2's module needs Triton). NotImplementedError for any other runner."""
-    modules = {c.__module__ for c in type(runner).__mro__ if c.__name__ == "GPUModelRunner"}
-    if V2_RUNNER in modules:
-        return "v2"
-    if V1_RUNNER in modules:
-        return "v1"
-    raise NotImplementedError(f"routing-replay hooks vLLM's GPUModelRunner (Model Runner V1 or V2); this worker "
-                              f"runs {type(runner).__module__}.{type(runner).__name__}")
-
-
-def step_layout(runner, kind: str, views: list | None = None):
-    """After `Worker.execute_model` (before `sample_tokens`): (request ids in batch order, query_start_loc of
-    n + 1 entries, absolute position of each request's first token in the step), or None if the step ran no
-    forward. V1 keeps a persistent batch on the runner; V2 builds one per step and keeps it in
-    `execute_model_state` until `sample_tokens`. `views` (V1, the caller's list of five): the views of the last
-    step whose batch had as many requests are reused while the runner keeps its arrays (two numpy slices per step
-    fewer, each cold after the forward)."""
-    if kind == "v1":
-        ib = runner.input_batch
-        n = ib.num_reqs
-        ids = ib.req_ids                            # the runner's own list: read, never kept or modified
-        ids = ids if len(ids) == n else ids[:n]
-        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
-        if views is None:
-            return ids, q[:n + 1], c[:n]
-        if views[0] != n or views[1] is not q or views[2] is not c:
-            views[:] = (n, q, c, q[:n + 1], c[:n])
-        return ids, views[3], views[4]
-    st = runner.execute_model_state
-    if st is None:
-        return None
-    ib = st.input_batch
-    n = ib.num_reqs
-    ids = ib.req_ids
-    return (ids if len(ids) == n else ids[:n]), ib.query_start_loc_np[:n + 1], ib.num_computed_tokens_np[:n]
-
-
-def _batch_refs(ib) -> tuple:
-    """(V1's InputBatch, direct): direct when its `req_ids` property hands out its `_req_ids` list (changed in place,
-    never replaced) and its `num_reqs` counts its `req_id_to_index` (vLLM 0.25 to 0.33). The engine thread then reads
-    those two attributes itself each step: the properties are three Python frames of vLLM's module (`cast`
-    included), cold after every forward, like the frames _read_batch saves. Checked again for each new
-    InputBatch."""
-    try:
-        direct = ib.req_ids is ib._req_ids and type(ib._req_ids) is list and ib.num_reqs == len(ib.req_id_to_index)
-    except (AttributeError, TypeError):
-        direct = False
-    return ib, direct
-
-
-def _check_runner_supported(runner, kind: str, vc) -> None:
-    """Refuse engine features whose batch layout the capture does not follow (never a wrong row)."""
-    pc = vc.parallel_config
-    if getattr(pc, "enable_dbo", False) or int(getattr(pc, "ubatch_size", 1) or 1) > 1:
-        raise NotImplementedError("routing-replay: micro-batching (enable_dbo / ubatch_size > 1) runs the routers "
-                                  "once per micro-batch, each from row 0 of the step; not supported")
-    if kind == "v2" and getattr(vc, "speculative_config", None) is not None:
-        raise NotImplementedError(
-            "routing-replay: speculative decoding on Model Runner V2: the host's num_computed_tokens is only an "
-            "upper bound there (rejected drafts), so row positions would be wrong. Use Model Runner V1 "
-            "(VLLM_USE_V2_MODEL_RUNNER=0) for speculative decoding.")
 
 
 def ring_slots(settings: Settings, device: torch.device, data_parallel_size: int) -> int:
@@ -755,7 +179,7 @@ class WorkerCapture:
         self.announces = pp.rank_in_group == 0
         if not self.publisher:
             return
-        _check_runner_supported(runner, self.kind, vc)
+        check_runner_supported(runner, self.kind, vc)
         check_runner(runner, self.kind)
 
         layers = find_moe_layers(runner.get_model())
@@ -806,7 +230,7 @@ class WorkerCapture:
         # fill mode: prefix rows share the host ring with computed rows (a GRPO group's shared prompt arrives
         # n times in one step), so it gets room for more steps in flight
         self.copier = AsyncCopier(self.cache, num_slots=4 if self.fill else 2)
-        self.batch = _StepBatch(self.cache.top_k, stamped=self.cache.stamped)
+        self.batch = StepBatch(self.cache.top_k, stamped=self.cache.stamped)
         self.max_batch_steps = MAX_BATCH_STEPS
         self.max_batch_rows = max(1, max_tokens // 2)        # leaves the copier's ring room for the next steps
         self.binding = CaptureBinding(layers, self.cache.record,
@@ -846,7 +270,7 @@ class WorkerCapture:
         self._tracked_gen = 0                   # bumped on every change of `tracked`
         self._live_keys: set = set()            # the keys of `tracked`, and some of ended requests (_unique_key)
         # engine id -> (record key, first forward it is captured in): `tracked` and the requests that ended since
-        # the last hand-over, for the producer's thread to resolve steps added raw (_StepBatch.add_raw); only
+        # the last hand-over, for the producer's thread to resolve steps added raw (StepBatch.add_raw); only
         # added to between hand-overs (never a key taken from under the thread)
         self._seen: dict[str, tuple] = {}
         self._seen_shared = False               # _seen went out with a batch: a request that ended needs a new one
@@ -1573,7 +997,7 @@ class WorkerCapture:
             slot = self._ring_slot(None, n)
             if slot is not None:
                 # the whole step is in its ring slot: it goes to the producer's thread as the runner laid it out,
-                # which maps the ids to keys and leaves out what is not captured (_BatchedRows.resolve)
+                # which maps the ids to keys and leaves out what is not captured (BatchedRows.resolve)
                 ids, cb, qb, dtypes = self._raw_layout(req_ids, qsl, computed)
                 batch = self.batch
                 batch.add_raw(0, n, slot, ids, cb, qb, self.forwards, dtypes)
@@ -1674,8 +1098,8 @@ class WorkerCapture:
                 st.copied_steps += 1
         else:
             # the slot this step's flush wrote (as _ring_slot); the step as the runner laid it out (as
-            # _raw_layout, _StepBatch.add_raw): the producer's thread maps the ids to keys (_BatchedRows.resolve)
-            batch.add_raw(0, nt, ((self.forwards + off) & stamps._mask) % cache.slots, last, bytes(rv[4]),
+            # _raw_layout, StepBatch.add_raw): the producer's thread maps the ids to keys (BatchedRows.resolve)
+            batch.add_raw(0, nt, ((self.forwards + off) & stamps.mask) % cache.slots, last, bytes(rv[4]),
                           bytes(rv[3]), self.forwards, rv[5])
             st.ring_steps += 1
         st.active_steps += 1
@@ -1701,8 +1125,8 @@ class WorkerCapture:
 
     def _host_raw(self, so, tensors: list, n: int, t0: int, w0: int) -> None:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
-        producer's thread as the runner laid it out (_StepBatch.add_host), which maps its ids to record keys,
-        leaves out what is not captured and checks the tensors (_BatchedRows.resolve, HostRows). Here: the
+        producer's thread as the runner laid it out (StepBatch.add_host), which maps its ids to record keys,
+        leaves out what is not captured and checks the tensors (BatchedRows.resolve, HostRows). Here: the
         tensors, the engine ids and the bytes of the runner's two layout arrays (V1: _read_batch, as _ring_step;
         else step_layout, _raw_layout). No array, no per-request work, no torch call but one dtype read."""
         if self.kind == "v1":
@@ -1733,7 +1157,7 @@ class WorkerCapture:
         ib = runner.input_batch
         refs = self._ib_refs
         if refs[0] is not ib:
-            refs = self._ib_refs = _batch_refs(ib)
+            refs = self._ib_refs = batch_refs(ib)
         if refs[1]:
             ids, n = ib._req_ids, len(ib.req_id_to_index)
         else:
@@ -1798,7 +1222,7 @@ class WorkerCapture:
             if rid not in tracked:          # (not an id opened again since)
                 seen.pop(rid, None)
 
-    def _stepped(self, batch: _StepBatch, n: int, t0: int, w0: int) -> None:
+    def _stepped(self, batch: StepBatch, n: int, t0: int, w0: int) -> None:
         """post_step's end for a step whose `n` rows went into the batch."""
         if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
             self._flush()
@@ -1815,7 +1239,7 @@ class WorkerCapture:
         if off is None or (segments is not None and len(segments) != 1) or n > self.cache.slot_rows:
             return None
         # the device computes (signed counter) mod S; S, a power of two, divides 2**bits: the same slot
-        return ((self.forwards + off) & self.batch.stamps._mask) % self.cache.slots
+        return ((self.forwards + off) & self.batch.stamps.mask) % self.cache.slots
 
     def _count_host(self, t0: int, w0: int) -> None:
         t1 = time.thread_time_ns()
