@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from routing_replay.capture import RoutingCache  # noqa: E402
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding  # noqa: E402
 from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
-from routing_replay.engines.vllm_plugin.worker import WorkerCapture  # noqa: E402
+from routing_replay.engines.vllm_plugin.plan import make_plan  # noqa: E402
+from routing_replay.engines.vllm_plugin.worker import WorkerCapture, make_cache  # noqa: E402
 
 
 class _Router:
@@ -38,12 +38,14 @@ class _Router:
 
 
 def run(layers: int, tokens: int, top_k: int, steps: int, reps: int) -> dict:
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap._init_state(SimpleNamespace(), "v1", Settings(broker="ipc://unused"))
-    cap.cache = RoutingCache(tokens, layers, top_k)
-    cap.active = True
+    settings = Settings(broker="ipc://unused")
+    plan = make_plan(settings, kind="v1", device_type="cpu", enforce_eager=True, layer_ids=list(range(layers)),
+                     top_k=top_k, max_num_batched_tokens=tokens)
+    cache, copier = make_cache(plan, "cpu")
     b = CaptureBinding([SimpleNamespace(layer_id=i, router=_Router(), top_k=top_k) for i in range(layers)],
-                       cap.cache.record, gate=True, take_step=cap._take_step, c_hooks=True)
+                       cache.record, gate=True, c_hooks=True)
+    cap = WorkerCapture(SimpleNamespace(), settings, plan, cache=cache, copier=copier, binding=b)   # take_step
+    cap.active = True
     b.bind()
     hooks = b.hooks
     last = hooks[-1]

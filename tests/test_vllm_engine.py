@@ -172,7 +172,7 @@ def test_steps_of_the_running_batch_enter_the_plugin_once_with_the_same_records(
     outs, steps = {}, 0
     while e.has_unfinished_requests():
         if not skip:
-            cap._host_next = False      # (the engine runs in this process: its next execute_model runs pre_step)
+            cap.host_next = False      # (the engine runs in this process: its next execute_model runs pre_step)
         for out in e.step():
             if out.finished:
                 outs[out.request_id] = out

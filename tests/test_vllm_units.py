@@ -118,14 +118,14 @@ def test_settings_step_stamp(env):
 _RING_SLOTS_SCRIPT = r'''
 import os, torch
 from routing_replay.engines.vllm_plugin import settings
-from routing_replay.engines.vllm_plugin.worker import ring_slots
-cpu = torch.device("cpu")
+from routing_replay.engines.vllm_plugin.plan import kernels_on, ring_slots
+run = kernels_on(torch.device("cpu"))
 out = []
 for kernels in ("1", "0"):
     os.environ["ROUTING_REPLAY_RING_KERNELS"] = kernels
     for mode in ("auto", "ring", "on"):
         s = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp=mode)
-        out.append(f"{kernels}:{mode}:{ring_slots(s, cpu, 1)}:{ring_slots(s, cpu, 2)}")
+        out.append(f"{kernels}:{mode}:{ring_slots(s, 'cpu', 1, run)}:{ring_slots(s, 'cpu', 2, run)}")
 print(" ".join(out))
 '''
 
@@ -135,15 +135,16 @@ def test_ring_slots_auto_takes_the_ring_only_where_its_triton_kernels_run(env):
     their bit-for-bit check on the device (here: the CPU under Triton's interpreter, in a fresh process), `ring`
     gives it with either kernels, and neither with more than one data-parallel rank; on a plain CPU (no
     interpreter) `auto` means stamps alone."""
-    from routing_replay.engines.vllm_plugin.worker import STEP_RING_SLOTS, ring_slots
-    cpu = torch.device("cpu")
+    from routing_replay.engines.vllm_plugin.plan import STEP_RING_SLOTS, kernels_on, ring_slots
+    run = kernels_on(torch.device("cpu"))
     auto = settings._validate("tcp://127.0.0.1:1", None, None, "all")
     assert (auto.step_stamp, auto.step_ring, auto.ring_needs_kernels) == (True, True, True)
     ring = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="ring")
     on = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="on")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        assert ring_slots(auto, cpu, 1) == 0                    # no CUDA, no interpreter: no kernels, no ring
-    assert (ring_slots(ring, cpu, 1), ring_slots(ring, cpu, 2), ring_slots(on, cpu, 1)) == (STEP_RING_SLOTS, 0, 0)
+        assert ring_slots(auto, "cpu", 1, run) == 0            # no CUDA, no interpreter: no kernels, no ring
+    assert (ring_slots(ring, "cpu", 1, run), ring_slots(ring, "cpu", 2, run), ring_slots(on, "cpu", 1, run)) == \
+        (STEP_RING_SLOTS, 0, 0)
     pytest.importorskip("triton")
     e = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", _RING_SLOTS_SCRIPT], env=e, capture_output=True, text=True,
@@ -496,14 +497,10 @@ def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     with a prefix store (fill) such a step is kept as it is and also written to the cache (the store's rows come
     from there); mixed dtypes, a step that only writes the prefix store or one not captured go into the cache layer
     by layer, and a tensor of the wrong shape is refused there, named."""
-    from types import SimpleNamespace
-
     from routing_replay.capture import RoutingCache
-    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+    from tests.standins import worker_capture
 
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap._init_state(SimpleNamespace(), "v1", settings.Settings(broker="ipc://unused"))
-    cap.cache = RoutingCache(16, 3, 2)
+    cap = worker_capture(settings.Settings(broker="ipc://unused"))
     cap.active = True
     uniform = [torch.full((4, 2), layer, dtype=torch.int64) for layer in range(3)]
     held = list(uniform)
@@ -1400,10 +1397,9 @@ def test_worker_keys_are_unique_among_live_requests_and_restart_resends_the_live
     After a helper restart the opens of the requests captured then, and still captured, are queued again."""
     from types import SimpleNamespace
 
-    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+    from tests.standins import worker_capture
 
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap._init_state(SimpleNamespace(), "v1", settings.Settings(broker="embedded"))
+    cap = worker_capture(settings.Settings(broker="embedded"))
     cap.randomized = True
     cap.sink = SimpleNamespace(pipeline=object())
 

@@ -52,7 +52,6 @@ length) need no special case here.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -60,23 +59,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routing_replay.capture import AsyncCopier, HostRows, PrefixStore, RoutingCache, hit_slots_many, ring_kernels
-from routing_replay.capture.cache import _ID_DTYPES, stamp_dtype
+from routing_replay.capture import AsyncCopier, HostRows, PrefixStore, RoutingCache, hit_slots_many
+from routing_replay.capture.cache import ID_DTYPES, stamp_dtype
 from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
-from routing_replay.engines.vllm_plugin.binding import _HOLDS, CaptureBinding, find_moe_layers, record_held
+from routing_replay.engines.vllm_plugin.binding import HOLDS, CaptureBinding, find_moe_layers, record_held
 from routing_replay.engines.vllm_plugin.endpoint import Sink
+from routing_replay.engines.vllm_plugin.plan import HANDOVER_HOST, CapturePlan, kernels_on, make_plan
 from routing_replay.engines.vllm_plugin.runners import check_runner_supported, runner_kind, step_layout, batch_refs
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
 from routing_replay.engines.vllm_plugin.stamps import LostHookError
-from routing_replay.engines.vllm_plugin.step_batch import MAX_BATCH_STEPS, StepBatch, resolve_raw_steps
+from routing_replay.engines.vllm_plugin.step_batch import StepBatch, resolve_raw_steps
 from routing_replay.protocol import ids as _ids
 
 log = logging.getLogger("vllm.routing_replay")
-
-
-STEP_RING_SLOTS = 64                # steps the producer's thread may fall behind before step-ring rows are lost
 
 
 @dataclass
@@ -135,7 +132,7 @@ def show_id(request_id: str, limit: int = 64) -> str:
     return f"{text[:limit]}... ({len(request_id)} chars)"
 
 
-def _check_fill_supported(vc) -> None:
+def check_fill_supported(vc) -> None:
     """Refuse ROUTING_REPLAY_PREFIX_ROWS=fill where cached KV may come from outside this worker's forwards."""
     if getattr(vc, "kv_transfer_config", None) is not None:
         raise NotImplementedError(
@@ -143,126 +140,93 @@ def _check_fill_supported(vc) -> None:
             "from outside this engine has no routing rows here. Use ROUTING_REPLAY_PREFIX_ROWS=sentinel.")
 
 
-def ring_slots(settings: Settings, device: torch.device, data_parallel_size: int) -> int:
-    """The step ring's slots for a stamped engine whose settings ask for the ring (`ring`, or `auto`), or 0 with the
-    reason logged: the ring needs one data-parallel rank (its slots follow the engine's own count of forwards, and
-    dummy batches are forwards it does not count), and `auto` needs the ring's Triton kernels on `device` (the torch
-    slot write costs the compute stream more per step than stamps and a snapshot; docs/PERFORMANCE.md)."""
-    if not settings.step_ring:
-        return 0
-    if data_parallel_size > 1:
-        log.info("routing-replay: the step ring needs one data-parallel rank (data_parallel_size=%d): step stamps "
-                 "without it", data_parallel_size)
-        return 0
-    if settings.ring_needs_kernels and not (ring_kernels.available(device) and ring_kernels.check(device)):
-        log.info("routing-replay: ROUTING_REPLAY_STEP_STAMP=auto: the step ring's Triton kernels do not run on %s "
-                 "(%s=%s): step stamps without the ring", device, ring_kernels.ENV,
-                 os.environ.get(ring_kernels.ENV, "1"))
-        return 0
-    return STEP_RING_SLOTS
+def build(worker, settings: Settings) -> "WorkerCapture | None":
+    """The capture of one vLLM worker, wired from its runner and config: the plan (plan.py), then the RoutingCache,
+    AsyncCopier and CaptureBinding it asks for, the WorkerCapture that owns them and the Sink (producer) it
+    publishes to. None on a rank that does not publish (tensor-parallel ranks but 0): it binds nothing."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    runner = worker.model_runner
+    kind = runner_kind(runner)
+    vc = worker.vllm_config
+    pc = vc.parallel_config
+    tp, pp = get_tp_group(), get_pp_group()
+    if tp.rank_in_group != 0:
+        return None
+    check_runner_supported(runner, kind, vc)
+    check_runner(runner, kind)
+    layers = find_moe_layers(runner.get_model())
+    if not layers:
+        raise ValueError("routing-replay: the model has no MoE layers (no MoERunner modules)")
+    local_ids = [m.layer_id for m in layers]
+    stages = None
+    if pp.world_size > 1:
+        stages = [None] * pp.world_size
+        torch.distributed.all_gather_object(stages, local_ids, group=pp.cpu_group)
+    top_k = layers[0].top_k
+    device = runner.device
+    cc = vc.compilation_config
+    plan = make_plan(settings, kind=kind, device_type=device.type, enforce_eager=bool(vc.model_config.enforce_eager),
+                     layer_ids=local_ids, top_k=top_k,
+                     max_num_batched_tokens=int(vc.scheduler_config.max_num_batched_tokens),
+                     max_cudagraph_capture_size=getattr(cc, "max_cudagraph_capture_size", None),
+                     cudagraph_capture_sizes=getattr(cc, "cudagraph_capture_sizes", None),
+                     all_stage_layer_ids=stages, dp_rank=int(pc.data_parallel_rank),
+                     dp_size=int(pc.data_parallel_size), stamp_supported=stamp_dtype(top_k) is not None,
+                     kernels_run=kernels_on(device))
+    if plan.fill:
+        check_fill_supported(vc)
+    cache, copier = make_cache(plan, device)
+    binding = CaptureBinding(layers, cache.record, dp_rank=plan.dp_rank, dp_size=plan.dp_size, gate=plan.eager,
+                             c_hooks=plan.c_hooks)
+    cap = WorkerCapture(runner, settings, plan, cache=cache, copier=copier, binding=binding,
+                        announces=pp.rank_in_group == 0)
+    binding.bind()
+    cap.connect(Sink(settings, single_publisher=plan.single_publisher, in_flight=cap.in_flight,
+                     on_restart=cap.helper_restarted, num_layers=len(plan.global_layer_ids), top_k=top_k,
+                     moe_layer_ids=list(plan.global_layer_ids), layer_range=plan.layer_range))
+    log.info("routing-replay: bound %d MoE layers %s (of %s), top_k=%d, cache %d tokens (%.1f MiB on %s), "
+             "host ring %.1f MiB, requests=%s, prefix_rows=%s, model runner %s", len(layers), local_ids,
+             list(plan.global_layer_ids), top_k, plan.max_tokens, (cache.nbytes + copier.device_bytes) / 2**20,
+             device, copier.host_bytes / 2**20, settings.requests, settings.prefix_rows, kind.upper())
+    return cap
+
+
+def make_cache(plan: CapturePlan, device) -> tuple[RoutingCache, AsyncCopier]:
+    """The RoutingCache the plan's hooks write (with its step stamps and step ring) and the AsyncCopier that takes
+    rows out of it."""
+    cache = RoutingCache(plan.max_tokens, plan.num_layers, plan.top_k, device=device, stamp=plan.stamp,
+                         slots=plan.ring_slots, slot_rows=plan.ring_rows or None)
+    if plan.ring_slots:
+        log.info("routing-replay: step ring %d slots x %d rows (%.1f MiB on %s): steps of up to %d tokens "
+                 "launch nothing on the engine thread; slot write: %s", plan.ring_slots, cache.slot_rows,
+                 cache.ring.numel() * 2 / 2**20, cache.device, cache.slot_rows,
+                 "2 Triton kernels" if cache.uses_ring_kernels else "4 torch kernels")
+    return cache, AsyncCopier(cache, num_slots=plan.copier_slots)
 
 
 class WorkerCapture:
-    """Own one worker's routing capture: the hooks bound to the model's routers, the RoutingCache they write,
-    the AsyncCopier that snapshots each step's rows, the Sink (producer) that publishes them, and the map from
-    engine request ids to the record keys of the requests being captured."""
+    """Own one worker's routing capture: the hooks bound to the model's routers (`binding`), the RoutingCache they
+    write, the AsyncCopier that snapshots each step's rows, the StepBatch that carries them to the producer, the
+    producer that publishes them, and the map from engine request ids to the record keys of the requests being
+    captured. Built by `build` (vLLM) or directly from a plan and its parts (bench/worker_step_probe.py)."""
 
-    def __init__(self, worker, settings: Settings):
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        runner = worker.model_runner
-        self._init_state(runner, runner_kind(runner), settings)
-        vc = worker.vllm_config
-        pc = vc.parallel_config
-        tp, pp = get_tp_group(), get_pp_group()
-        self.publisher = tp.rank_in_group == 0
-        self.announces = pp.rank_in_group == 0
-        if not self.publisher:
-            return
-        check_runner_supported(runner, self.kind, vc)
-        check_runner(runner, self.kind)
-
-        layers = find_moe_layers(runner.get_model())
-        if not layers:
-            raise ValueError("routing-replay: the model has no MoE layers (no MoERunner modules)")
-        local_ids = [m.layer_id for m in layers]
-        global_ids = local_ids
-        if pp.world_size > 1:
-            gathered: list = [None] * pp.world_size
-            torch.distributed.all_gather_object(gathered, local_ids, group=pp.cpu_group)
-            global_ids = sorted(i for part in gathered for i in part)
-        lo = global_ids.index(local_ids[0])
-        layer_range = (lo, lo + len(local_ids)) if pp.world_size > 1 else None
-        top_k = layers[0].top_k
-
-        sc = vc.scheduler_config
-        max_tokens = max(int(sc.max_num_batched_tokens),
-                         int(getattr(vc.compilation_config, "max_cudagraph_capture_size", 0) or 0))
-        self.device = runner.device
-        if self.fill:
-            _check_fill_supported(vc)
-        eager = self.device.type == "cpu" or bool(vc.model_config.enforce_eager)
-        # hooks replayed from CUDA graphs: each step's rows carry the step stamp its flush wrote (no -1 fill
-        # launched before every step); hooks run in Python every step: the hook counter does that job.
-        # Stamps need an even top_k (a 32/64-bit counter per row); odd top_k keeps the fill.
-        stamp = not eager and self.settings.step_stamp
-        if stamp and stamp_dtype(top_k) is None:
-            log.info("routing-replay: step stamps need an even top_k (top_k=%d): the -1 fill before each step "
-                     "checks the rows instead", top_k)
-            stamp = False
-        # the step ring (ROUTING_REPLAY_STEP_STAMP=ring): graph-sized steps need no launch on the engine thread.
-        # It predicts a step's slot from the engine's own forward count, so forwards the engine does not launch
-        # (data-parallel dummy batches) must not happen.
-        slots, ring_rows = 0, 0
-        if stamp and self.settings.step_ring:
-            cc = vc.compilation_config
-            largest = getattr(cc, "max_cudagraph_capture_size", None) or \
-                max(getattr(cc, "cudagraph_capture_sizes", None) or [512])
-            ring_rows = min(int(largest), max_tokens)
-            slots = ring_slots(self.settings, self.device, int(pc.data_parallel_size))
-        self.cache = RoutingCache(max_tokens, len(layers), top_k, device=self.device, stamp=stamp, slots=slots,
-                                  slot_rows=ring_rows or None)
-        if slots:
-            log.info("routing-replay: step ring %d slots x %d rows (%.1f MiB on %s): steps of up to %d tokens "
-                     "launch nothing on the engine thread; slot write: %s", slots, self.cache.slot_rows,
-                     self.cache.ring.numel() * 2 / 2**20, self.device, self.cache.slot_rows,
-                     "2 Triton kernels" if self.cache._kernels is not None else "4 torch kernels")
-        # fill mode: prefix rows share the host ring with computed rows (a GRPO group's shared prompt arrives
-        # n times in one step), so it gets room for more steps in flight
-        self.copier = AsyncCopier(self.cache, num_slots=4 if self.fill else 2)
-        self.batch = StepBatch(self.cache.top_k, stamped=self.cache.stamped)
-        self.max_batch_steps = MAX_BATCH_STEPS
-        self.max_batch_rows = max(1, max_tokens // 2)        # leaves the copier's ring room for the next steps
-        self.binding = CaptureBinding(layers, self.cache.record,
-                                      dp_rank=int(pc.data_parallel_rank), dp_size=int(pc.data_parallel_size),
-                                      gate=eager, c_hooks=bool(vc.model_config.enforce_eager))
-        if self.device.type == "cpu" and vc.model_config.enforce_eager:
-            # the routers' top-k tensors are host memory: a captured step's go to the producer's thread as they
-            # are (HostRows), no copy into the cache nor out of it on the engine thread. Not under torch.compile
-            # (it may trace the hooks) and not for a prefix store (it takes its rows from the cache).
-            self.binding.take_step = self._take_step
-        self.binding.bind()
-        self.layer_ids = local_ids
-        self.randomized = _keys.randomized_ids()
-        # in_flight: read by the embedded helper's watch thread when the helper dies (a copy of the values, taken
-        # in one C call under the GIL)
-        self.sink = Sink(settings, single_publisher=pc.data_parallel_size == 1 and pp.world_size == 1,
-                         in_flight=lambda: list(self.tracked.values()), on_restart=self.helper_restarted,
-                         num_layers=len(global_ids), top_k=top_k, moe_layer_ids=global_ids,
-                         layer_range=layer_range)
-        self.producer = self.sink.producer
-        log.info("routing-replay: bound %d MoE layers %s (of %s), top_k=%d, cache %d tokens (%.1f MiB on %s), "
-                 "host ring %.1f MiB, requests=%s, prefix_rows=%s, model runner %s", len(layers), local_ids,
-                 global_ids, top_k, max_tokens, (self.cache.nbytes + self.copier.device_bytes) / 2**20, self.device,
-                 self.copier.host_bytes / 2**20, settings.requests, settings.prefix_rows, self.kind.upper())
-
-    def _init_state(self, runner, kind: str, settings: Settings) -> None:
-        """The per-worker state every rank starts with (no hooks, no cache, no producer yet); bench/
-        worker_step_probe.py starts from it too."""
-        self.kind = kind
+    def __init__(self, runner, settings: Settings, plan: CapturePlan, *, cache: RoutingCache, copier: AsyncCopier,
+                 binding, producer=None, announces: bool = True, randomized: bool | None = None):
+        """`binding`: a CaptureBinding over `cache.record` (not bound yet: the caller binds it); `producer`: the
+        Producer to publish to, or None until connect(sink)."""
+        self.plan = plan
+        self.cache, self.copier, self.binding = cache, copier, binding
+        self.device = cache.device
+        self.batch = StepBatch(plan.top_k, stamped=cache.stamped)
+        self.max_batch_steps = plan.max_batch_steps
+        self.max_batch_rows = plan.max_batch_rows
+        self.layer_ids = list(plan.layer_ids)
+        self.randomized = _keys.randomized_ids() if randomized is None else randomized
+        self.kind = plan.kind
         self.runner = runner
         self.settings = settings
-        self.publisher = self.announces = True
+        self.announces = announces          # the first pipeline stage announces each request (open, finish)
         self.stats = WorkerStats()
         self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
         self._quiet = False             # while timing: this step opened, finished and preempted nothing
@@ -279,7 +243,7 @@ class WorkerCapture:
         self._last_layout = (None, None, None, None, None, None)  # post_step's per-layout results (see there)
         self.active = False
         self.storing = False                    # this step's routing goes into the prefix store (fill)
-        self.fill = settings.prefix_rows == "fill"
+        self.fill = plan.fill
         self.store: PrefixStore | None = None   # made when warm-up starts (KV cache sized, graphs not captured)
         self._slot_mapping = None               # the runner's persistent slot buffer the store write reads
         self._owner = None                      # _slot_owner() when the store was attached
@@ -295,7 +259,7 @@ class WorkerCapture:
         # an eager CPU step of the running batch went to the batch as its routers' tensors (_host_raw): the plugin's
         # execute_model may leave pre_step out for the next step if it opens, ends and preempts nothing; post_step
         # then does pre_step's work itself (_late_pre_step)
-        self._host_next = False
+        self.host_next = False
         self._ring_views = (-1, None, None, None, None, None)   # _read_batch: num_reqs, the runner's two arrays,
         #                                                         memoryviews of their step parts, dtypes
         self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
@@ -312,11 +276,24 @@ class WorkerCapture:
         self._fill_rids: set = set()            # the engine ids in the fill queue
         self._fill_wait = 0                     # steps since the fill queue was last emptied
         self._fill_rows = 0                     # rows in the fill queue (a gather is due at half a step's rows)
-        self.binding = None
         self.sink = None
         self._warned_no_notes = False
-        self.producer = None
+        self.producer = producer
         self.warming = False                    # Worker.compile_or_warm_up_model runs: V2 feeds it fake requests
+        if plan.handover == HANDOVER_HOST and binding is not None and binding.gate:
+            # the routers' top-k tensors are host memory: a captured step's go to the producer's thread as they
+            # are (HostRows), no copy into the cache nor out of it on the engine thread
+            binding.take_step = self._take_step
+
+    def connect(self, sink: Sink) -> None:
+        """Publish through `sink` (its producer; embedded mode: the helper process it started)."""
+        self.sink = sink
+        self.producer = sink.producer
+
+    def in_flight(self) -> list:
+        """The record keys being captured (read by the embedded helper's watch thread when the helper dies: a copy
+        of the values, taken in one C call under the GIL)."""
+        return list(self.tracked.values())
 
     # ---- binding -----------------------------------------------------------------------------------------------
 
@@ -330,7 +307,7 @@ class WorkerCapture:
             raise RuntimeError(f"routing-replay: after {reason} the MoE layers are {ids} "
                                f"(top_k {layers[0].top_k if layers else None}); bound were {self.layer_ids} "
                                f"(top_k {self.cache.top_k})")
-        self._host_next = False                 # the next step's pre_step runs (it empties the new hooks' list)
+        self.host_next = False                 # the next step's pre_step runs (it empties the new hooks' list)
         self.binding.layers = layers
         self.binding.bind()
         self.stats.rebinds += 1
@@ -365,7 +342,7 @@ class WorkerCapture:
             raise ValueError(f"prefix rows mode {mode!r}: choose fill or sentinel")
         gate = self.binding is not None and self.binding.gate
         if mode == "fill":
-            _check_fill_supported(self.runner.vllm_config)
+            check_fill_supported(self.runner.vllm_config)
             if self.store is None and self.graphs_captured and not gate:
                 raise ValueError("routing-replay: prefix rows `fill` under CUDA graphs needs the store in the "
                                  "captured graphs: start the engine with ROUTING_REPLAY_PREFIX_ROWS=fill")
@@ -459,6 +436,13 @@ class WorkerCapture:
                  store.nbytes // num_slots, (self.cache.nbytes + self.copier.device_bytes + store.nbytes) / 2**20
                  if self.device.type != "cpu" else 0.0,
                  (self.copier.host_bytes + (store.nbytes if self.device.type == "cpu" else 0)) / 2**20)
+
+    def adopt_store(self, store: PrefixStore, block_size: int) -> None:
+        """Serve prefix rows from `store`, which the forward writes already (attached to the cache by the caller,
+        or written inside captured graphs), for KV blocks of `block_size` slots (bench/worker_step_probe.py)."""
+        self.store, self._block_size = store, block_size
+        self._slot_mapping = self._slot_owner() if self.kind == "v1" else self.runner.block_tables.slot_mappings[0]
+        self._owner = self._slot_owner()
 
     def _slot_owner(self):
         """The runner's persistent slot-mapping tensor (V1: group 0's buffer; V2: all groups' buffer), by
@@ -567,12 +551,12 @@ class WorkerCapture:
     def _late_pre_step(self, so) -> None:
         """pre_step's work, at post_step's start, for a step the plugin's execute_model left it out of: the last
         step was an eager CPU step of the running batch handed over as its routers' tensors (_host_raw, which arms
-        `_host_next`) and this one opens, ends, preempts and speculates nothing (plugin.py). Then nothing pre_step
+        `host_next`) and this one opens, ends, preempts and speculates nothing (plugin.py). Then nothing pre_step
         does has to precede the forward: the C hooks keep every layer's tensor whatever the binding says, in the
         list the last post_step emptied. One entry into the plugin per step instead of two (right after a forward
         each entry pays its cold cache lines). Here: pre_step's short
         path where a captured request ran, else all of pre_step (which then lets go of nothing)."""
-        self._host_next = False
+        self.host_next = False
         n = so.total_num_scheduled_tokens
         tracked = self.tracked
         if n and tracked and not tracked.keys().isdisjoint(so.num_scheduled_tokens):
@@ -593,7 +577,7 @@ class WorkerCapture:
         self.pre_step(so)
 
     def pre_step(self, so) -> None:
-        self._host_next = False
+        self.host_next = False
         if self.warming:                # V2 start-up warm-up: fake requests, fake blocks; nothing to capture
             self.active = self.storing = False
             return
@@ -916,7 +900,7 @@ class WorkerCapture:
         self.stats.aborted += len(ends) - finished
 
     def post_step(self, so) -> None:
-        if self._host_next:
+        if self.host_next:
             self._late_pre_step(so)
         active, storing = self.active, self.storing
         if not active and not storing:
@@ -939,7 +923,7 @@ class WorkerCapture:
         host = None
         if b.gate:
             held = b.held
-            if active and b.take_step is not None and not self.fill and all(map(_HOLDS, held)):
+            if active and b.take_step is not None and not self.fill and all(map(HOLDS, held)):
                 # CPU, enforce_eager: every layer's C hook kept its tensor (binding._make_hook); they go to the
                 # producer's thread as they are, where HostRows checks them (2-D, top_k columns, the step's rows,
                 # integer ids): no torch attribute is read here (cold after the forward, each read is costly)
@@ -1144,7 +1128,7 @@ class WorkerCapture:
                        self.forwards)
         self.stats.host_steps += 1
         self._steady = True         # (post_step emptied the held list: the next pre_step may take its short path)
-        self._host_next = True      # (or the next step may leave pre_step out: _late_pre_step)
+        self.host_next = True      # (or the next step may leave pre_step out: _late_pre_step)
         self._stepped(batch, n, t0, w0)
 
     def _read_batch(self) -> tuple:
@@ -1199,7 +1183,7 @@ class WorkerCapture:
             if sig is None:
                 sigs = {(t.shape, t.dtype) if t is not None else None for t in held}
                 sig = sigs.pop() if len(sigs) == 1 else None
-            if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in _ID_DTYPES:
+            if sig is not None and len(sig[0]) == 2 and sig[0][1] == self.cache.top_k and sig[1] in ID_DTYPES:
                 # (tensors, bytes of one, checked)
                 self._host_step = (held[:], sig[0][0] * sig[0][1] * sig[1].itemsize, True)
                 if not self.fill:
