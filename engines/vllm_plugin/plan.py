@@ -26,7 +26,7 @@ LARGEST_GRAPH_DEFAULT = 512         # vLLM's largest CUDA graph when the config 
 # how a captured step's rows reach the producer (CapturePlan.handover)
 HANDOVER_RING = "ring"              # V1 under CUDA graphs with the step ring: the step's slot by reference
 HANDOVER_HOST = "host"              # CPU, enforce_eager: the routers' own top-k tensors by reference (HostRows)
-HANDOVER_COPY = "copy"              # any other engine: a snapshot of the cache's rows (AsyncCopier.submit)
+HANDOVER_GENERAL = "general"        # any other: per step, its layout; rows from its ring slot, else a snapshot
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class CapturePlan:
     stamp: bool                     # graphs: each step's rows carry its flush's step stamp (else a -1 fill per step)
     ring_slots: int                 # the step ring's slots (0: no ring)
     ring_rows: int                  # rows of a ring slot (the largest CUDA graph)
-    handover: str                   # HANDOVER_RING / HANDOVER_HOST / HANDOVER_COPY
+    handover: str                   # HANDOVER_RING / HANDOVER_HOST / HANDOVER_GENERAL
     fill: bool                      # ROUTING_REPLAY_PREFIX_ROWS=fill: a prefix store feeds prefix-cached rows
     copier_slots: int               # the host ring's worst-case steps (fill: prefix rows share it)
     max_batch_steps: int            # steps per delta message at most
@@ -138,7 +138,7 @@ def make_plan(settings: Settings, *, kind: str, device_type: str, enforce_eager:
     elif slots and kind == "v1":
         handover = HANDOVER_RING
     else:
-        handover = HANDOVER_COPY
+        handover = HANDOVER_GENERAL
     global_ids, layer_range = layer_placement(list(layer_ids), all_stage_layer_ids)
     return CapturePlan(kind=kind, device_type=device_type, layer_ids=tuple(layer_ids), global_layer_ids=global_ids,
                        layer_range=layer_range, top_k=int(top_k), max_tokens=max_tokens, eager=eager,
