@@ -1364,7 +1364,7 @@ def test_pipeline_process_killed_is_started_again_and_names_the_requests_in_flig
             assert time.monotonic() < deadline, "helper not started again"
             time.sleep(0.02)
         assert pipe.proc.pid != old.pid and pipe.lost_in_flight == 1 and restarted == [pipe.proc.pid]
-        # what the worker does then (WorkerCapture._reopen): the open of each request in flight again
+        # what the worker does then (RequestTracker.reopen): the open of each request in flight again
         prod.open("victim", prompt_len=4, num_cached_tokens=0, prompt_token_ids=[1, 2, 3, 4])
         prod.publish_rows(["victim"], [6], [3], rows[6:9])
         prod.finish("victim", num_output_tokens=6, finish_reason="length", output_token_ids=[5, 6, 7, 8, 9, 10])
@@ -1389,46 +1389,3 @@ def test_pipeline_process_killed_is_started_again_and_names_the_requests_in_flig
     assert len(died) == 1 and f"embedded helper process {old.pid} died (exit status -9)" in died[0]
     assert "1 requests in flight" in died[0] and "['victim']" in died[0] and "restarts=1" in died[0], died
     assert len([r for r in caplog.records if "started again: pid" in r.getMessage()]) == 1
-
-
-def test_worker_keys_are_unique_among_live_requests_and_restart_resends_the_live_opens():
-    """The worker's own bookkeeping (no engine): a request whose key a live request holds (tracked, or ended with
-    its finish not yet sent) is captured as key#n, the smallest free; a key is free again once its request ended.
-    After a helper restart the opens of the requests captured then, and still captured, are queued again."""
-    from types import SimpleNamespace
-
-    from tests.standins import worker_capture
-
-    cap = worker_capture(settings.Settings(broker="embedded"))
-    cap.randomized = True
-    cap.sink = SimpleNamespace(pipeline=object())
-
-    def new(rid, n=3):
-        return SimpleNamespace(req_id=rid, sampling_params=SP(), prompt_token_ids=list(range(n)),
-                               num_computed_tokens=0, block_ids=[[]])
-
-    def end(rid):                                   # as pre_step ends a request
-        cap.tracked.pop(rid)
-        cap._tracked_gen += 1
-
-    for i, rid in enumerate(["dupid-0000000a", "dupid-0000000b", "dupid-0000000c", "other-0000000d"]):
-        cap._open_request(new(rid))
-    assert list(cap.tracked.values()) == ["dupid", "dupid#1", "dupid#2", "other"]
-    end("dupid-0000000b")
-    cap._open_request(new("dupid-0000000e"))        # the smallest free number again
-    end("dupid-0000000a")
-    cap._open_request(new("dupid-0000000f"))        # the plain key is free once its request ended
-    cap._closing["late"] = ("late-00000001", None)  # ended, finish not yet handed over: still live
-    cap._open_request(new("late-00000002"))
-    assert [cap.tracked[r] for r in ("dupid-0000000e", "dupid-0000000f", "late-00000002")] == \
-        ["dupid#1", "dupid", "late#1"]
-    assert cap.stats.duplicate_keys == 4 and [it[0] for _, it in cap._opens] == \
-        ["dupid", "dupid#1", "dupid#2", "other", "dupid#1", "dupid", "late#1"]
-    # the helper died and came back: the opens of what is captured then go again, once
-    cap._opens = []
-    cap.helper_restarted()
-    end("other-0000000d")
-    cap._open_request(new("new-00000003"))          # opened after the restart: its own open is queued
-    cap._reopen()
-    assert sorted(it[0] for _, it in cap._opens) == ["dupid", "dupid#1", "dupid#2", "late#1", "new"]
-    assert not cap._reopen_due and cap._reopen_rids == set()

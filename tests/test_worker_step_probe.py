@@ -428,7 +428,7 @@ def test_an_open_refused_at_the_hand_over_loses_that_request_alone(ring):
     # what the batches still held of it is dropped by the producer (and its finish: the scheduler's note came
     # before the refusal); nothing of it is left in the worker's tables
     assert cap.producer.stats.dropped_parts == len(mine) + 1 and cap0.producer.stats.dropped_parts == 0
-    assert key not in cap.tracked.values() and all(v[0] != key for v in cap._seen.values())
+    assert key not in cap.tracked.values() and all(v[0] != key for v in cap.requests.seen.values())
 
 
 def test_keys_refused_at_a_hand_over_leave_the_steps_not_added_raw_too():
@@ -468,11 +468,12 @@ def test_a_request_that_ends_before_any_hand_over_is_opened_first():
         if step != 5:
             return
         for rid, info in (("late-a", SimpleNamespace(num_output_tokens=2, reason="stop", output_token_ids=[7, 8])),
-                          ("late-b", object())):    # a note without its fields: _end_of raises, the end is an abort
-            cap._open_request(new(rid))
+                          ("late-b", object())):    # a note without its fields: end_of raises, the end is an abort
+            requests = cap.requests
+            requests.open(new(rid), cap.forwards + 1, False)
             key = cap.tracked.pop(rid)
-            cap._close_request(rid, key, info)
-            cap._send_ends()
+            requests.close_request(rid, key, info)
+            requests.send_ends()
 
     def attach(p):
         _watch(events)(p)
@@ -596,7 +597,7 @@ def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_a
         sent = len(items)
         cap.pre_step(so)
         cap.post_step(so)
-        assert not cap._closing and not cap._ends and not cap.batch.parts and not set(ids) & set(cap.tracked)
+        assert not cap.requests.closing and not cap.requests.ends and not cap.batch.parts and not set(ids) & set(cap.tracked)
         assert len(items) - sent == (3 if step == 5 else 2)
 
     r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True,

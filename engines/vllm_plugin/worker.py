@@ -66,12 +66,12 @@ from routing_replay.engines.vllm_plugin import scheduler_hooks
 from routing_replay.engines.vllm_plugin.binding import HOLDS, CaptureBinding, find_moe_layers, record_held
 from routing_replay.engines.vllm_plugin.endpoint import Sink
 from routing_replay.engines.vllm_plugin.plan import HANDOVER_HOST, CapturePlan, kernels_on, make_plan
+from routing_replay.engines.vllm_plugin.requests import RequestTracker
 from routing_replay.engines.vllm_plugin.runners import check_runner_supported, runner_kind, step_layout, batch_refs
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
 from routing_replay.engines.vllm_plugin.stamps import LostHookError
 from routing_replay.engines.vllm_plugin.step_batch import StepBatch, resolve_raw_steps
-from routing_replay.protocol import ids as _ids
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -123,15 +123,6 @@ class _Fill:
         self.rid, self.key, self.blocks, self.hits, self.done = rid, key, blocks, hits, 0
 
 
-def show_id(request_id: str, limit: int = 64) -> str:
-    """A request id for a log line: ASCII-escaped (lone surrogates and non-ASCII too), cut to `limit` characters
-    of escaped text, with the id's length when cut."""
-    text = ascii(request_id)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(request_id)} chars)"
-
-
 def check_fill_supported(vc) -> None:
     """Refuse ROUTING_REPLAY_PREFIX_ROWS=fill where cached KV may come from outside this worker's forwards."""
     if getattr(vc, "kv_transfer_config", None) is not None:
@@ -180,10 +171,10 @@ def build(worker, settings: Settings) -> "WorkerCapture | None":
     binding = CaptureBinding(layers, cache.record, dp_rank=plan.dp_rank, dp_size=plan.dp_size, gate=plan.eager,
                              c_hooks=plan.c_hooks)
     cap = WorkerCapture(runner, settings, plan, cache=cache, copier=copier, binding=binding,
-                        announces=pp.rank_in_group == 0)
+                        announces=pp.rank_in_group == 0, randomized=_keys.randomized_ids())
     binding.bind()
     cap.connect(Sink(settings, single_publisher=plan.single_publisher, in_flight=cap.in_flight,
-                     on_restart=cap.helper_restarted, num_layers=len(plan.global_layer_ids), top_k=top_k,
+                     on_restart=cap.requests.helper_restarted, num_layers=len(plan.global_layer_ids), top_k=top_k,
                      moe_layer_ids=list(plan.global_layer_ids), layer_range=plan.layer_range))
     log.info("routing-replay: bound %d MoE layers %s (of %s), top_k=%d, cache %d tokens (%.1f MiB on %s), "
              "host ring %.1f MiB, requests=%s, prefix_rows=%s, model runner %s", len(layers), local_ids,
@@ -212,7 +203,7 @@ class WorkerCapture:
     captured. Built by `build` (vLLM) or directly from a plan and its parts (bench/worker_step_probe.py)."""
 
     def __init__(self, runner, settings: Settings, plan: CapturePlan, *, cache: RoutingCache, copier: AsyncCopier,
-                 binding, producer=None, announces: bool = True, randomized: bool | None = None):
+                 binding, producer=None, announces: bool = True, randomized: bool = False):
         """`binding`: a CaptureBinding over `cache.record` (not bound yet: the caller binds it); `producer`: the
         Producer to publish to, or None until connect(sink)."""
         self.plan = plan
@@ -222,24 +213,17 @@ class WorkerCapture:
         self.max_batch_steps = plan.max_batch_steps
         self.max_batch_rows = plan.max_batch_rows
         self.layer_ids = list(plan.layer_ids)
-        self.randomized = _keys.randomized_ids() if randomized is None else randomized
         self.kind = plan.kind
         self.runner = runner
         self.settings = settings
-        self.announces = announces          # the first pipeline stage announces each request (open, finish)
         self.stats = WorkerStats()
         self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
         self._quiet = False             # while timing: this step opened, finished and preempted nothing
-        self.tracked: dict[str, str] = {}       # engine request id -> record key
-        self._tracked_gen = 0                   # bumped on every change of `tracked`
-        self._live_keys: set = set()            # the keys of `tracked`, and some of ended requests (_unique_key)
-        # engine id -> (record key, first forward it is captured in): `tracked` and the requests that ended since
-        # the last hand-over, for the producer's thread to resolve steps added raw (StepBatch.add_raw); only
-        # added to between hand-overs (never a key taken from under the thread)
-        self._seen: dict[str, tuple] = {}
-        self._seen_shared = False               # _seen went out with a batch: a request that ended needs a new one
-        self._ended: list = []                  # engine ids that ended since _seen was last cut down
-        self._last_keys = (None, -1, None, True)  # (request ids, _tracked_gen, their keys, any None) of the last step
+        self.requests = RequestTracker(settings, self.stats, runner, batch=self.batch, announces=announces,
+                                       randomized=randomized, producer=producer, flush=self._flush)
+        self.tracked = self.requests.tracked    # engine request id -> record key (the tracker's own dict)
+        self._closing = self.requests.closing   # finishes waiting for the batch (the tracker's own dict)
+        self._last_keys = (None, -1, None, True)  # (request ids, requests.gen, their keys, any None) of the last step
         self._last_layout = (None, None, None, None, None, None)  # post_step's per-layout results (see there)
         self.active = False
         self.storing = False                    # this step's routing goes into the prefix store (fill)
@@ -265,21 +249,15 @@ class WorkerCapture:
         self._raw_views = (None, None, None, None, None)    # _raw_layout: the layout arrays, memoryviews, dtypes
         self._raw_ids = None            # _raw_layout: the engine ids of the last step (a copy its steps share)
         self._ib_refs = (None, False)   # _batch_refs of the runner's InputBatch (_read_batch)
-        self._closing: dict = {}                # record key -> (engine id, scheduler note): finishes sent by _flush
-        self._opens: list = []                  # (engine id, Producer.open_many item): sent with the next hand-over
-        self._open_items: dict = {}             # embedded: engine id -> its open item, sent again by _reopen
-        self._reopen_due = False                # the embedded helper was restarted (helper_restarted)
-        self._reopen_rids: set = set()          # the engine ids captured when it was
-        self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
         self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
         self._fill_rids: set = set()            # the engine ids in the fill queue
         self._fill_wait = 0                     # steps since the fill queue was last emptied
         self._fill_rows = 0                     # rows in the fill queue (a gather is due at half a step's rows)
         self.sink = None
-        self._warned_no_notes = False
         self.producer = producer
         self.warming = False                    # Worker.compile_or_warm_up_model runs: V2 feeds it fake requests
+        self.requests.on_refused = self._refused
         if plan.handover == HANDOVER_HOST and binding is not None and binding.gate:
             # the routers' top-k tensors are host memory: a captured step's go to the producer's thread as they
             # are (HostRows), no copy into the cache nor out of it on the engine thread
@@ -288,7 +266,8 @@ class WorkerCapture:
     def connect(self, sink: Sink) -> None:
         """Publish through `sink` (its producer; embedded mode: the helper process it started)."""
         self.sink = sink
-        self.producer = sink.producer
+        self.producer = self.requests.producer = sink.producer
+        self.requests.keep_opens = sink.pipeline is not None
 
     def in_flight(self) -> list:
         """The record keys being captured (read by the embedded helper's watch thread when the helper dies: a copy
@@ -628,8 +607,9 @@ class WorkerCapture:
             st.preempted += len(so.preempted_req_ids)
         if so.scheduled_spec_decode_tokens:
             st.spec_steps += 1
-        if self._reopen_due:        # (before this step's finishes: a request's open again goes before its finish)
-            self._reopen()
+        requests = self.requests
+        if requests.reopen_due:     # (before this step's finishes: a request's open again goes before its finish)
+            requests.reopen()
         tracked = self.tracked
         if self._fill_rids and (so.finished_req_ids or so.preempted_req_ids):
             freed = self._fill_rids.intersection(so.finished_req_ids)
@@ -638,40 +618,7 @@ class WorkerCapture:
             if freed and self._store_trusted():     # their blocks may be reused by this step's forward
                 self._pump_fills(force=freed)
         if tracked and so.finished_req_ids and not tracked.keys().isdisjoint(so.finished_req_ids):
-            notes = getattr(so, scheduler_hooks.ATTR, None)
-            if notes is not None and self.batch.parts:
-                # the common step: every captured request that finishes has its note and its last rows in the
-                # batch; their finishes wait for it together (C-speed maps, no Python line per request)
-                ended = [rid for rid in so.finished_req_ids if rid in tracked]
-                infos = list(map(notes.get, ended))
-                if None not in infos:
-                    keys = list(map(tracked.pop, ended))
-                    self._tracked_gen += 1
-                    self._ended += ended
-                    self._closing.update(zip(keys, zip(ended, infos)))
-                    ended = ()
-            else:
-                ended = so.finished_req_ids
-            for rid in ended:
-                key = tracked.pop(rid, None)
-                self._tracked_gen += 1
-                if key is None:
-                    continue
-                self._ended.append(rid)
-                info = notes.get(rid) if notes is not None else None
-                if info is not None and self.batch.parts:
-                    # a request's rows go out before its finish: this one goes right after the batch that holds
-                    # its last rows (_flush), not with a batch cut short here (a publish, and the batch's event,
-                    # per finish would cost the engine thread several times a step's work)
-                    self._closing[key] = (rid, info)
-                else:
-                    if self.batch.parts:        # (no note: the finish is the runner's view now, after the rows)
-                        self._flush()
-                    # an empty batch holds none of its rows: the finish goes with the step's others (one
-                    # end_many below, not one per finish; the ids leave _seen at the next hand-over)
-                    self._close_request(rid, key, info)
-            if self._ends:
-                self._send_ends()
+            requests.end(so.finished_req_ids, getattr(so, scheduler_hooks.ATTR, None))
         n = so.total_num_scheduled_tokens
         store = self.store
         if store is None and self.fill and n and (self.binding.gate or not self.graphs_captured):
@@ -679,13 +626,12 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not self._store_trusted():
             store = None                            # before a request opens with rows from it
-        for new in so.scheduled_new_reqs:
-            if new.req_id not in tracked:
-                self._open_request(new)
-        if self._opens and self.fill:
+        if so.scheduled_new_reqs:
+            self._open_requests(so.scheduled_new_reqs)
+        if self.fill and requests.opens:
             # with a prefix store, each step's opens go at once: waiting for the hand-over costs fill engines
             # engine-thread time every step (docs/VLLM.md, "Step ring")
-            self._send_opens()
+            requests.send_opens()
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
         if self._closing and not active:
@@ -709,195 +655,28 @@ class WorkerCapture:
         if t0:
             self._count_host(t0, w0)
 
-    # ---- per request: nothing here raises into vLLM's step for one request's sake ------------------------------
-
-    def _open_request(self, new) -> None:
-        """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
-        captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
-        Its open waits in self._opens for the next hand-over to the producer (_send_opens; with a prefix store,
-        for the end of pre_step)."""
-        if new.req_id in self._seen:
-            self._flush()           # the batch may hold raw steps where this id is a request that ended
-        try:
-            if not self.settings.captures(new.sampling_params):
-                return
-            key, problem = _keys.capture_key(new.req_id, self.randomized)
-            key, dup = self._unique_key(key)
-            if key in self._closing:
-                self._flush()       # the key's last request finishes first: its finish waits for no batch now
-            if self.announces:
-                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
-                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
-                item = (key, prompt_len, int(new.num_computed_tokens), prompt, self.fill and self.store is not None)
-                self._opens.append((new.req_id, item))
-                if self.sink is not None and self.sink.pipeline is not None:
-                    self._keep_open(new.req_id, item)
-            if self.fill and self.store is not None and new.num_computed_tokens:
+    def _open_requests(self, scheduled_new_reqs) -> None:
+        """Open the step's newly scheduled requests (RequestTracker.open); with a prefix store, queue the prefix
+        rows of those opened with prefix-cache hits for their gather after the forward."""
+        requests, tracked, seen = self.requests, self.tracked, self.requests.seen
+        prefix_rows = self.fill and self.store is not None
+        forward = self.forwards + 1             # (this step's forward, once pre_step counts it)
+        for new in scheduled_new_reqs:
+            if new.req_id in tracked:
+                continue
+            if new.req_id in seen:
+                self._flush()           # the batch may hold raw steps where this id is a request that ended
+            key = requests.open(new, forward, prefix_rows)
+            if key is not None and prefix_rows and new.num_computed_tokens:
                 # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
                 # runners append to their block tables); slot = block x block size + offset
                 self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
-        except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
-            self._skip(new.req_id, "open", e)
-            return
-        self.tracked[new.req_id] = key
-        self._seen[new.req_id] = (key, self.forwards + 1)     # (this step's forward, once pre_step counts it)
-        self._tracked_gen += 1
-        live = self._live_keys
-        live.add(key)
-        if len(live) > 2 * len(self.tracked) + 64:
-            self._live_keys = set(self.tracked.values())
-        if dup is not None:
-            self.stats.duplicate_keys += 1
-            log.warning("routing-replay: request %s has the record key %s of a request still being captured; "
-                        "captured as %s (duplicate_keys=%d)", show_id(new.req_id), show_id(dup), show_id(key),
-                        self.stats.duplicate_keys)
-        if problem is not None:
-            self.stats.derived_keys += 1
-            log.warning("routing-replay: request %s cannot be a record key (%s); captured as %s "
-                        "(derived_keys=%d)", show_id(_keys.external_key(new.req_id, self.randomized)), problem,
-                        key, self.stats.derived_keys)
 
-    def _keep_open(self, rid: str, item: tuple) -> None:
-        """Keep a request's open (embedded mode) to send again if the helper process dies (_reopen). Entries of
-        requests that ended are pruned when the table holds twice the tracked requests (amortised O(1))."""
-        kept = self._open_items
-        kept[rid] = item
-        if len(kept) > 2 * len(self.tracked) + 64:
-            tracked = self.tracked
-            self._open_items = {r: it for r, it in kept.items() if r in tracked or r == rid}
-
-    def helper_restarted(self) -> None:
-        """The embedded helper was started again (its watch thread calls this): the opens of the requests captured
-        now go again with the next hand-over, those that are still captured then (_reopen, on the engine thread;
-        the ids copied here in one C call under the GIL)."""
-        self._reopen_rids = set(self.tracked)
-        self._reopen_due = True
-
-    def _reopen(self) -> None:
-        """Send the opens of the requests being captured again: the new helper's consumer knew none of them, so
-        their records get their prompt length and tokens (and come out incomplete: the rows the dead helper held
-        are listed missing). A request whose open is still queued is left to that one."""
-        self._reopen_due = False
-        queued = {rid for rid, _ in self._opens}
-        then, self._reopen_rids = self._reopen_rids, set()
-        items = [(rid, it) for rid, it in self._open_items.items()
-                 if rid in then and rid not in queued and self.tracked.get(rid) == it[0]]
-        self._opens += items
-        log.warning("routing-replay: opens of %d requests in flight sent again to the restarted helper",
-                    len(items))
-
-    def _unique_key(self, key: str) -> tuple[str, str | None]:
-        """(key, None) if no live request has `key`; else (the first free f"{key}#{n}", key). Live: opened here
-        and its finish not yet handed to the producer (`tracked`, `_closing`), so two requests in flight never
-        share a record key (their rows would mix in one record) and a key's finish always precedes its reuse.
-        `_live_keys` holds every tracked key and keys of requests that ended since it was last rebuilt: a key
-        found there is checked against `tracked` itself (a scan, for a suspected duplicate only), so an open
-        costs two set lookups; the set is rebuilt once it holds twice the tracked requests (amortised O(1))."""
-        if not self._is_live(key):
-            return key, None
-        n = 1
-        while self._is_live(cand := _ids.duplicate_key(key, n)):
-            n += 1
-        return cand, key
-
-    def _is_live(self, key: str) -> bool:
-        return key in self._closing or (key in self._live_keys and key in self.tracked.values())
-
-    def _send_opens(self) -> set | None:
-        """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
-        finishes (_flush, _send_ends, _failed_end): not one call per step. A request whose open fails is not
-        captured from then on (as _open_request); the rows of it that the batch already holds do not go out
-        (the producer screens the id, or the batch leaves it out: take_parts). Returns the keys that failed."""
-        opens, self._opens = self._opens, []
-        try:
-            # (prompt lists by reference: vLLM never modifies a request's prompt_token_ids)
-            failed = self.producer.open_many([item for _, item in opens], ids_checked=True, tokens_frozen=True)
-        except Exception as e:          # noqa: BLE001 -- engine-wide (the producer failed) re-raises in _skip
-            failed = [(i, e) for i in range(len(opens))]
-        self.stats.opened += len(opens) - len(failed)
-        for i, e in failed:
-            rid = opens[i][0]
-            if self.tracked.pop(rid, None) is not None:
-                self._tracked_gen += 1
-            if rid in self._seen:       # raw steps of the batch then leave its rows out (no key for the id)
-                if self._seen_shared:   # (a handed-over batch's table: copied first, as _cut_seen does)
-                    self._seen = self._seen.copy()
-                    self._seen_shared = False
-                del self._seen[rid]
-            if self._fills:             # (fill: sent in the step it opened, before its prefix rows are queued)
-                self._fills = [f for f in self._fills if f[0] != rid]
-            self._skip(rid, "open", e)
-        return {opens[i][1][0] for i, _ in failed} or None
-
-    def _skip(self, rid: str, what: str, error: Exception) -> None:
-        """Log and count a per-request failure; re-raise it if the producer itself failed (engine-wide)."""
-        p = self.producer
-        # The producer's own failure (its thread died: a bug there; a delta it cannot resolve or encode is dropped,
-        # and it goes on) or a closed producer fails every request alike: that stops the engine as before.
-        if p is not None and not p.healthy:
-            raise error
-        self.stats.skipped += 1
-        log.warning("routing-replay: %s of request %s failed, its routing is not captured: %s: %s (skipped=%d)",
-                    what, show_id(rid), type(error).__name__, str(error)[:200], self.stats.skipped)
-
-    def _close_request(self, rid: str, key: str, info) -> None:
-        """The request's finish (or abort) into self._ends, sent with the others of this flush or step
-        (_send_ends); `info` is the scheduler's note of it, None when none came."""
-        try:
-            end = self._end_of(rid, key, info)
-        except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
-            self._failed_end(rid, key, e)
-            return
-        if end is not None and self.announces:
-            self._ends.append((rid, end))
-
-    def _failed_end(self, rid: str, key: str, e: Exception) -> None:
-        self._skip(rid, "finish", e)
-        if self.announces:
-            if self._opens:     # (the request may have opened since the last hand-over: its open goes first)
-                self._send_opens()
-            try:                    # the consumer would otherwise wait request_timeout_s for the finish
-                self.producer.abort(key, "capture_error")
-            except Exception as e2:  # noqa: BLE001
-                log.warning("routing-replay: abort of %s after a failed finish failed too: %s", show_id(key), e2)
-
-    def _end_of(self, rid: str, key: str, info) -> tuple | None:
-        """(kind, key, num_output, reason, output ids) for Producer.end_many."""
-        if info is None:
-            # The scheduler hook did not see this request finish (a scheduler class that does not derive from
-            # vLLM's Scheduler, or settings that differ between processes): use the worker's own view.
-            if not self._warned_no_notes:
-                log.warning("routing-replay: no finish notes from the scheduler for %r; using the worker's "
-                            "output count (may be one token long under async scheduling)", key)
-                self._warned_no_notes = True
-            requests = getattr(self.runner, "requests", None)      # V1 only: V2 keeps output tokens on the device
-            st = requests.get(rid) if requests is not None else None
-            if st is None:
-                log.warning("routing-replay: request %s finished without finish notes from the scheduler and the "
-                            "runner keeps no output tokens for it; its record is aborted (capture_error)",
-                            show_id(rid))
-                return ("abort", key, None, "capture_error", None)
-            out = list(st.output_token_ids)
-            info = scheduler_hooks.Finished(len(out), "unknown", out)
-        if info.num_output_tokens == 0 and info.reason == "abort":
-            return ("abort", key, 0, "abort", None)
-        return ("finish", key, info.num_output_tokens, info.reason, info.output_token_ids)
-
-    def _send_ends(self) -> None:
-        """The finishes and aborts collected since the last call, in one producer call."""
-        if self._opens:                     # (a request that opened since the last hand-over ends: open first)
-            self._send_opens()
-        ends, self._ends = self._ends, []
-        try:
-            # (output ids by reference: the scheduler hook's own list, or _end_of's)
-            self.producer.end_many([end for _, end in ends], tokens_frozen=True)
-        except Exception as e:          # noqa: BLE001 -- engine-wide (the producer failed) re-raises in _skip
-            for rid, end in ends:
-                self._failed_end(rid, end[1], e)
-            return
-        finished = [end[0] for _, end in ends].count("finish")
-        self.stats.finished += finished
-        self.stats.aborted += len(ends) - finished
+    def _refused(self, rid: str) -> None:
+        """The producer refused the open of `rid`: its prefix rows are not gathered (fill: its open went in the
+        step it opened, before its rows were queued)."""
+        if self._fills:
+            self._fills = [f for f in self._fills if f[0] != rid]
 
     def post_step(self, so) -> None:
         if self.host_next:
@@ -991,13 +770,14 @@ class WorkerCapture:
         last_ids, last_gen, keys, uncaptured = self._last_keys
         # decode steps repeat the batch: compared item by item by identity (C speed, no id touched); the list
         # is copied and mapped to keys only when it changed
-        changed = last_gen != self._tracked_gen or last_ids != req_ids
+        gen = self.requests.gen
+        changed = last_gen != gen or last_ids != req_ids
         if changed or keys is None:
             req_ids = list(req_ids)
             tracked = self.tracked
             keys = list(map(tracked.get, req_ids))     # C speed: churn steps change the list every step
             uncaptured = None in keys
-            self._last_keys = (req_ids, self._tracked_gen, keys, uncaptured)
+            self._last_keys = (req_ids, gen, keys, uncaptured)
         qb = qsl.tobytes()                          # decode steps repeat the layout too: one compare, C speed
         last = self._last_layout
         if last[0] == qb and last[1] is keys:
@@ -1090,7 +870,7 @@ class WorkerCapture:
         st.rows += nt
         if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
             self._flush()
-        self._steady = not (self._opens and self.fill)
+        self._steady = not (self.fill and self.requests.opens)
         if t0:
             self._count_host(t0, w0)
         return True
@@ -1102,7 +882,7 @@ class WorkerCapture:
         self._flush()
         qsl = np.frombuffer(rv[3], dtype=rv[5][0])
         computed = np.frombuffer(rv[4], dtype=rv[5][1]).copy()      # (the runner's array changes next step)
-        keys, starts, counts, _, _ = resolve_raw_steps([0], self._seen, [self.forwards], [ids], [computed], [qsl])
+        keys, starts, counts, _, _ = resolve_raw_steps([0], self.requests.seen, [self.forwards], [ids], [computed], [qsl])
         # (a dropped copy holds no rows: it stands for those of the requests kept, as the general path's does)
         pending.shape = (int(np.sum(counts[0])), *pending.shape[1:])
         self.producer.publish_rows(keys[0], starts[0], counts[0], pending)
@@ -1194,18 +974,6 @@ class WorkerCapture:
                 # part of the step's work; bench/worker_step_probe.py --eager --mode fill)
         record_held(held, self.cache.record)
 
-    def _cut_seen(self) -> None:
-        """Take the requests that ended out of _seen (after a hand-over: the batch is empty); a table a batch took
-        with it is copied first (C speed), so the producer's thread still finds every id of that batch."""
-        ended, self._ended = self._ended, []
-        seen, tracked = self._seen, self.tracked
-        if self._seen_shared:
-            seen = self._seen = seen.copy()
-            self._seen_shared = False
-        for rid in ended:
-            if rid not in tracked:          # (not an id opened again since)
-                seen.pop(rid, None)
-
     def _stepped(self, batch: StepBatch, n: int, t0: int, w0: int) -> None:
         """post_step's end for a step whose `n` rows went into the batch."""
         if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
@@ -1246,27 +1014,16 @@ class WorkerCapture:
     def _flush(self) -> None:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
-        batch = self.batch
+        batch, requests = self.batch, self.requests
         # the opens that waited for a hand-over go before their rows
-        gone = self._send_opens() if self._opens else None
+        gone = requests.send_opens() if requests.opens else None
         if batch.parts:                     # (step ring: the device counter now proves which slots it reads)
             if batch.raw:
-                self._seen_shared = True    # the producer's thread reads it: nothing is taken out of it now
-            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, self._seen, gone), checked=True)
-        if self._ended:                     # requests ended since: out of the table (no step holds them now)
-            self._cut_seen()
-        if self._closing:                   # finishes that waited for this batch (pre_step)
-            closing, self._closing = self._closing, {}
-            if self.announces:              # (each with its scheduler note: their items in one comprehension)
-                try:
-                    self._ends += [(rid, self._end_of(rid, key, info)) for key, (rid, info) in closing.items()]
-                    closing = {}
-                except Exception:       # noqa: BLE001 -- a note not as the hook makes it: one by one, as before
-                    pass
-            for key, (rid, info) in closing.items():
-                self._close_request(rid, key, info)
-        if self._ends:
-            self._send_ends()
+                requests.seen_shared = True     # the producer's thread reads it: nothing is taken out of it now
+            self.producer.publish_steps(*batch.hand_over(self.copier, self.forwards, requests.seen, gone),
+                                        checked=True)
+        if requests.ended or requests.closing or requests.ends:
+            requests.handed_over()          # ended ids leave `seen`; the finishes that waited for this batch go
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
