@@ -1,5 +1,5 @@
 """Time CaptureBinding's drain, which checks every MoE layer's top-k tensor and hands the step to the worker
-(CaptureBinding's drain -> WorkerCapture._take_step), after the last layer's hook, plus a second drain of the then
+(CaptureBinding's drain -> HostPath.take_step), after the last layer's hook, plus a second drain of the then
 empty list: µs per step with warm caches, median of --reps. The hooks (C calls) run untimed. The
 CPU build's post_step hands a step of C hooks over without this check (HostRows checks the tensors on the
 producer's thread); the drain measured here is the path of a Python last hook (a foreign hook chained on the last
@@ -63,9 +63,10 @@ def run(layers: int, tokens: int, top_k: int, steps: int, reps: int) -> dict:
             b.drain()               # the check, the hand-over
             b.drain()               # nothing held
             total += pc() - t0
-            if b.calls != layers or cap._host_step is None:
-                raise RuntimeError(f"{b.calls} of {layers} layers counted; step taken: {cap._host_step is not None}")
-            cap._host_step = None
+            if b.calls != layers or cap.path.host_step is None:
+                raise RuntimeError(f"{b.calls} of {layers} layers counted; step taken: "
+                                   f"{cap.path.host_step is not None}")
+            cap.path.host_step = None
         per_rep.append(total / steps / 1e3)
     return {"layers": layers, "tokens": tokens, "top_k": top_k, "steps": steps,
             "us_per_step": round(statistics.median(per_rep), 2), "reps_us": [round(x, 2) for x in per_rep]}

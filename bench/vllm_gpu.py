@@ -215,7 +215,7 @@ def _rpc_line_profile(worker, on: bool):
 def _rpc_step_trace(worker, on: bool):
     """--step-trace: each step's engine-thread time, wall, without the clocks' own cost (WorkerStats.host_wall_ns
     minus clock_wall_ns, read around pre_step and post_step), with what the step did: requests opened, finished,
-    tokens, whether it went raw (_ring_step: the step ring, or copied whole). on=True starts it; on=False stops it
+    tokens, whether it went raw (RingPath.ring_step: the step ring, or copied whole). on=True starts it; on=False stops it
     and returns the rows."""
     from routing_replay.engines.vllm_plugin import capture_of
 

@@ -174,13 +174,13 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     cap.stamp_baseline()                            # as after vLLM's warm-up (stamps only)
     parts: dict = {}
     if pieces:                                      # the calls pre_step/post_step make, timed one by one (wall)
-        import routing_replay.engines.vllm_plugin.worker as wmod
+        import routing_replay.engines.vllm_plugin.runners as wmod       # (the step paths read the layout here)
         cap.cache.fill_step = _timed(parts, "fill_step", cap.cache.fill_step)
         cap.cache.flush = _timed(parts, "cache_flush", cap.cache.flush)
         cap.copier.submit = _timed(parts, "copier_submit", cap.copier.submit)
         cap.copier.mark_batch = _timed(parts, "mark_batch", cap.copier.mark_batch)
         cap.producer.publish_rows = _timed(parts, "publish_rows", cap.producer.publish_rows)
-        cap._flush = _timed(parts, "flush_total", cap._flush)         # mark_batch + take + publish_rows
+        cap._flush = cap.path.flush = _timed(parts, "flush_total", cap._flush)  # mark_batch + take + publish
         cap.producer.open_many = _timed(parts, "producer_open", cap.producer.open_many)
         cap.producer.end_many = _timed(parts, "producer_finish", cap.producer.end_many)
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)

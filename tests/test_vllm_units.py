@@ -492,7 +492,7 @@ def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_t
 
 
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
-    """WorkerCapture._take_step (binding.drain's target on an eager CPU engine): a captured step whose layers all
+    """HostPath.take_step (step_paths.py; binding.drain's target on an eager CPU engine): a captured step whose layers all
     hold tensors of one shape and integer dtype is kept as it is (HostRows later), nothing written to the cache;
     with a prefix store (fill) such a step is kept as it is and also written to the cache (the store's rows come
     from there); mixed dtypes, a step that only writes the prefix store or one not captured go into the cache layer
@@ -504,30 +504,31 @@ def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
     cap.active = True
     uniform = [torch.full((4, 2), layer, dtype=torch.int64) for layer in range(3)]
     held = list(uniform)
-    cap._take_step(held)
-    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step[0], uniform))
-    assert cap._host_step[1] == 4 * 2 * 8                           # the bytes of one layer's tensor
-    assert (cap.cache.step_rows(4) == -1).all()                     # nothing copied
+    cap.path.take_step(held)
+    assert held == [None] * 3 and all(a is b for a, b in zip(cap.path.host_step[0], uniform))
+    assert cap.path.host_step[1] == 4 * 2 * 8                       # the bytes of one layer's tensor
+    assert (cap.path.cache.step_rows(4) == -1).all()                # nothing copied
     for case in ("mixed", "fill", "store only", "not captured"):
-        cap._host_step, cap.cache = None, RoutingCache(16, 3, 2)
+        cap.path.host_step, cap.path.cache = None, RoutingCache(16, 3, 2)
         cap.fill, cap.active = case in ("fill", "store only"), case in ("mixed", "fill")
         held = [uniform[0], uniform[1].to(torch.int32), uniform[2]] if case == "mixed" else list(uniform)
-        cap._take_step(held)
+        cap.path.take_step(held)
         assert held == [None] * 3, case
         if case == "fill":
-            assert all(a is b for a, b in zip(cap._host_step[0], uniform)) and cap._host_step[1] == 4 * 2 * 8
+            host = cap.path.host_step
+            assert all(a is b for a, b in zip(host[0], uniform)) and host[1] == 4 * 2 * 8
         else:
-            assert cap._host_step is None, case
-        assert cap.cache.step_rows(4).tolist() == [[[layer] * 2] * 4 for layer in range(3)], case
-    cap.fill, cap.active, cap.cache = False, True, RoutingCache(16, 3, 2)
-    cap._host_step = None
+            assert cap.path.host_step is None, case
+        assert cap.path.cache.step_rows(4).tolist() == [[[layer] * 2] * 4 for layer in range(3)], case
+    cap.fill, cap.active, cap.path.cache = False, True, RoutingCache(16, 3, 2)
+    cap.path.host_step = None
     held = list(uniform)
-    cap._take_step(held, (torch.Size([4, 2]), torch.int64))        # the binding checked the shapes already
-    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step[0], uniform))
-    assert cap._host_step[1] == 4 * 2 * 8 and (cap.cache.step_rows(4) == -1).all()
-    cap._host_step = None
+    cap.path.take_step(held, (torch.Size([4, 2]), torch.int64))        # the binding checked the shapes already
+    assert held == [None] * 3 and all(a is b for a, b in zip(cap.path.host_step[0], uniform))
+    assert cap.path.host_step[1] == 4 * 2 * 8 and (cap.path.cache.step_rows(4) == -1).all()
+    cap.path.host_step = None
     with pytest.raises(ValueError, match=r"layer 0: top-k ids of shape \(4, 3\)"):
-        cap._take_step([torch.zeros(4, 3, dtype=torch.int64)] * 3)
+        cap.path.take_step([torch.zeros(4, 3, dtype=torch.int64)] * 3)
 
 
 def test_a_queue_bound_counts_the_router_tensors_an_eager_cpu_batch_holds(tmp_path):

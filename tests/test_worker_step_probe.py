@@ -281,16 +281,16 @@ def test_a_weight_reload_gathers_the_queued_prefix_rows_before_the_store_is_inva
     def on_step(step, cap):
         if step != 20:
             return
-        queued = {f.key for f in cap._fill_queue}
+        queued = {f.key for f in cap.prefix.queue}
         invalidate = cap.store.invalidate
 
         def watched():
             gathered = {k for part, strict, keys in zip(cap.batch.parts, cap.batch.strict, cap.batch.keys)
                         if not strict for k in keys}
-            seen.update(queued=queued, left=len(cap._fill_queue), gathered=gathered)
+            seen.update(queued=queued, left=len(cap.prefix.queue), gathered=gathered)
             invalidate()
         cap.store.invalidate = watched
-        cap._invalidate_store()
+        cap.prefix.invalidate()
         cap.store.invalidate = invalidate
 
     r = _probe().run("fill", 32, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
@@ -309,21 +309,21 @@ def test_a_preempted_requests_queued_prefix_rows_are_gathered_before_its_blocks_
     def on_step(step, cap):
         if step != 20:
             return
-        queued = [f.rid for f in cap._fill_queue]
-        victim, key = queued[0], cap._fill_queue[0].key
+        queued = [f.rid for f in cap.prefix.queue]
+        victim, key = queued[0], cap.prefix.queue[0].key
         gathered = []
-        gather = cap._gather
+        gather = cap.prefix.gather
 
         def watched(q, chunk, may_drop):
             gathered.append([f.key for f in q])
             return gather(q, chunk, may_drop)
-        cap._gather = watched
+        cap.prefix.gather = watched
         so = probe._so([], {}, 0)
         so.preempted_req_ids = {victim, "cmpl-not-captured"}
         cap.pre_step(so)
-        del cap._gather
+        del cap.prefix.gather
         seen.update(queued=len(queued), victim=victim, key=key, gathered=gathered,
-                    left=[f.rid for f in cap._fill_queue], rids=set(cap._fill_rids))
+                    left=[f.rid for f in cap.prefix.queue], rids=set(cap.prefix.rids))
 
     r = probe.run("fill", 32, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
                   churn_prompt=12, churn_output=5, churn_hits=32, on_step=on_step)
@@ -616,7 +616,7 @@ def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_a
 
 def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_mapping_publishes():
     """A graph engine's step of the running batch after a ring step takes pre_step's first branch and post_step's
-    ring path in one frame (_ring_step). Steps that change the batch without opening or finishing anything take
+    ring path in one frame (RingPath.ring_step). Steps that change the batch without opening or finishing anything take
     it too: the runner reorders its batch, leaves requests out of a step, schedules only requests that are not
     captured (no captured request runs: the general path), or a chunk larger than a ring slot (the copier). Each
     gives exactly the delta entries of the engine thread's own mapping (stamps without the ring), in order, and

@@ -202,8 +202,8 @@ class RequestTracker:
 
     def send_opens(self) -> set | None:
         """The opens since the last hand-over in one producer call, ahead of anything that carries their rows or
-        finishes (_flush, _send_ends, _failed_end): not one call per step. A request whose open fails is not
-        captured from then on (as _open_request); the rows of it that the batch already holds do not go out
+        finishes (the worker's flush, send_ends, _failed_end): not one call per step. A request whose open fails is not
+        captured from then on (as open); the rows of it that the batch already holds do not go out
         (the producer screens the id, or the batch leaves it out: take_parts). Returns the keys that failed."""
         opens, self.opens = self.opens, []
         try:
@@ -217,7 +217,7 @@ class RequestTracker:
             if self.tracked.pop(rid, None) is not None:
                 self.gen += 1
             if rid in self.seen:       # raw steps of the batch then leave its rows out (no key for the id)
-                if self.seen_shared:   # (a handed-over batch's table: copied first, as _cut_seen does)
+                if self.seen_shared:   # (a handed-over batch's table: copied first, as cut_seen does)
                     self.seen = self.seen.copy()
                     self.seen_shared = False
                 del self.seen[rid]
@@ -239,7 +239,7 @@ class RequestTracker:
 
     def close_request(self, rid: str, key: str, info) -> None:
         """The request's finish (or abort) into self.ends, sent with the others of this flush or step
-        (_send_ends); `info` is the scheduler's note of it, None when none came."""
+        (send_ends); `info` is the scheduler's note of it, None when none came."""
         try:
             end = self.end_of(rid, key, info)
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise

@@ -74,3 +74,96 @@ def check_runner_supported(runner, kind: str, vc) -> None:
             "routing-replay: speculative decoding on Model Runner V2: the host's num_computed_tokens is only an "
             "upper bound there (rejected drafts), so row positions would be wrong. Use Model Runner V1 "
             "(VLLM_USE_V2_MODEL_RUNNER=0) for speculative decoding.")
+
+
+class BatchReader:
+    """Read one runner's step layout after its forward, for the worker's step paths (step_paths.py); one per
+    worker, chosen once by the runner's kind (batch_reader). Keeps what the last step's read can share with the
+    next (views of the runner's arrays, the copy of an id list that decode steps repeat)."""
+
+    kind = ""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._raw_views = (None, None, None, None, None)    # raw_layout: the layout arrays, memoryviews, dtypes
+        self._raw_ids = None            # the engine ids of the last step (a copy its steps share)
+
+    def layout(self):
+        """step_layout of this runner: (request ids, query_start_loc, computed positions), or None (no forward)."""
+        return step_layout(self.runner, self.kind)
+
+    def raw_layout(self, req_ids, qsl, computed) -> tuple:
+        """A step's layout as it goes raw to the producer's thread: (engine ids, bytes of the computed positions,
+        bytes of the query start locations, their dtypes). The ids are the last step's copy while the batch
+        repeats them (one compare, C speed); the bytes are copied through memoryviews kept while the runner keeps
+        its arrays (a numpy call right after the forward runs cold; `bytes` of a memoryview is a single C
+        call)."""
+        mv = self._raw_views
+        if mv[0] is not qsl or mv[1] is not computed:
+            mv = self._raw_views = (qsl, computed, memoryview(qsl), memoryview(computed), (qsl.dtype, computed.dtype))
+        ids = self._raw_ids
+        if ids != req_ids:
+            ids = self._raw_ids = list(req_ids)
+        return ids, bytes(mv[3]), bytes(mv[2]), mv[4]
+
+    def raw_step(self):
+        """The step as it goes raw (raw_layout's four values), or None if the step ran no forward."""
+        layout = self.layout()
+        return None if layout is None else self.raw_layout(*layout)
+
+
+class V1BatchReader(BatchReader):
+    """Model Runner V1: the persistent batch on the runner (`input_batch`, `query_start_loc`)."""
+
+    kind = "v1"
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self._views = [-1, None, None, None, None]   # step_layout's: num_reqs, the runner's two arrays, their views
+        self._ring_views = (-1, None, None, None, None, None)   # read_batch: num_reqs, the runner's two arrays,
+        #                                                         memoryviews of their step parts, dtypes
+        self.ib_refs = (None, False)   # batch_refs of the runner's InputBatch (read_batch)
+
+    def layout(self):
+        return step_layout(self.runner, "v1", self._views)
+
+    def read_batch(self) -> tuple:
+        """The runner's batch as the ring and host paths hand it over: (its engine ids, the last step's copy while
+        the batch repeats them; (num_reqs, the runner's two layout arrays, memoryviews of their step parts, their
+        dtypes), kept while the runner keeps its arrays). `_req_ids` and `req_id_to_index` are read directly where
+        `batch_refs` allows it (vLLM's properties are three cold frames a step). The runner's own list is read,
+        never kept or modified."""
+        runner = self.runner
+        ib = runner.input_batch
+        refs = self.ib_refs
+        if refs[0] is not ib:
+            refs = self.ib_refs = batch_refs(ib)
+        if refs[1]:
+            ids, n = ib._req_ids, len(ib.req_id_to_index)
+        else:
+            ids, n = ib.req_ids, ib.num_reqs
+        if len(ids) != n:
+            ids = ids[:n]
+        q, c = runner.query_start_loc.np, ib.num_computed_tokens_cpu
+        rv = self._ring_views
+        if rv[0] != n or rv[1] is not q or rv[2] is not c:
+            rv = self._ring_views = (n, q, c, memoryview(q[:n + 1]), memoryview(c[:n]), (q.dtype, c.dtype))
+        last = self._raw_ids
+        if last != ids:                             # (C speed: decode steps repeat the batch)
+            last = self._raw_ids = list(ids)
+        return last, rv
+
+    def raw_step(self):
+        ids, rv = self.read_batch()
+        return ids, bytes(rv[4]), bytes(rv[3]), rv[5]
+
+
+class V2BatchReader(BatchReader):
+    """Model Runner V2: the batch built per step, kept in `execute_model_state` until `sample_tokens`."""
+
+    kind = "v2"
+
+
+def batch_reader(runner, kind: str) -> BatchReader:
+    """The BatchReader for a runner of this kind ("v1" or "v2")."""
+    return V1BatchReader(runner) if kind == "v1" else V2BatchReader(runner)

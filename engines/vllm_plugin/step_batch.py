@@ -252,7 +252,7 @@ def _kept_rows(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def resolve_raw_steps(raw: list, table: dict, forwards: list, request_ids: list, starts: list, counts: list,
                       gone: set | None = None):
-    """_BatchedRows.resolve's work, without changing the batch: for the steps at indices `raw`, per step (keys,
+    """BatchedRows.resolve's work, without changing the batch: for the steps at indices `raw`, per step (keys,
     starts, counts), each step's kept rows (an index array into the step's rows, or None for all of them) and the
     rows left out in all. `gone`: record keys whose open the producer refused after their steps were batched; the
     steps not added raw leave them out too (those added raw do through `table`, which no longer holds them)."""
