@@ -192,6 +192,10 @@ def _rpc_line_profile(worker, on: bool):
         for name, fn in _inspect.getmembers(cls, _inspect.isfunction):
             if name.startswith("_") and not name.startswith("__"):
                 lp.add_function(fn)
+        for part in (cap.path, cap.path.reader, cap.requests, cap.prefix):     # its collaborators, whole
+            for name, fn in _inspect.getmembers(type(part), _inspect.isfunction):
+                if not name.startswith("__"):
+                    lp.add_function(fn)
         for fn in (_runners.step_layout, *(f for n, f in _inspect.getmembers(_step_batch.StepBatch, _inspect.isfunction)
                                            if not n.startswith("__"))):
             lp.add_function(fn)

@@ -180,7 +180,8 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap.copier.submit = _timed(parts, "copier_submit", cap.copier.submit)
         cap.copier.mark_batch = _timed(parts, "mark_batch", cap.copier.mark_batch)
         cap.producer.publish_rows = _timed(parts, "publish_rows", cap.producer.publish_rows)
-        cap._flush = cap.path.flush = _timed(parts, "flush_total", cap._flush)  # mark_batch + take + publish
+        cap.flush = cap.path.flush = cap.requests.flush = cap.prefix.flush = _timed(parts, "flush_total",
+                                                                               cap.flush)
         cap.producer.open_many = _timed(parts, "producer_open", cap.producer.open_many)
         cap.producer.end_many = _timed(parts, "producer_finish", cap.producer.end_many)
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
@@ -289,7 +290,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             big += 1.0
             for d in junk[::3]:
                 d.get("a")
-    cap._flush()
+    cap.flush()
     deadline = time.monotonic() + 60               # the producer's thread took (copied, encoded) every delta
     while cap.producer.queued_msgs and time.monotonic() < deadline and cap.producer.healthy:
         time.sleep(0.01)

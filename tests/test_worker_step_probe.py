@@ -555,7 +555,7 @@ def test_an_eager_step_whose_layer_handed_over_another_shape_or_dtype_is_refused
 
 def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_aborts_only_its_request():
     """Finishes that pre_step keeps for the next hand-over (a batch holds rows) become end items in one pass at
-    _flush: each as its note says (a finish; an abort before any output stays an abort). A note without its
+    flush: each as its note says (a finish; an abort before any output stays an abort). A note without its
     fields aborts its own request (capture_error), and every other finish of that hand-over still goes out."""
     from types import SimpleNamespace
 
@@ -639,7 +639,7 @@ def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_m
         entries, steady = [], []
         r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=ring,
                          layout=layout, optout_first=out, on_producer=_watch([], entries),
-                         on_step=lambda step, cap: steady.append(cap._steady))
+                         on_step=lambda step, cap: steady.append(cap.steady))
         assert r["producer_drained"] and r["encode_errors"] == 0
         runs[ring] = (r, entries, steady)
     (r, entries, steady), (r0, entries0, steady0) = runs[True], runs[False]
@@ -681,7 +681,7 @@ def test_a_step_copied_whole_into_a_full_host_ring_is_published_lost_and_no_othe
         if not full:
             return
         if step == 19:                      # the batch goes, the producer's thread takes it, then the ring fills
-            cap._flush()
+            cap.flush()
             while cap.producer.queued_msgs:
                 time.sleep(0.001)
             for rows in (cap.copier.max_rows, 1):

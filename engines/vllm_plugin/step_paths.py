@@ -39,7 +39,7 @@ class StepPath:
         self.stats, self.cache, self.copier = worker.stats, worker.cache, worker.copier
         self.requests, self.tracked = worker.requests, worker.tracked
         self.max_batch_steps, self.max_batch_rows = worker.max_batch_steps, worker.max_batch_rows
-        self.flush, self.count_host = worker._flush, worker._count_host
+        self.flush, self.count_host = worker.flush, worker.count_host
         self.host_step = None           # CPU, eager: (the step's top-k tensors by layer, bytes of one, checked)
         self._last_keys = (None, -1, None, True)    # (request ids, requests.gen, their keys, any None): last step
         self._last_layout = (None, None, None, None, None, None)    # layout_step's per-layout results (see there)
@@ -200,7 +200,7 @@ class RingPath(StepPath):
         st.rows += nt
         if len(batch.parts) >= self.max_batch_steps or batch.rows >= self.max_batch_rows:
             self.flush()
-        w._steady = not (w.fill and self.requests.opens)
+        w.steady = not (w.fill and self.requests.opens)
         if t0:
             self.count_host(t0, w0)
         return True
@@ -227,25 +227,32 @@ class HostPath(StepPath):
     def __init__(self, worker, reader):
         super().__init__(worker, reader)
         self.host_raw = self.host_step_raw
+        # V1: the persistent batch read directly, in this frame (no raw_step frame a step); V2: raw_step
+        self._read_batch = getattr(reader, "read_batch", None)
 
     def host_step_raw(self, so, tensors: list, n: int, t0: int, w0: int) -> None:
         """post_step of an eager CPU step whose every MoE layer's C hook kept its tensor: the step goes to the
         producer's thread as the runner laid it out (StepBatch.add_host), which maps its ids to record keys,
         leaves out what is not captured and checks the tensors (BatchedRows.resolve, HostRows). Here: the
-        tensors, the engine ids and the bytes of the runner's two layout arrays (BatchReader.raw_step). No array,
-        no per-request work, no torch call but one dtype read."""
-        raw = self.reader.raw_step()
-        if raw is None:
-            if t0:
-                self.count_host(t0, w0)
-            return
-        ids, cb, qb, dtypes = raw
+        tensors, the engine ids and the bytes of the runner's two layout arrays (V1BatchReader.read_batch, else
+        BatchReader.raw_step). No array, no per-request work, no torch call but one dtype read."""
+        read = self._read_batch
+        if read is not None:
+            ids, rv = read()
+            cb, qb, dtypes = bytes(rv[4]), bytes(rv[3]), rv[5]
+        else:
+            raw = self.reader.raw_step()
+            if raw is None:
+                if t0:
+                    self.count_host(t0, w0)
+                return
+            ids, cb, qb, dtypes = raw
         w = self.worker
         batch = self.batch
         batch.add_host(tensors, n * self.cache.top_k * tensors[0].dtype.itemsize, n, ids, cb, qb, dtypes,
                        w.forwards)
         self.stats.host_steps += 1
-        w._steady = True        # (post_step emptied the held list: the next pre_step may take its short path)
+        w.steady = True        # (post_step emptied the held list: the next pre_step may take its short path)
         w.host_next = True      # (or the next step may leave pre_step out: WorkerCapture._late_pre_step)
         self.stepped(batch, n, t0, w0)
 

@@ -13,7 +13,7 @@ One row's path, from the router hook to the producer (engine thread unless said 
   4. post_step, after the forward: the step path the plan chose (step_paths.py: RingPath, HostPath or the general
      StepPath) reads the runner's layout through a BatchReader (runners.py) and adds the step to the StepBatch
      (step_batch.py): by reference (a ring slot, the routers' tensors) or as a snapshot of the cache rows.
-  5. _flush: up to MAX_BATCH_STEPS steps leave as one delta (earlier before a finish that needs them, or when
+  5. flush: up to MAX_BATCH_STEPS steps leave as one delta (earlier before a finish that needs them, or when
      the host ring is half used): one event for the batch, then Producer.publish_steps with a BatchedRows.
   6. On the producer's thread, BatchedRows resolves raw steps' engine ids to keys, copies the rows to the host,
      checks them (StampCheck, stamps.py: stale rows are refused or reported lost, never published) and releases
@@ -184,7 +184,7 @@ class WorkerCapture:
         self.timing = False             # benchmarks: count engine-thread CPU time (stats.host_ns, binding.hook_ns)
         self._quiet = False             # while timing: this step opened, finished and preempted nothing
         self.requests = RequestTracker(settings, self.stats, runner, batch=self.batch, announces=announces,
-                                       randomized=randomized, producer=producer, flush=self._flush)
+                                       randomized=randomized, producer=producer, flush=self.flush)
         self.tracked = self.requests.tracked    # engine request id -> record key (the tracker's own dict)
         self._closing = self.requests.closing   # finishes waiting for the batch (the tracker's own dict)
         self.active = False
@@ -192,7 +192,7 @@ class WorkerCapture:
         # the prefix store's lifecycle (fill mode); `fill` and `store` mirror its own (read every step)
         self.prefix = PrefixRows(runner, plan.kind, cache, copier, self.batch, self.stats, fill=plan.fill,
                                  max_batch_steps=plan.max_batch_steps, max_batch_rows=plan.max_batch_rows,
-                                 flush=self._flush, on_change=self._prefix_changed)
+                                 flush=self.flush, on_change=self._prefix_changed)
         self.prefix.producer = producer
         self.fill = plan.fill
         self.store: PrefixStore | None = None   # made when warm-up starts (KV cache sized, graphs not captured)
@@ -200,7 +200,7 @@ class WorkerCapture:
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
         # a graph engine's step of the running batch (RingPath.ring_step): the last step went to the step ring by
         # reference and left nothing for the next pre_step but counting its forward (pre_step's first branch)
-        self._steady = False
+        self.steady = False
         # an eager CPU step of the running batch went to the batch as its routers' tensors (HostPath): the plugin's
         # execute_model may leave pre_step out for the next step if it opens, ends and preempts nothing; post_step
         # then does pre_step's work itself (_late_pre_step)
@@ -303,7 +303,7 @@ class WorkerCapture:
         n = so.total_num_scheduled_tokens
         tracked = self.tracked
         if n and tracked and not tracked.keys().isdisjoint(so.num_scheduled_tokens):
-            self._steady = False
+            self.steady = False
             self.forwards += 1
             self.active = True
             st = self.stats
@@ -315,7 +315,7 @@ class WorkerCapture:
                 self._quiet = True
                 st.quiet_steps += 1
             return
-        self._steady = False            # pre_step's general path (no captured request runs: it lets go of nothing)
+        self.steady = False            # pre_step's general path (no captured request runs: it lets go of nothing)
         self.stats.pre_skipped += 1
         self.pre_step(so)
 
@@ -329,7 +329,7 @@ class WorkerCapture:
         st = self.stats
         st.steps += 1
         # (isdisjoint walks the step's dict until a tracked id: with nothing tracked, all of it; so it goes last)
-        if self._steady and self.tracked and not (so.scheduled_new_reqs or so.finished_req_ids
+        if self.steady and self.tracked and not (so.scheduled_new_reqs or so.finished_req_ids
                                                   or so.preempted_req_ids or so.scheduled_spec_decode_tokens) \
                 and so.total_num_scheduled_tokens and not self.tracked.keys().isdisjoint(so.num_scheduled_tokens):
             # the running batch's step after one that went by reference: to the ring (RingPath, a graph engine)
@@ -337,7 +337,7 @@ class WorkerCapture:
             # captured request runs; of the path below only the forward's count is left and, eager, the hooks'
             # count and list (a forward since the last post_step, one that raised or ran outside a step, may have
             # left tensors there). Armed again by that post_step only
-            self._steady = False
+            self.steady = False
             self.forwards += 1
             self.active = True
             b = self.binding
@@ -347,7 +347,7 @@ class WorkerCapture:
             if t0:
                 self._quiet = True
                 st.quiet_steps += 1
-                self._count_host(t0, w0)
+                self.count_host(t0, w0)
             return
         if t0:
             self._quiet = not (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids)
@@ -365,7 +365,7 @@ class WorkerCapture:
             b = self.binding
             b.active = not b.gate
             if t0:
-                self._count_host(t0, w0)
+                self.count_host(t0, w0)
             return
         if so.preempted_req_ids:
             st.preempted += len(so.preempted_req_ids)
@@ -396,8 +396,8 @@ class WorkerCapture:
         active = bool(tracked) and not tracked.keys().isdisjoint(so.num_scheduled_tokens)
         self.active = active
         if self._closing and not active:
-            self._flush()           # no captured request runs: the batch and the finishes waiting for it go now
-        if n:                       # (after every _flush of this call: a batch's hand-over counts forwards run)
+            self.flush()           # no captured request runs: the batch and the finishes waiting for it go now
+        if n:                       # (after every flush of this call: a batch's hand-over counts forwards run)
             self.forwards += 1      # this step runs the model: with stamps, its flush counts it too
         storing = store is not None and n > 0
         b = self.binding
@@ -414,19 +414,19 @@ class WorkerCapture:
         elif active and not self.cache.stamped:     # replayed from graphs: rows no router writes stay -1 (the
             self.cache.fill_step(n)             # store needs no fill: its write checks the layers at capture)
         if t0:
-            self._count_host(t0, w0)
+            self.count_host(t0, w0)
 
     def _open_requests(self, scheduled_new_reqs) -> None:
         """Open the step's newly scheduled requests (RequestTracker.open); with a prefix store, queue the prefix
         rows of those opened with prefix-cache hits for their gather after the forward."""
-        requests, tracked, seen = self.requests, self.tracked, self.requests.seen
+        requests, tracked = self.requests, self.tracked
         prefix_rows = self.fill and self.store is not None
         forward = self.forwards + 1             # (this step's forward, once pre_step counts it)
         for new in scheduled_new_reqs:
             if new.req_id in tracked:
                 continue
-            if new.req_id in seen:
-                self._flush()           # the batch may hold raw steps where this id is a request that ended
+            if new.req_id in requests.seen:     # (read each time: a flush may give it a new table)
+                self.flush()           # the batch may hold raw steps where this id is a request that ended
             key = requests.open(new, forward, prefix_rows)
             if key is not None and prefix_rows and new.num_computed_tokens:
                 # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
@@ -450,7 +450,7 @@ class WorkerCapture:
         fast = self._fast
         if fast is not None and not storing and fast(so, t0, w0):     # (RingPath: a graph engine, never gated)
             return
-        self._steady = False
+        self.steady = False
         # ends the step: an eager step's layers held are handed over (HostPath.take_step, while `active` still says the
         # step is captured; the C hooks of enforce_eager engines keep every layer's tensor until here, other
         # engines' last hook drained already), and the cache's flush resets its per-step count, so the next step
@@ -497,11 +497,12 @@ class WorkerCapture:
                 prefix.after_forward()      # queue this step's opens with hits; gather when due
         if not active:
             if t0:
-                self._count_host(t0, w0)
+                self.count_host(t0, w0)
             return
         self.path.layout_step(so, host, t0, w0)
 
-    def _count_host(self, t0: int, w0: int) -> None:
+    def count_host(self, t0: int, w0: int) -> None:
+        """While `timing`: add a pre_step / post_step section that started at (thread ns t0, wall ns w0) to stats."""
         t1 = time.thread_time_ns()
         w1 = time.perf_counter_ns()
         t2 = time.thread_time_ns()          # the clocks measured by themselves, here and now: what one read pair
@@ -519,7 +520,7 @@ class WorkerCapture:
             st.quiet_clock_wall_ns += w2 - w1
             st.quiet_sections += 1
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Hand the batched steps to the producer as one delta (no-op when nothing is batched). On the engine
         thread: the batch's one snapshot event is recorded here, on the compute stream, after all its steps."""
         batch, requests = self.batch, self.requests
@@ -551,7 +552,7 @@ class WorkerCapture:
             try:
                 if self.batch.parts and self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)     # close may run off the engine thread and its stream:
-                self._flush()                               # every snapshot is done before the batch's event
+                self.flush()                               # every snapshot is done before the batch's event
             finally:
                 self.sink.close()
                 self.sink = None
