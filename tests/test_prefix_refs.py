@@ -217,3 +217,49 @@ def test_pinned_entries_stay_past_the_pool_bound_and_go_once_released():
     pool.release(rec)
     assert pool.get("w") is None and pool.bytes == 0
     check(pool.materialize(rec), ref_expected())    # the record still holds its entry: still exact
+
+
+# ---- engine side: who wrote each KV block (engines/vllm_plugin/prefix_refs.py, host data only) --------------------
+
+def _cached(ids, new_blocks, computed, resumed=()):
+    from types import SimpleNamespace
+    return SimpleNamespace(req_ids=ids, new_block_ids=new_blocks, num_computed_tokens=computed,
+                           resumed_req_ids=set(resumed))
+
+
+def test_block_writers_name_the_request_that_computed_each_block_and_check_its_tokens():
+    from routing_replay.engines.vllm_plugin.prefix_refs import BlockWriters
+    bw = BlockWriters(4)
+    sys_p, a, b = list(range(100, 108)), [1, 2, 3, 4, 5], [7, 7, 7, 7, 7]
+    # A computes 13 prompt tokens in two chunks (8 then 5): blocks 10, 11 (system), 12 its own; 13 partial
+    assert bw.open("ra", "A", sys_p + a, [10, 11], 0, 13, 8) == ((), 0)
+    assert sorted(bw.writer) == [10, 11] and "ra" in bw.prefill
+    bw.step(_cached(["ra"], [([12, 13],)], [8]), {"ra": 5})
+    assert {k: v[:2] for k, v in bw.writer.items()} == {10: ("A", 0), 11: ("A", 4), 12: ("A", 8)}
+    assert "ra" not in bw.prefill                           # all its full blocks recorded
+    # a sibling of A hits its 3 blocks: one run; a request of another prompt hits the system blocks only
+    assert bw.open("ra2", "A2", sys_p + a, [10, 11, 12, 20], 12, 13, 1) == ((("A", 0, 0, 12),), 12)
+    assert bw.open("rb", "B", sys_p + b, [10, 11, 21], 8, 13, 5) == ((("A", 0, 0, 8),), 8)
+    assert bw.writer[21][:2] == ("B", 8)                    # B computed its third block itself
+    # a block id reallocated to other content (hash differs) is never named: the run stops there
+    other = list(range(200, 208)) + b
+    assert bw.open("rc", "C", other, [10, 11, 22], 8, 13, 5) == ((), 0)
+    # a writer key opened again forgets the blocks of the earlier request of that key
+    bw.open("ra3", "A", [9] * 13, [30, 31, 32, 33], 0, 13, 13)
+    assert bw.open("rd", "D", sys_p + a, [10, 11, 12], 12, 13, 1) == ((), 0)
+    assert bw.ref_rows == 20 and bw.ref_requests == 2
+    bw.clear()
+    assert not bw.writer and not bw.prefill
+
+
+def test_block_writers_drop_requests_preempted_or_resumed_and_never_self_reference():
+    from routing_replay.engines.vllm_plugin.prefix_refs import BlockWriters
+    bw = BlockWriters(4)
+    toks = list(range(12))
+    bw.open("r", "R", toks, [1], 0, 12, 4)                  # block 1 done, 2 more to come
+    bw.step(_cached(["r"], [([2, 3],)], [4], resumed=["r"]), {"r": 8})
+    assert sorted(bw.writer) == [1] and "r" not in bw.prefill
+    bw.open("s", "S", toks, [5], 0, 12, 4)
+    bw.ended(["s"])
+    assert "s" not in bw.prefill
+    assert bw.open("r2", "R", toks, [1, 6], 4, 12, 8) == ((), 0)     # (R's own key: forgotten on its reopen)
