@@ -1,16 +1,16 @@
 """The broker's ownership table: which consumer link owns each open request id (sticky rendezvous hashing), with
 per-link and per-producer indexes so that losing one touches only its own entries (socket-free).
 
-A request id is assigned when first seen, by rendezvous hashing over the live consumers, and keeps its owner until
-its finish or abort (sticky), so adding a consumer never moves an in-flight request. Requests opened together in
-one small `opens` message go together (`owner_of(rid, prefer)`: the owner the hash gives the message's first
-request), so a step's new requests and their rows, finishes and records stay on one consumer; after a broker
-restart each consumer claims the requests it holds (`claim`), so they stay where they are whatever the hash
-says. A request whose open references an earlier request's rows (prefix_refs: a GRPO group's shared prompt)
-goes to the consumer that owns or recently owned that writer, when it is alive (`affine`: a bounded map of the
-last RECENT_OWNERS request ids assigned), where the writer's rows are; else as above. A request whose owner was lost is assigned again on its next message; the new owner must then get the
-request's open again, marked `reassigned: true` (the table keeps each open message for that). Links and producers
-are any hashable objects; a link has `alive` (False once lost) and the table never looks further into them.
+A request id is assigned when first seen, by rendezvous hashing over the live consumers, and keeps its owner until its
+finish or abort (sticky), so adding a consumer never moves an in-flight request. Requests opened together in one small
+`opens` message go together (`owner_of(rid, prefer)`: the owner the hash gives the message's first request), so a step's
+new requests and their rows, finishes and records stay on one consumer; after a broker restart each consumer claims the
+requests it holds (`claim`), so they stay where they are whatever the hash says. A request whose open references an
+earlier request's rows (prefix_refs: a GRPO group's shared prompt) goes to the consumer that owns or recently owned that
+writer, when it is alive (`affine`: a bounded map of the last RECENT_OWNERS request ids assigned), where the writer's
+rows are; else as above. A request whose owner was lost is assigned again on its next message; the new owner must then
+get the request's open again, marked `reassigned: true` (the table keeps each open message for that). Links and
+producers are any hashable objects; a link has `alive` (False once lost) and the table never looks further into them.
 
 A finish or abort does not forget a request at once: until the producer's ack frontier passes that message's seq
 the request is kept as closing (its owner, its open message). A producer that rewinds resends from before the

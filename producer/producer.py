@@ -291,13 +291,13 @@ class Producer:
         built on the producer's thread (an engine hands over a step's new requests so), as one `opens` message
         when the broker takes it (opens queued one behind the other by `open` go so too).
 
-        Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled[,
-        prefix_refs]) with int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem (the
-        thread checks it again: an id that cannot travel is then refused, logged and counted in
-        stats.encode_errors). `tokens_frozen`: the caller never modifies the token id lists it passes (an engine's
-        prompt lists): they go to the producer's thread by reference, not copied. Returns (index, exception) for
-        each item open() would have raised for; nothing is announced for those (their ids are refused as open()
-        refuses them). The others are announced, in order."""
+        Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with int
+        lengths (a sixth element, when present: its prefix_refs, as open() takes them). `ids_checked`: the caller has
+        already checked each id with wire.request_id_problem (the thread checks it again: an id that cannot travel is
+        then refused, logged and counted in stats.encode_errors). `tokens_frozen`: the caller never modifies the token
+        id lists it passes (an engine's prompt lists): they go to the producer's thread by reference, not copied.
+        Returns (index, exception) for each item open() would have raised for; nothing is announced for those (their ids
+        are refused as open() refuses them). The others are announced, in order."""
         self._check()
         if ids_checked and tokens_frozen and opens:
             # an engine's own items (the vLLM worker's): checked in one pass, taken as they are when all are sound

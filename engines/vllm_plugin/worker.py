@@ -885,7 +885,7 @@ class WorkerCapture:
         self._reopen_due = False                # the embedded helper was restarted (helper_restarted)
         self._reopen_rids: set = set()          # the engine ids captured when it was
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
-        self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
+        self._fills: list = []                  # (engine id, key, hits, blocks, rows by reference) opened this step
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
         self.writers: BlockWriters | None = None   # fill + ROUTING_REPLAY_PREFIX_REFS: who computed each KV block
         self._fill_rids: set = set()            # the engine ids in the fill queue
