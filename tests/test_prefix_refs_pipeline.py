@@ -98,7 +98,7 @@ def test_two_consumers_referencing_requests_go_to_their_writers_consumer(tmp_pat
 def _lost_and_unknown(p):
     """A writer whose rows [2, 5) never leave the producer, a request referencing its rows [0, 8), and one that
     references a request no consumer ever saw."""
-    L, K, w = W.layers, W.top_k, W
+    w = W
     wr = bench.Req("lost-w", 50, 0, 12, 0, ())
     p.open("lost-w", prompt_len=12, prefix_filled=True)
     rows = bench.rows_of(w, wr, 0, 12 + w.gen - 1)
@@ -109,7 +109,6 @@ def _lost_and_unknown(p):
         p.open(rid, prompt_len=12, num_cached_tokens=8, prefix_filled=True, prefix_refs=[(writer, 0, 0, 8)])
         p.publish_rows([rid], [8], [4 + w.gen - 1], bench.rows_of(w, r, 8, 12 + w.gen - 1))
         p.finish(rid, num_output_tokens=w.gen)
-    assert (L, K) == (4, 2)
     return ["lost-w", "lost-b", "ghost-b"]
 
 
