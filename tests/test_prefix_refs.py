@@ -263,3 +263,16 @@ def test_block_writers_drop_requests_preempted_or_resumed_and_never_self_referen
     bw.ended(["s"])
     assert "s" not in bw.prefill
     assert bw.open("r2", "R", toks, [1, 6], 4, 12, 8) == ((), 0)     # (R's own key: forgotten on its reopen)
+
+
+def test_prefix_refs_setting_defaults_on_and_names_a_bad_value(monkeypatch):
+    from routing_replay.engines.vllm_plugin import settings
+    monkeypatch.setenv("ROUTING_REPLAY_BROKER", "ipc:///tmp/unused")
+    monkeypatch.setenv("ROUTING_REPLAY_PREFIX_ROWS", "fill")
+    monkeypatch.delenv("ROUTING_REPLAY_PREFIX_REFS", raising=False)
+    assert settings.current().prefix_refs is True
+    monkeypatch.setenv("ROUTING_REPLAY_PREFIX_REFS", "0")
+    assert settings.current().prefix_refs is False
+    monkeypatch.setenv("ROUTING_REPLAY_PREFIX_REFS", "maybe")
+    with pytest.raises(ValueError, match="ROUTING_REPLAY_PREFIX_REFS='maybe': choose 1 or 0"):
+        settings.current()
