@@ -472,22 +472,23 @@ class Accumulator:
         st.opened = True
         st.prompt_len, st.num_cached, st.prefix_filled = o.prompt_len, o.num_cached, o.prefix_filled
         st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
-        self._set_refs(st, o.prefix_refs)
+        self._set_refs(st, o.prefix_refs, key[0])
         st.last_seen = now
         if st.key is None or not self._older(st.key, key):
             st.key = key
         return True
 
-    def _set_refs(self, st: _Request, refs: tuple) -> None:
+    def _set_refs(self, st: _Request, refs: tuple, producer: str) -> None:
         """The sources of an open's prefix_refs, found now: the writer in flight here, else its pool entry
         (pinned until the record is emitted), else none (its rows come out unresolved). Found at the open, not at
-        the build: the writer's id may be opened again by a later request meanwhile."""
+        the build: the writer's id may be opened again by a later request meanwhile. Only the same producer's
+        requests are writers (one engine's KV cache; another engine's request of that id is another request)."""
         self._unpin_refs(st)
         out = []
         for w, wp, pos, n in refs:
             src = self.requests.get(w)
-            if src is None or not src.opened or src is st:
-                src = self.pool.get(w)
+            if src is None or not src.opened or src is st or src.key is None or src.key[0] != producer:
+                src = self.pool.get((producer, w))
                 if src is not None:
                     self.pool.pin(src)
             out.append((src, wp, pos, n))
@@ -966,7 +967,8 @@ class Accumulator:
                 keep = np.ones(rec.prompt_len, bool)
                 for _, _, pos, n in own:
                     keep[pos:pos + n] = False
-            st.entry = self.pool.put(rec, keep, view=not own and st.lease is not None)
+            st.entry = self.pool.put(rec, keep, view=not own and st.lease is not None,
+                                     key=(st.key[0] if st.key is not None else "", st.rid))
         if st.lease is not None:            # the record is a view of its rows: their region goes with it
             key, lease = st.lease
             st.lease = None

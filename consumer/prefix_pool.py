@@ -77,7 +77,7 @@ class PrefixPool:
         if max_bytes < 0:
             raise ValueError(f"prefix pool max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, PoolEntry] = OrderedDict()
+        self._entries: OrderedDict[tuple, PoolEntry] = OrderedDict()
         self.bytes = 0
         self.evicted = 0            # entries dropped for room
         self.compacted = 0          # records stored compact
@@ -87,7 +87,8 @@ class PrefixPool:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str) -> PoolEntry | None:
+    def get(self, key: tuple) -> PoolEntry | None:
+        """The entry of (producer id, request id), marked used."""
         e = self._entries.get(key)
         if e is not None:
             self._entries.move_to_end(key)
@@ -101,8 +102,10 @@ class PrefixPool:
         if e.pins == 0 and self.bytes > self.max_bytes:
             self._evict()
 
-    def put(self, rec: wire.Record, own: np.ndarray | None = None, view: bool = True) -> PoolEntry | None:
-        """Keep `rec`'s prompt rows as the entry of its request id (replacing an older one of that id, which stays
+    def put(self, rec: wire.Record, own: np.ndarray | None = None, view: bool = True,
+            key: tuple | None = None) -> PoolEntry | None:
+        """Keep `rec`'s prompt rows as the entry of `key` ((producer id, request id): one engine's request; default
+        ("", its request id)) (replacing an older one of that id, which stays
         valid for the records that pinned it). `own`: the positions whose rows `rec` holds (bool per prompt
         position; None: all). Rows listed missing, and rows below num_cached of a record without prefix rows, are
         not held. `view`: the record's arrays are a view of a larger region (counted whole)."""
@@ -126,11 +129,12 @@ class PrefixPool:
             rank = np.cumsum(own) - 1                   # own rows are stored in position order
             index[held] = rank[held]
         nbytes = rec.prompt_routed_experts.nbytes + index.nbytes + (rec.routed_experts.nbytes if view else 0)
-        e = PoolEntry(rec.request_id, rec.prompt_routed_experts, index, nbytes)
-        old = self._entries.pop(rec.request_id, None)
+        key = ("", rec.request_id) if key is None else key
+        e = PoolEntry(key, rec.prompt_routed_experts, index, nbytes)
+        old = self._entries.pop(key, None)
         if old is not None:
             self.bytes -= old.nbytes
-        self._entries[rec.request_id] = e
+        self._entries[key] = e
         self.bytes += nbytes
         if self.bytes > self.max_bytes:
             self._evict()

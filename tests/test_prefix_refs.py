@@ -24,9 +24,11 @@ class Feed:
         self.out = {}
         self.seq = 0
 
+    producer = "p"
+
     def apply(self, kind, key, body, frames=()):
         self.seq += 1
-        h = wire.decode_header(wire.pack_header(kind, "p", 0, self.seq, key, body))
+        h = wire.decode_header(wire.pack_header(kind, self.producer, 0, self.seq, key, body))
         for r in self.acc.apply(h, list(frames), 0.0):
             self.out[r.request_id] = r
 
@@ -137,7 +139,7 @@ def test_rows_referenced_from_a_finished_writer_are_stored_once_and_materialised
     # the store keeps it compact (its entry pinned) and gives it back whole
     store = RecordStore(1 << 20, pool=pool)
     store.put(rec)
-    entry = pool.get("w")
+    entry = pool.get(("p", "w"))
     assert entry.pins == 1 and store.bytes == rec.nbytes < whole.nbytes
     check(store.peek("b"), ref_expected())
     check(store.take("b"), ref_expected())
@@ -191,6 +193,25 @@ def test_unknown_writer_evicted_writer_and_writer_missing_rows_fail_closed_exact
     assert f.out["b"].reason == "prefix_unresolved"
 
 
+def test_a_writer_of_that_id_from_another_producer_is_not_the_writer():
+    """Another engine's request of the same id (its own KV cache): never resolved against, in flight or finished."""
+    f = Feed()
+    f.producer = "q"
+    writer(f, finish=False)
+    f.producer = "p"
+    referrer(f, "b")
+    want = ref_expected()
+    want[0][:4] = -1
+    check(f.out["b"], want, complete=False, missing=[(0, 4)])
+    f.producer = "q"
+    f.finish("w", G)
+    f.producer = "p"
+    referrer(f, "c", seed=3)
+    want = ref_expected(seed=3)
+    want[0][:4] = -1
+    check(f.out["c"], want, complete=False, missing=[(0, 4)])
+
+
 def test_a_reference_to_rows_that_were_references_themselves_is_unresolved():
     """The engine names the request whose computed rows filled a block; a consumer never serves a row the writer
     itself only referenced (the pool holds each record's own rows)."""
@@ -213,9 +234,9 @@ def test_pinned_entries_stay_past_the_pool_bound_and_go_once_released():
     rec = f.out["b"]
     pool.max_bytes = 1                          # over the bound: w's entry is pinned by the held record
     writer(f, "w2", seed=5)
-    assert pool.get("w") is not None and pool.get("w2") is None
+    assert pool.get(("p", "w")) is not None and pool.get(("p", "w2")) is None
     pool.release(rec)
-    assert pool.get("w") is None and pool.bytes == 0
+    assert pool.get(("p", "w")) is None and pool.bytes == 0
     check(pool.materialize(rec), ref_expected())    # the record still holds its entry: still exact
 
 
