@@ -262,7 +262,8 @@ def cmd_consume(a) -> int:
                      remember_finished=a.remember_finished, fetched_retention_s=a.fetched_retention_s,
                      fetched_retention_bytes=a.fetched_retention_mb << 20, write_retry_max_s=a.write_retry_max_s,
                      keep_bytes=None if a.keep_mb is None else a.keep_mb << 20,
-                     adopt_min_bytes=None if a.copy_rows else a.keep_received_kb << 10)
+                     adopt_min_bytes=None if a.copy_rows else a.keep_received_kb << 10,
+                     prefix_pool_bytes=a.prefix_pool_mb << 20)
     except ValueError as e:
         return _die("consume", str(e))
     try:
@@ -413,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-mb", type=NON_NEGATIVE, default=None, metavar="MIB",
                    help="memory of finished requests' rows kept for the next requests, so they write without page "
                         "faults (MiB; default: the most held at once, at least 256)")
+    p.add_argument("--prefix-pool-mb", type=NON_NEGATIVE, default=256, metavar="MIB",
+                   help="memory bound of finished records' prompt rows kept for requests whose opens reference "
+                        "them (prefix_refs: a GRPO group's shared prompt); 0: none kept, such rows come out "
+                        "missing (prefix_unresolved) (MiB; default: %(default)s)")
     p.add_argument("--keep-received-kb", type=NON_NEGATIVE, default=64, metavar="KIB",    # consumer.ADOPT_MIN_BYTES
                    help="a message whose every entry is a new request's first rows, each at least this big (a "
                         "prefill step's), is not copied: the rows stay in the received message and the records "

@@ -69,6 +69,7 @@ class BrokerStats:
     requests_opened: int = 0
     opens_in: int = 0                 # `opens` messages (several requests' opens in one)
     opens_grouped: int = 0            # of them, those whose new requests all went to one owner (open_group_max)
+    prefix_affine: int = 0            # new requests placed on their prefix writer's consumer (prefix_refs)
     opens_unbatched: int = 0          # their entries sent as `open`s (to consumers that do not take `opens`)
     finishes_in: int = 0              # `finishes` messages (several requests' finishes in one)
     finishes_unbatched: int = 0       # their entries sent as `finish`es (to consumers that do not take `finishes`)
@@ -312,7 +313,8 @@ class Broker(ServiceThread):
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d notices_resent=%d links_lost=%d "
                  "producers_lost=%d claims_out=%d claimed=%d claims_refused=%d "
-                 "aborted_for_lost_producer=%d refusals_out=%d curve_refused=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
+                 "aborted_for_lost_producer=%d refusals_out=%d curve_refused=%d dropped_bad=%d prefix_affine=%d "
+                 "bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
                  s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, s.opens_in, s.opens_grouped,
                  s.opens_unbatched,
                  s.finishes_in, s.finishes_unbatched, s.requests_opened, s.requests_closed, len(self.ownership),
@@ -323,7 +325,7 @@ class Broker(ServiceThread):
                  s.links_lost, s.producers_lost, s.claims_out, s.claimed, s.claims_refused,
                  s.aborted_for_lost_producer, s.refusals_out,
                  (self._auth.refused if self._auth is not None else 0) + sum(w.failed for w in self._watches),
-                 s.dropped_bad,
+                 s.dropped_bad, s.prefix_affine,
                  sum(self.bad.values()), dict(self.bad) if self.bad else "")
 
     def metrics(self) -> list:
@@ -708,14 +710,23 @@ class Broker(ServiceThread):
             ps.hint_of[rid] = ps.hints_due[rid] = o.link.num
         return o.link
 
+    def _affine(self, rid: str, refs: tuple) -> ConsumerLink | None:
+        """For a request not placed yet whose open references a writer's rows: the live consumer that owns or
+        owned that writer (Ownership.affine), else None."""
+        if not refs or rid in self.ownership.owner:
+            return None
+        link = self.ownership.affine(refs[0][0])
+        if link is not None:
+            self.stats.prefix_affine += 1
+        return link
+
     def _route_request(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         rid = wire.check_request_id(h.key)
-        if h.kind == "open":
-            wire.parse_open(h)
+        o = wire.parse_open(h) if h.kind == "open" else None
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
-        if h.kind == "open":
-            owner = self._owner_of(rid, ps)
+        if o is not None:
+            owner = self._owner_of(rid, ps, self._affine(rid, o.prefix_refs))
             self.stats.requests_opened += 1
             self.ownership.opened(rid, ps, OpenMsg(frames[1].bytes, frames[2:]))
         else:
@@ -744,8 +755,9 @@ class Broker(ServiceThread):
             self.stats.opens_grouped += 1
         opened = own.opened
         by_owner: dict = {}
+        refs = o.prefix_refs
         for i, rid in enumerate(ids):
-            link = self._owner_of(rid, ps, group)
+            link = self._owner_of(rid, ps, (refs is not None and self._affine(rid, refs[i])) or group)
             opened(rid, ps, OpensEntry(h, o, tokens, i))
             by_owner.setdefault(link, []).append(i)
         self._route_entries(h, frames, tok, by_owner, o, tokens, "takes_opens", "opens_unbatched")

@@ -25,6 +25,7 @@ import zmq
 from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator, EntriesRefused
 from routing_replay.consumer.keys import RecordKeys
 from routing_replay.consumer.npz import NpzWriter, Progress
+from routing_replay.consumer.prefix_pool import PREFIX_POOL_BYTES, CompactRecord
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
 from routing_replay.protocol import memory, metrics, security, wire
@@ -134,7 +135,8 @@ class RecordCounts:
             self.complete += 1
         else:
             self.incomplete[rec.reason or "unknown"] += 1
-        self.rows += rec.prompt_routed_experts.shape[0] + rec.routed_experts.shape[0]
+        P = rec.prompt_len if type(rec) is CompactRecord else rec.prompt_routed_experts.shape[0]
+        self.rows += P + rec.routed_experts.shape[0]
         self.prefix_rows += rec.num_cached_tokens
         self.prefix_filled += rec.num_prefix_filled
         self.missing_rows += sum(hi - lo for lo, hi in rec.missing)
@@ -161,7 +163,7 @@ class Consumer(ServiceThread):
                  curve_allow: str | None = None, remember_finished: int = 100_000,
                  fetched_retention_s: float = 600.0, fetched_retention_bytes: int = 256 << 20,
                  write_retry_max_s: float = 2.0, keep_bytes: int | None = None,
-                 adopt_min_bytes: int | None = ADOPT_MIN_BYTES):
+                 adopt_min_bytes: int | None = ADOPT_MIN_BYTES, prefix_pool_bytes: int = PREFIX_POOL_BYTES):
         self.connect = connect
         self.consumer_id = consumer_id or default_peer_id("consumer")
         if not 0 < len(self.consumer_id.encode()) <= 255:
@@ -183,10 +185,10 @@ class Consumer(ServiceThread):
             adopt_min_bytes = None
         self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
                                max_bytes=max_bytes, remember_finished=remember_finished, keep_bytes=keep_bytes,
-                               adopt_min_bytes=adopt_min_bytes)
+                               adopt_min_bytes=adopt_min_bytes, prefix_pool_bytes=prefix_pool_bytes)
         self.writer = NpzWriter(npz_dir, shard_size, hold_max_bytes=store_max_bytes, spill_dir=spill_dir,
                                 retry_max_s=write_retry_max_s) if npz_dir else None
-        self.store = RecordStore(store_max_bytes, spill_dir) if serve else None
+        self.store = RecordStore(store_max_bytes, spill_dir, pool=self.acc.pool) if serve else None
         self.keys = RecordKeys(self.acc.requests.__contains__,
                                self.writer.index.read if self.writer is not None else None, remember_finished)
         self.trainers = TrainerService(
@@ -441,7 +443,9 @@ class Consumer(ServiceThread):
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
-                 "disk_reads=%d renamed=%d unreadable=%d curve_refused=%d", self.consumer_id, s.finished, s.complete,
+                 "disk_reads=%d renamed=%d unreadable=%d curve_refused=%d prefix_ref_rows=%d prefix_live_rows=%d "
+                 "prefix_unresolved=%d prefix_unresolved_rows=%d pool=%d pool_MB=%.1f pool_evicted=%d "
+                 "compact_records=%d", self.consumer_id, s.finished, s.complete,
                  s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.adopted, s.adopted_records,
                  s.materialized, s.bytes / 1e6,
@@ -456,7 +460,9 @@ class Consumer(ServiceThread):
                  w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
                  tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0,
-                 self.keys.renamed, tr.unreadable if tr is not None else 0, self._curve_refused())
+                 self.keys.renamed, tr.unreadable if tr is not None else 0, self._curve_refused(), s.prefix_ref_rows,
+                 s.prefix_live_rows, s.prefix_unresolved, s.prefix_unresolved_rows, len(self.acc.pool),
+                 self.acc.pool.bytes / 1e6, self.acc.pool.evicted, self.acc.pool.compacted)
 
     def _curve_refused(self) -> int:
         """Trainer handshakes refused: by the allow-list, and before it (another server key, no CURVE)."""
@@ -490,6 +496,8 @@ class Consumer(ServiceThread):
               for r, n in dict(self.bad).items()],
             metrics.gauge("consumer_in_flight_requests", "requests open in the accumulator", self.acc.in_flight),
             metrics.gauge("consumer_held_bytes", "bytes of rows held for open requests", self.acc.bytes_held),
+            metrics.gauge("consumer_prefix_pool_bytes", "bytes the prefix pool keeps", self.acc.pool.bytes),
+            metrics.counter("consumer_prefix_pool_evicted", "prefix pool entries evicted", self.acc.pool.evicted),
         ]
         if st is not None:
             out += [metrics.gauge("consumer_store_records", "records waiting for a trainer", len(st)),
@@ -588,13 +596,26 @@ class Consumer(ServiceThread):
     def _emit(self, rec: wire.Record) -> None:
         self.records_out += 1
         rec = self.keys.name(rec, self.consumer_id)      # a reused request id never replaces a stored record
+        # a record held compact (prefix references, consumer/prefix_pool.py) leaves whole: to npz, on_record,
+        # subscribers and a waiting trainer; only the store keeps it compact (and materialises it at fetch)
+        pool = self.acc.pool
+        tr = self.trainers
+        direct = tr is not None and (tr.subscribers or rec.request_id in tr.waiters)
+        compact = type(rec) is CompactRecord
+        whole = rec
+        if compact and (self.writer is not None or self.on_record is not None or tr is None or direct):
+            whole = pool.materialize(rec)
         self.out.count(rec)
         if not rec.complete:
             log.warning("consumer %s record %r incomplete: reason=%s missing=%s", self.consumer_id,
                         rec.request_id[:64], rec.reason, rec.missing[:4])
         if self.writer is not None:
-            self.writer.put(rec)
+            self.writer.put(whole)
         if self.on_record is not None:
-            self.on_record(rec)
-        if self.trainers is not None:
-            self.trainers.on_record(rec, time.monotonic())
+            self.on_record(whole)
+        if tr is not None:
+            if compact and not direct:
+                tr.on_record(rec, time.monotonic())         # into the store, compact
+                return
+            tr.on_record(whole, time.monotonic())
+        pool.release(rec)

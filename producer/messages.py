@@ -427,7 +427,7 @@ def encode_opens(items: list, producer_id: str, epoch: int, seq: int) -> Encoded
     one `opens` message."""
     first = items[0].body
     L, K, layer_ids = first["num_layers"], first["top_k"], first["layer_ids"]
-    ids, P, C, NT, filled, toks = [], [], [], [], [], []
+    ids, P, C, NT, filled, toks, refs = [], [], [], [], [], [], []
     for it in items:
         b = it.body
         if b["num_layers"] != L or b["top_k"] != K or b["layer_ids"] != layer_ids:
@@ -437,11 +437,12 @@ def encode_opens(items: list, producer_id: str, epoch: int, seq: int) -> Encoded
         P.append(b["prompt_len"])
         C.append(b["num_cached"])
         filled.append(b.get("prefix_filled", False))
+        refs.append(b.get("prefix_refs", ()))
         t = it.frames[0] if it.frames else None
         NT.append(0 if t is None else len(t))
         if t is not None and len(t):
             toks.append(t)
-    body = wire.opens_body(P, C, L, K, layer_ids, NT if any(NT) else None, filled)
+    body = wire.opens_body(P, C, L, K, layer_ids, NT if any(NT) else None, filled, refs)
     head = wire.pack_header("opens", producer_id, epoch, seq, ids, body)
     extra = [memoryview(np.concatenate(toks).astype(wire.TOKEN_DTYPE, copy=False)).cast("B")] if toks else []
     return Encoded(Parts("opens", ids), [head, *extra], 0)

@@ -262,17 +262,21 @@ class Producer:
                         escaped_id(request_id), self._book.problem(request_id) or "refused", total)
 
     def open(self, request_id: str, *, prompt_len: int, num_cached_tokens: int = 0,
-             prompt_token_ids: Sequence[int] | np.ndarray | None = None, prefix_filled: bool = False) -> None:
+             prompt_token_ids: Sequence[int] | np.ndarray | None = None, prefix_filled: bool = False,
+             prefix_refs: Sequence[tuple] = ()) -> None:
         """Announce a request: its prompt length and how many leading prompt tokens were prefix-cache hits.
         prefix_filled: rows [0, num_cached_tokens) will be published too (from the engine's prefix store), so
-        the consumer expects them instead of writing -1 there.
+        the consumer expects them instead of writing -1 there. prefix_refs (with prefix_filled): (writer,
+        writer_pos, pos, count) runs of those rows that are an earlier request's rows and are not published
+        (wire.parse_prefix_refs; checked here, a bad one raises ProtocolError).
 
         Raises wire.ProtocolError("bad_request_id") for an id that cannot travel; that id's later parts are
         dropped and counted, as are those of a request whose open raised anything else.
         """
         self._check()
         try:
-            item = self._open_item(request_id, prompt_len, num_cached_tokens, prompt_token_ids, prefix_filled)
+            item = self._open_item(request_id, prompt_len, num_cached_tokens, prompt_token_ids, prefix_filled,
+                                   prefix_refs=prefix_refs)
         except wire.ProtocolError:
             raise
         except BaseException:
@@ -287,25 +291,25 @@ class Producer:
         built on the producer's thread (an engine hands over a step's new requests so), as one `opens` message
         when the broker takes it (opens queued one behind the other by `open` go so too).
 
-        Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with
-        int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem (the
-        thread checks it again: an id that cannot travel is then refused, logged and counted in
-        stats.encode_errors). `tokens_frozen`: the caller never modifies the token id lists it passes (an engine's
-        prompt lists): they go to the producer's thread by reference, not copied. Returns (index, exception) for
-        each item open() would have raised for; nothing is announced for those (their ids are refused as open()
-        refuses them). The others are announced, in order."""
+        Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with int
+        lengths (a sixth element, when present: its prefix_refs, as open() takes them). `ids_checked`: the caller has
+        already checked each id with wire.request_id_problem (the thread checks it again: an id that cannot travel is
+        then refused, logged and counted in stats.encode_errors). `tokens_frozen`: the caller never modifies the token
+        id lists it passes (an engine's prompt lists): they go to the producer's thread by reference, not copied.
+        Returns (index, exception) for each item open() would have raised for; nothing is announced for those (their ids
+        are refused as open() refuses them). The others are announced, in order."""
         self._check()
         if ids_checked and tokens_frozen and opens:
             # an engine's own items (the vLLM worker's): checked in one pass, taken as they are when all are sound
             if not any(type(p) is not int or type(c) is not int or not 0 <= c <= p
-                       or (t is not None and type(t) is not list) for _, p, c, t, _ in opens):
+                       or (t is not None and type(t) is not list) for _, p, c, t, *_ in opens):
                 ok = list(opens)
                 self._book.opened_many([item[0] for item in ok])
                 self._put_many(Announces(self._open_items, ok))
                 return []
         ok, ids, failed = [], [], []
         for i, item in enumerate(opens):
-            rid, prompt_len, num_cached, tokens, filled = item
+            rid, prompt_len, num_cached, tokens, filled, *refs = item
             bad = None if ids_checked else _id_error(rid)
             if bad is not None:
                 failed.append((i, bad))
@@ -321,7 +325,7 @@ class Producer:
                         self._book.refuse(rid)
                         failed.append((i, e))
                         continue
-                ok.append((rid, prompt_len, num_cached, tokens, filled))
+                ok.append((rid, prompt_len, num_cached, tokens, filled, *refs))
                 ids.append(rid)
         if ok:
             self._book.opened_many(ids)
@@ -331,16 +335,17 @@ class Producer:
     def _open_items(self, items: list) -> list:
         """open_many's items as Announce (the producer's thread)."""
         out = []
-        for rid, prompt_len, num_cached, tokens, filled in items:
+        for rid, prompt_len, num_cached, tokens, filled, *refs in items:
             try:
-                out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled, frozen=True))
+                out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled, frozen=True,
+                                           prefix_refs=refs[0] if refs else ()))
             except Exception as e:  # noqa: BLE001 -- an id passed as checked that cannot travel: it alone
                 self._book.refuse(rid)
                 self._build_failed("open", rid, e)
         return out
 
     def _open_item(self, request_id: str, prompt_len: int, num_cached_tokens: int, prompt_token_ids: Any,
-                   prefix_filled: bool, frozen: bool = False) -> Announce:
+                   prefix_filled: bool, frozen: bool = False, prefix_refs: Sequence[tuple] = ()) -> Announce:
         bad = _id_error(request_id)
         if bad is not None:
             raise bad
@@ -350,6 +355,12 @@ class Producer:
                 "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
         if prefix_filled:
             body["prefix_filled"] = True
+        if prefix_refs:
+            refs = [[w, int(wp), int(pos), int(n)] for w, wp, pos, n in prefix_refs]
+            if not prefix_filled:
+                raise ValueError(f"prefix_refs of {request_id[:64]!r} without prefix_filled")
+            wire.parse_prefix_refs(refs, num_cached_tokens, request_id)
+            body["prefix_refs"] = refs
         return Announce("open", request_id, body, _token_frames(body, "n_prompt_tokens", prompt_token_ids, frozen))
 
     def publish(self, step: Iterable[tuple[str, int, np.ndarray]]) -> bool:

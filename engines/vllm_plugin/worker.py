@@ -67,6 +67,7 @@ from routing_replay.engines.vllm_plugin import keys as _keys
 from routing_replay.engines.vllm_plugin import scheduler_hooks
 from routing_replay.engines.vllm_plugin.binding import _HOLDS, CaptureBinding, find_moe_layers, record_held
 from routing_replay.engines.vllm_plugin.endpoint import Sink
+from routing_replay.engines.vllm_plugin.prefix_refs import BlockWriters
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
 from routing_replay.protocol import ids as _ids
@@ -120,7 +121,8 @@ class WorkerStats:
     quiet_clock_wall_ns: int = 0
     rebinds: int = 0
     prefix_requests: int = 0        # requests opened with prefix hits whose rows came from the prefix store
-    prefix_rows: int = 0            # rows gathered from the prefix store
+    prefix_rows: int = 0            # rows gathered from the prefix store (or sent by reference, below)
+    prefix_ref_rows: int = 0        # of them, rows named by reference (prefix_refs) instead of gathered
     store_forgotten: int = 0        # slots set to -1 because a step's routing was not fully recorded
     derived_keys: int = 0           # requests captured under record_key_for(id): their id cannot travel as it is
     duplicate_keys: int = 0         # requests captured as f"{key}#{n}": another live request had their key
@@ -883,8 +885,9 @@ class WorkerCapture:
         self._reopen_due = False                # the embedded helper was restarted (helper_restarted)
         self._reopen_rids: set = set()          # the engine ids captured when it was
         self._ends: list = []                   # (engine id, Producer.end_many item): one call per flush / step
-        self._fills: list = []                  # (engine id, record key, hits) opened this step, fill mode
+        self._fills: list = []                  # (engine id, key, hits, blocks, rows by reference) opened this step
         self._fill_queue: deque[_Fill] = deque()  # prefix rows waiting for their gather (room in the host ring)
+        self.writers: BlockWriters | None = None   # fill + ROUTING_REPLAY_PREFIX_REFS: who computed each KV block
         self._fill_rids: set = set()            # the engine ids in the fill queue
         self._fill_wait = 0                     # steps since the fill queue was last emptied
         self._fill_rows = 0                     # rows in the fill queue (a gather is due at half a step's rows)
@@ -930,6 +933,8 @@ class WorkerCapture:
             self._pump_fills(force=set(self._fill_rids))
         if self.store is not None:
             self.store.invalidate()
+        if self.writers is not None:            # rows of the old weights: no later hit names them
+            self.writers.clear()
 
     def set_prefix_rows(self, mode: str) -> None:
         """Switch fill mode between steps (benchmarks compare both on one engine); call only while no captured
@@ -947,6 +952,8 @@ class WorkerCapture:
                                  "captured graphs: start the engine with ROUTING_REPLAY_PREFIX_ROWS=fill")
         self.fill = mode == "fill"
         self._clear_fills()
+        if self.writers is not None:
+            self.writers.clear()
         if not self.fill and gate and self.store is not None:
             self.cache.detach_store()
             self.store = None
@@ -1028,6 +1035,8 @@ class WorkerCapture:
             return
         self.store, self._slot_mapping, self._block_size = store, slot_mapping, block_size
         self._owner = self._slot_owner()
+        if self.settings.prefix_refs:
+            self.writers = BlockWriters(block_size)
         log.info("routing-replay: prefix store %d slots (%d blocks x %d), %.1f MiB on %s (%.2f%% of the KV cache's "
                  "%.1f MiB; %d B per slot); capture total: device %.1f MiB, host %.1f MiB", num_slots,
                  int(kcc.num_blocks), block_size, store.nbytes / 2**20, self.device,
@@ -1058,6 +1067,7 @@ class WorkerCapture:
         self.cache.detach_store()
         self._keepalive.append(self.store)      # captured graphs may still write it: never free it
         self.store, self.fill = None, False
+        self.writers = None
         self._clear_fills()
         log.error("routing-replay: prefix store dropped (%s); prefix-cached prompt rows stay -1 from now on "
                   "(num_prefix_filled=0)", why)
@@ -1075,10 +1085,15 @@ class WorkerCapture:
         fills, self._fills = self._fills, []
         bs = self._block_size
         queue, rids = self._fill_queue, self._fill_rids
-        for rid, key, hits, blocks in fills:
-            queue.append(_Fill(rid, key, blocks[:(hits + bs - 1) // bs], hits))     # (a copy: C speed)
+        for rid, key, hits, blocks, covered in fills:
+            self.stats.prefix_ref_rows += covered
+            if covered >= hits:                 # every hit named by reference: nothing to gather
+                continue
+            f = _Fill(rid, key, blocks[:(hits + bs - 1) // bs], hits)     # (a copy: C speed)
+            f.done = covered                    # rows [0, covered) go by reference (prefix_refs)
+            queue.append(f)
             rids.add(rid)
-            self._fill_rows += hits
+            self._fill_rows += hits - covered
         self.stats.prefix_requests += len(fills)
         self.stats.prefix_rows += sum(f[2] for f in fills)
 
@@ -1179,7 +1194,8 @@ class WorkerCapture:
         st.steps += 1
         # (isdisjoint walks the step's dict until a tracked id: with nothing tracked, all of it; so it goes last)
         if self._steady and self.tracked and not (so.scheduled_new_reqs or so.finished_req_ids
-                                                  or so.preempted_req_ids or so.scheduled_spec_decode_tokens) \
+                                                  or so.preempted_req_ids or so.scheduled_spec_decode_tokens
+                                                  or self.writers is not None and self.writers.prefill) \
                 and so.total_num_scheduled_tokens and not self.tracked.keys().isdisjoint(so.num_scheduled_tokens):
             # the running batch's step after one that went by reference: to the ring (_ring_step, a graph engine)
             # or as the routers' tensors (_host_raw, CPU eager): nothing opens, ends or waits for the store, a
@@ -1271,9 +1287,15 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not self._store_trusted():
             store = None                            # before a request opens with rows from it
+        writers = self.writers
+        if writers is not None and writers.prefill:     # blocks the captured prompts compute (prefix_refs.py)
+            if so.finished_req_ids or so.preempted_req_ids:
+                writers.ended(so.finished_req_ids)
+                writers.ended(so.preempted_req_ids or ())
+            writers.step(so.scheduled_cached_reqs, so.num_scheduled_tokens)
         for new in so.scheduled_new_reqs:
             if new.req_id not in tracked:
-                self._open_request(new)
+                self._open_request(new, so.num_scheduled_tokens)
         if self._opens and self.fill:
             # with a prefix store, each step's opens go at once: waiting for the hand-over costs fill engines
             # engine-thread time every step (docs/VLLM.md, "Step ring")
@@ -1303,7 +1325,7 @@ class WorkerCapture:
 
     # ---- per request: nothing here raises into vLLM's step for one request's sake ------------------------------
 
-    def _open_request(self, new) -> None:
+    def _open_request(self, new, scheduled: dict | None = None) -> None:
         """Start capturing a newly scheduled request, under its record key; a request whose id cannot travel is
         captured under the derived key, one whose capture fails otherwise is skipped (WARNING, stats.skipped).
         Its open waits in self._opens for the next hand-over to the producer (_send_opens; with a prefix store,
@@ -1317,17 +1339,25 @@ class WorkerCapture:
             key, dup = self._unique_key(key)
             if key in self._closing:
                 self._flush()       # the key's last request finishes first: its finish waits for no batch now
+            prompt = new.prompt_token_ids              # None for prompt embeddings: no token ids to carry
+            prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
+            refs, covered = (), 0
+            if self.writers is not None and self.store is not None and self.fill:
+                # which of its hit blocks a captured request computed (prefix_refs.py); records what it computes
+                refs, covered = self.writers.open(new.req_id, key, prompt, new.block_ids[0],
+                                                  int(new.num_computed_tokens), prompt_len,
+                                                  (scheduled or {}).get(new.req_id, 0))
             if self.announces:
-                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
-                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
                 item = (key, prompt_len, int(new.num_computed_tokens), prompt, self.fill and self.store is not None)
+                if refs:
+                    item += (refs,)
                 self._opens.append((new.req_id, item))
                 if self.sink is not None and self.sink.pipeline is not None:
                     self._keep_open(new.req_id, item)
             if self.fill and self.store is not None and new.num_computed_tokens:
                 # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
                 # runners append to their block tables); slot = block x block size + offset
-                self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
+                self._fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0], covered))
         except Exception as e:          # noqa: BLE001 -- one request's problem; engine-wide ones re-raise
             self._skip(new.req_id, "open", e)
             return
@@ -1418,6 +1448,9 @@ class WorkerCapture:
                 del self._seen[rid]
             if self._fills:             # (fill: sent in the step it opened, before its prefix rows are queued)
                 self._fills = [f for f in self._fills if f[0] != rid]
+            if self.writers is not None:    # never named as a writer: no consumer holds its rows
+                self.writers.forget_key(opens[i][1][0])
+                self.writers.ended((rid,))
             self._skip(rid, "open", e)
         return {opens[i][1][0] for i, _ in failed} or None
 
