@@ -17,7 +17,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from routing_replay.protocol import wire
-from routing_replay.producer.replay import Parts
+from routing_replay.producer.resend import Parts
 
 try:                    # setup.py builds it where a C compiler and Python's headers are (optional: numpy otherwise)
     from routing_replay.producer import _gather

@@ -15,7 +15,7 @@ from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
 from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, QueueLedger, RequestBook, Step,
                                               StepParts, escaped_id, flat_ids, flat_ints)
-from routing_replay.producer.replay import ReplayBuffer, Spill
+from routing_replay.producer.resend import ReplayBuffer, Spill
 from routing_replay.producer.sender import COALESCE_MAX_BYTES, STOP, Sender, SenderSettings
 
 log = logging.getLogger("routing_replay.producer")

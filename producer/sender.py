@@ -24,7 +24,7 @@ from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geome
                                               encode_steps, escaped_id, lost_body,
                                               step_rows, token_frames, with_lost, SAFE_ENTRIES,
                                               delta_rows_limit, header_too_long, oversized, split_step)
-from routing_replay.producer.replay import Parts, ReplayBuffer
+from routing_replay.producer.resend import Parts, ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
 

@@ -520,7 +520,7 @@ def test_renumber_splits_the_chosen_entries_and_numbers_every_held_entry_again(t
     """ReplayBuffer.renumber: an `opens` of 3 entries becomes 3 messages, the entries after it move up by 2 (their
     headers rewritten, spilled ones too), an entry kept as it was keeps its send time, the cursor goes back to the
     first unacknowledged seq, and the byte accounting matches the new frames."""
-    from routing_replay.producer.replay import Parts, ReplayBuffer, Spill
+    from routing_replay.producer.resend import Parts, ReplayBuffer, Spill
     r = ReplayBuffer(mem_bound=300, spill=Spill(tmp_path, "p"), spill_bound=1 << 20)
 
     def msg(kind, seq, key, pad=0):

@@ -13,7 +13,7 @@ import pytest
 from routing_replay.producer.connection import Answer, Link, LinkEvent, LinkState, Silence, SilenceWatch
 from routing_replay.producer.messages import (Announce, Geometry, Inbox, RequestBook, Screen, Step, encode_announce,
                                               encode_step, escaped_id, kept_rows, with_lost)
-from routing_replay.producer.replay import Parts, ReplayBuffer, Spill, SpillRef
+from routing_replay.producer.resend import Parts, ReplayBuffer, Spill, SpillRef
 from routing_replay.protocol import wire
 
 OPEN = Parts("open", ("a",))
