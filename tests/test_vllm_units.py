@@ -435,6 +435,7 @@ def test_the_last_hook_passes_the_shape_and_dtype_its_layers_share_or_none():
     assert sigs[-1] is None and b.calls == 1 and taken[-1] == [full, None, None, None]
 
 
+@pytest.mark.bench
 def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_path):
     """bench/eager_drain.py (docs/PERFORMANCE.md): the real binding and worker, every step checked (all
     layers counted, the step taken by reference); its JSON is what it printed."""
