@@ -13,8 +13,12 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
-from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, QueueLedger, RequestBook, Step,
-                                              StepParts, escaped_id, flat_ids, flat_ints)
+from routing_replay.producer.books import RequestBook, escaped_id
+from routing_replay.producer.coalesce import StepParts
+from routing_replay.producer.encode import Geometry
+from routing_replay.producer.handover import deferred_rows, release
+from routing_replay.producer.inbox import Inbox, QueueLedger
+from routing_replay.producer.items import Announce, Announces, Step, flat_ids, flat_ints
 from routing_replay.producer.resend import ReplayBuffer, Spill
 from routing_replay.producer.sender import COALESCE_MAX_BYTES, STOP, Sender, SenderSettings
 
@@ -390,25 +394,23 @@ class Producer:
         if not (len(request_ids) == len(starts) == len(counts)):
             raise ValueError(f"{len(request_ids)} request ids, {len(starts)} starts, {len(counts)} counts")
         total = sum(counts)
-        shape = getattr(rows, "shape", None)
-        if shape is not None:
-            self._check_rows_shape(shape, getattr(rows, "dtype", wire.ROW_DTYPE))
-            if shape[0] != total:
-                raise ValueError(f"rows has {shape[0]} rows, counts add up to {total}")
+        if not isinstance(rows, np.ndarray):
+            rows = deferred_rows(rows)          # TypeError naming what a caller's object lacks
+        self._check_rows_shape(rows.shape, rows.dtype)
+        if rows.shape[0] != total:
+            raise ValueError(f"rows has {rows.shape[0]} rows, counts add up to {total}")
         screen = self._book.screen(request_ids)
         keep = screen.keep
         if keep is not None:
             bad = next(rid for rid, k in zip(request_ids, keep) if not k)
             self._drop_parts(f"{screen.dropped} delta part(s)", bad, screen.dropped)
             if not any(keep):
-                rel = getattr(rows, "release", None)
-                if rel is not None:
-                    rel()
+                release(rows)
                 return True
             total = sum(c for c, k in zip(counts, keep) if k)
         nbytes = total * self.row_bytes
         item = Step(list(request_ids), list(starts), list(counts), rows, keep)
-        if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
+        if (isinstance(rows, np.ndarray) or not rows.dropped) and self._put(item, nbytes, True):
             return True
         self._step_dropped(request_ids, starts, counts, rows, keep, total)
         return False
@@ -430,6 +432,8 @@ class Producer:
         starts, counts)` gives the steps' real ids, starts and counts on the producer's thread, and may leave rows
         out (`rows.shape` shrinks). Those ids are not screened here; the thread drops the parts of refused ids."""
         self._check()
+        if not isinstance(rows, np.ndarray):
+            rows = deferred_rows(rows)          # TypeError naming what a caller's object lacks
         if not (len(request_ids) == len(starts) == len(counts)) or not request_ids:
             raise ValueError(f"{len(request_ids)} id lists, {len(starts)} starts, {len(counts)} counts (one per "
                              "step, at least one step)")
@@ -451,16 +455,14 @@ class Producer:
             if not (len(ids) == len(st) == len(cn)):
                 raise ValueError(f"a step of {len(ids)} request ids, {len(st)} starts, {len(cn)} counts")
             total += n
-        shape = getattr(rows, "shape", None)
-        if shape is not None:
-            self._check_rows_shape(shape, getattr(rows, "dtype", wire.ROW_DTYPE))
-            if shape[0] != total:
-                raise ValueError(f"rows has {shape[0]} rows, counts add up to {total}")
+        self._check_rows_shape(rows.shape, rows.dtype)
+        if rows.shape[0] != total:
+            raise ValueError(f"rows has {rows.shape[0]} rows, counts add up to {total}")
         return self._publish_parts(request_ids, starts, counts, rows, total)
 
     def _publish_parts(self, request_ids: Sequence, starts: Sequence, counts: Sequence, rows: Any,
                        total: int) -> bool:
-        if getattr(rows, "deferred", False):
+        if not isinstance(rows, np.ndarray) and rows.deferred:
             return self._publish_deferred(request_ids, starts, counts, rows, total)
         book = self._book
         last, refusals = self._screened
@@ -472,7 +474,8 @@ class Producer:
                 return self.publish_rows(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows)
             self._screened = (ids, seen)
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        if not getattr(rows, "dropped", False) and self._put(item, self._queued_bytes(rows, total), True):
+        if (isinstance(rows, np.ndarray) or not rows.dropped) and self._put(item, self._queued_bytes(rows, total),
+                                                                              True):
             return True
         self._step_dropped(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows, None, total)
         return False
@@ -481,7 +484,8 @@ class Producer:
                           total: int) -> bool:
         """publish_steps of rows whose ids the producer's thread resolves (see there)."""
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        if not getattr(rows, "dropped", False) and self._put(item, self._queued_bytes(rows, total), True):
+        if (isinstance(rows, np.ndarray) or not rows.dropped) and self._put(item, self._queued_bytes(rows, total),
+                                                                              True):
             return True
         ids, starts, counts = rows.resolve(item.request_ids, item.starts, item.counts)     # dropped: which keys
         self._step_dropped(flat_ids(ids), flat_ints(starts), flat_ints(counts), rows, None, rows.shape[0])
@@ -491,15 +495,13 @@ class Producer:
         """What a step of `total` rows counts against the queue bound: its int16 rows, plus what the rows object
         holds beyond them until the thread takes it (extra_nbytes: an eager CPU engine's router tensors; the
         thread gives it back then, Sender._step_of)."""
-        return total * self.row_bytes + getattr(rows, "extra_nbytes", 0)
+        return total * self.row_bytes + (0 if isinstance(rows, np.ndarray) else rows.extra_nbytes)
 
     def _step_dropped(self, request_ids, starts, counts, rows, keep, total: int) -> None:
         """A step refused by the queue bound (or dropped by capture): release its rows, report its positions lost."""
         self.stats.dropped_msgs += 1
         self.stats.dropped_rows += total
-        rel = getattr(rows, "release", None)
-        if rel is not None:
-            rel()
+        release(rows)
         if keep is None:
             self._book.add_lost(request_ids, starts, counts)
         else:

@@ -18,12 +18,15 @@ import zmq
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.loop import MessageTooLarge, recv_frames, send_frames, start_zero_copy_collector
 from routing_replay.producer.connection import Link, LinkEvent, SilenceWatch
-from routing_replay.producer.messages import (NATIVE, Announce, Announces, Geometry, Inbox, OwnerHints, QueueLedger,
-                                              RequestBook, RowsLost, Step, StepParts, merge_coalesced_steps,
-                                              encode_announce, encode_finishes, encode_opens, encode_step,
-                                              encode_steps, escaped_id, lost_body,
-                                              step_rows, token_frames, with_lost, SAFE_ENTRIES,
-                                              delta_rows_limit, header_too_long, oversized, split_step)
+from routing_replay.producer.books import RequestBook, escaped_id, lost_body, with_lost
+from routing_replay.producer.coalesce import OwnerHints, StepParts, merge_coalesced_steps
+from routing_replay.producer.encode import (SAFE_ENTRIES, Geometry, delta_rows_limit, encode_announce,
+                                            encode_finishes, encode_opens, encode_step, encode_steps,
+                                            header_too_long, oversized, split_step, step_rows, token_frames)
+from routing_replay.producer.handover import RowsLost, release
+from routing_replay.producer.inbox import Inbox, QueueLedger
+from routing_replay.producer.items import Announce, Announces, Step
+from routing_replay.producer.outpool import NATIVE
 from routing_replay.producer.resend import Parts, ReplayBuffer
 
 log = logging.getLogger("routing_replay.producer")
@@ -255,18 +258,16 @@ class Sender:
         is dropped, its rows released, and the stream goes on (encode_errors, one WARNING); its requests' records
         then miss those rows (the consumer reports them as not delivered)."""
         rows = parts.rows
-        extra = getattr(rows, "extra_nbytes", 0)
-        if extra:
-            self._ledger.shrunk(extra)
-        shape = getattr(rows, "shape", None)        # (a caller's rows without one: its counts, as it counted them)
-        before = shape[0] if shape is not None else sum(int(np.sum(c)) for c in parts.counts)
-        deferred = getattr(rows, "deferred", False)     # (until resolve() has run)
+        deferred = False                            # ids that resolve() turns into the records' (until it ran)
+        if not isinstance(rows, np.ndarray):
+            if rows.extra_nbytes:
+                self._ledger.shrunk(rows.extra_nbytes)
+            deferred = rows.deferred
+        before = rows.shape[0]
         try:
             step = parts.step(self.hints)
         except Exception as e:  # noqa: BLE001 (one delta's failure; the stream goes on)
-            release = getattr(rows, "release", None)
-            if release is not None:
-                release()
+            release(rows)
             self._ledger.taken(before * self.cfg.row_bytes)     # what the caller counted for its rows
             self._encode_failed("delta", sum(map(len, parts.request_ids)), e)
             return None
@@ -467,9 +468,7 @@ class Sender:
                 self.stats.dropped_parts += before.count(True) - keep.count(True)
                 item = item._replace(keep=keep)
         if not item.request_ids or (item.keep is not None and not any(item.keep)):    # (empty: all left out)
-            release = getattr(item.rows, "release", None)
-            if release is not None:
-                release()
+            release(item.rows)
             return None
         return item
 

@@ -322,7 +322,7 @@ def test_a_reachable_broker_gives_one_startup_line(ctx, tmp_path, caplog):
         wait_for(lambda: any("broker answered" in r.getMessage() for r in caplog.records))
         lines = [r.getMessage() for r in caplog.records if "broker answered" in r.getMessage()]
         assert len(lines) == 1 and re.search(r"broker answered at ipc://\S+ in \d+ ms copy=", lines[0]), lines
-        from routing_replay.producer import messages
+        from routing_replay.producer import outpool as messages
         assert lines[0].endswith(f" copy={'native' if messages.NATIVE else 'numpy'}"), lines
         assert lines[0].startswith(f"producer {p.producer_id}: ")
         assert not _silence_lines(caplog)
@@ -604,7 +604,7 @@ def test_owner_hints_order_groups_requests_stably_and_only_when_it_helps():
     stable order by group (unknown owners first) and its inverse; cached for the same or an equal list until a
     hint arrives;
     the generic RequestMajor (ndarray rows) applies it in its one copy."""
-    from routing_replay.producer.messages import OwnerHints, RequestMajor
+    from routing_replay.producer.coalesce import OwnerHints, RequestMajor
     h = OwnerHints()
     ids = ["a", "b", "c", "d", "e"]
     assert h.order(ids) is None
@@ -732,8 +732,9 @@ def test_coalesced_decode_steps_merge_into_one_entry_per_request_in_one_copy():
     entry per request (its rows of every step in a row), owner-grouped with hints; anything else is left as it
     is: a screened step, deferred rows, a count of 2, a position that does not advance, another id list, wrong
     rows. The encoded delta carries exactly the same routing."""
-    from routing_replay.producer.messages import (Geometry, OwnerHints, Step, encode_steps,
-                                                  merge_coalesced_steps)
+    from routing_replay.producer.coalesce import OwnerHints, merge_coalesced_steps
+    from routing_replay.producer.encode import Geometry, encode_steps
+    from routing_replay.producer.items import Step
     rng = np.random.default_rng(5)
     ids, n, k = ["a", "b", "c"], 3, 4
     src = rng.integers(0, 50, (k, n, L, K)).astype(np.int16)
@@ -796,7 +797,7 @@ def test_out_pool_reuses_memory_only_when_nothing_refers_to_it():
     view, a memoryview or a ZeroMQ frame made from it is alive its bytes never change under another copy; the
     copies are exact either way; free roots beyond the bound go back to the OS."""
     import weakref
-    from routing_replay.producer.messages import OutPool, request_major, out_pool
+    from routing_replay.producer.outpool import OutPool, request_major, out_pool
 
     pool = OutPool()
     n, L, K = 256, 48, 8                                    # 196,608 B per step: 16 steps = 3 MiB, above MIN_BYTES

@@ -950,7 +950,7 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     new array: the producer need not copy it out of the host ring), a batch of one does not; steps of different
     sizes are refused."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.producer.messages import RequestMajor, StepParts
+    from routing_replay.producer.coalesce import RequestMajor, StepParts
     cache = RoutingCache(64, 3, 8, stamp=True)
     copier = AsyncCopier(cache, num_slots=4, max_rows=32)
     batch = _StepBatch(8, stamped=True)
@@ -980,7 +980,7 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     rows.release()
     # with owner hints (b and d on one consumer, a and c on another): the same copy puts each owner's requests
     # together, ids, starts and rows alike
-    from routing_replay.producer.messages import OwnerHints
+    from routing_replay.producer.coalesce import OwnerHints
     hints = OwnerHints()
     hints.update(["a", "b", "c", "d"], [7, 3, 7, 3])
     for s in range(3):
@@ -1137,7 +1137,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     exactly those of the captured requests, steps added by reference keep theirs, and the queue's byte count comes
     back to 0 (the rows left out leave it too)."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.producer.messages import StepParts
+    from routing_replay.producer.coalesce import StepParts
     from tests.test_producer_faults import wait_for
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
