@@ -425,12 +425,11 @@ class Producer:
         of the flattened lists (which it falls back to when an id cannot travel or was refused).
 
         checked=True: the caller built the per-step lists and arrays itself and vouches for their lengths and
-        types, and `rows` has a `shape` whose first entry is the rows of all steps (the vLLM plugin's worker):
-        the per-step checks are skipped. The ids are still screened.
+        types (an engine's own batches): the per-step checks are skipped. The ids are still screened.
 
-        With checked=True, `rows` may be `deferred` (the worker's steps added raw): its `resolve(request_ids,
-        starts, counts)` gives the steps' real ids, starts and counts on the producer's thread, and may leave rows
-        out (`rows.shape` shrinks). Those ids are not screened here; the thread drops the parts of refused ids."""
+        With checked=True, `rows` may be `deferred` (DeferredRows, producer/handover.py: the ids are the engine's
+        own): its `resolve(request_ids, starts, counts)` gives the steps' record ids, starts and counts on the
+        producer's thread, and may leave rows out (`rows.shape` shrinks). Those ids are not screened here; the thread drops the parts of refused ids."""
         self._check()
         if not isinstance(rows, np.ndarray):
             rows = deferred_rows(rows)          # TypeError naming what a caller's object lacks

@@ -252,9 +252,9 @@ class Sender:
         return stash
 
     def _step_of(self, parts: StepParts) -> Step | None:
-        """The caller's per-step references as one Step; rows that resolving the ids left out (the worker's raw
-        steps) leave the queue's count, and so do the bytes the rows held beyond their int16 rows (extra_nbytes).
-        None when they cannot be made one (the worker's raw steps whose layout or ids do not resolve): the delta
+        """The caller's per-step references as one Step; rows that resolving the ids left out (deferred rows'
+        resolve()) leave the queue's count, and so do the bytes the rows held beyond their int16 rows (extra_nbytes).
+        None when they cannot be made one (deferred rows whose layout or ids do not resolve): the delta
         is dropped, its rows released, and the stream goes on (encode_errors, one WARNING); its requests' records
         then miss those rows (the consumer reports them as not delivered)."""
         rows = parts.rows
