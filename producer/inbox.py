@@ -8,6 +8,8 @@ import threading
 from collections import deque
 from typing import Any
 
+STOP = object()                 # the queue's sentinel: close() puts it after the last item
+
 
 class Inbox:
     """The queue from the caller to the producer's thread: every item in one FIFO, in the order put; only the items

@@ -17,10 +17,11 @@ from routing_replay.producer.books import RequestBook, escaped_id
 from routing_replay.producer.coalesce import StepParts
 from routing_replay.producer.encode import Geometry
 from routing_replay.producer.handover import deferred_rows, release
-from routing_replay.producer.inbox import Inbox, QueueLedger
+from routing_replay.producer.inbox import STOP, Inbox, QueueLedger
 from routing_replay.producer.items import Announce, Announces, Step, flat_ids, flat_ints
 from routing_replay.producer.resend import ReplayBuffer, Spill
-from routing_replay.producer.sender import COALESCE_MAX_BYTES, STOP, Sender, SenderSettings
+from routing_replay.producer.intake import COALESCE_MAX_BYTES, SenderSettings
+from routing_replay.producer.sender import Sender
 
 log = logging.getLogger("routing_replay.producer")
 
@@ -429,7 +430,8 @@ class Producer:
 
         With checked=True, `rows` may be `deferred` (DeferredRows, producer/handover.py: the ids are the engine's
         own): its `resolve(request_ids, starts, counts)` gives the steps' record ids, starts and counts on the
-        producer's thread, and may leave rows out (`rows.shape` shrinks). Those ids are not screened here; the thread drops the parts of refused ids."""
+        producer's thread, and may leave rows out (`rows.shape` shrinks). Those ids are not screened here; the
+        thread drops the parts of refused ids."""
         self._check()
         if not isinstance(rows, np.ndarray):
             rows = deferred_rows(rows)          # TypeError naming what a caller's object lacks

@@ -719,7 +719,7 @@ def test_owner_hints_group_merged_decode_steps_so_the_broker_only_slices(ctx, tm
         # every merged batch went to both consumers (coalesced or not) as slices: nothing gathered after the
         # hints; the prompt rows (one message, before the hints, 2 rows per request: short runs) were gathered
         assert broker.stats.owner_hints_out == n
-        wait_for(lambda: p._sender.hints.groups == {})                      # forgotten at the finishes
+        wait_for(lambda: p._sender.intake.hints.groups == {})                      # forgotten at the finishes
     finally:
         p.close(timeout_s=2)
         for c in cons:
@@ -887,9 +887,9 @@ def test_a_replay_buffer_full_again_and_again_logs_its_first_episode_then_one_li
     is still counted (stats.replay_full). `every_s` 0: every episode logged, as before. Real producer, broker and
     consumer; every record exact."""
     from routing_replay.apps.embedded import EmbeddedPipeline
-    from routing_replay.producer import sender
+    from routing_replay.producer import intake
     if every_s is not None:
-        monkeypatch.setattr(sender, "FULL_LOG_EVERY_S", every_s)
+        monkeypatch.setattr(intake, "FULL_LOG_EVERY_S", every_s)
     got = {}
     with caplog.at_level(logging.INFO, logger="routing_replay.producer"):
         with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:
