@@ -61,7 +61,7 @@ class ProducerStats:
                                 # queued one behind the other), when the broker takes them
     finishes_msgs: int = 0      # `finishes` messages: the same for finishes (end_many, or finish() calls)
     unbatched_msgs: int = 0     # held `opens`/`finishes` sent again as one `open`/`finish` each: the broker was
-                                # replaced by one that does not take them (a downgrade; Sender._unbatch)
+                                # replaced by one that does not take them (a downgrade; Intake._unbatch)
 
 
 def _positions(values: Any, name: str) -> Any:
@@ -495,7 +495,7 @@ class Producer:
     def _queued_bytes(self, rows: Any, total: int) -> int:
         """What a step of `total` rows counts against the queue bound: its int16 rows, plus what the rows object
         holds beyond them until the thread takes it (extra_nbytes: an eager CPU engine's router tensors; the
-        thread gives it back then, Sender._step_of)."""
+        thread gives it back then, Intake._step_of)."""
         return total * self.row_bytes + (0 if isinstance(rows, np.ndarray) else rows.extra_nbytes)
 
     def _step_dropped(self, request_ids, starts, counts, rows, keep, total: int) -> None:
