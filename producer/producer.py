@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -15,21 +15,16 @@ from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
 from routing_replay.producer.books import RequestBook, escaped_id
 from routing_replay.producer.coalesce import StepParts
+from routing_replay.producer.config import ProducerConfig
 from routing_replay.producer.encode import Geometry
 from routing_replay.producer.handover import deferred_rows, release
 from routing_replay.producer.inbox import STOP, Inbox, QueueLedger
+from routing_replay.producer.intake import SenderSettings
 from routing_replay.producer.items import Announce, Announces, Step, flat_ids, flat_ints
 from routing_replay.producer.resend import ReplayBuffer, Spill
-from routing_replay.producer.intake import COALESCE_MAX_BYTES, SenderSettings
 from routing_replay.producer.sender import Sender
 
 log = logging.getLogger("routing_replay.producer")
-
-# Unacked bytes a producer keeps in memory (beyond them, with spill_dir, a spill file). Acks come back only after
-# the consumers applied a message, so this is also how far a producer runs ahead of them: what can sit in their
-# receive queues, and so the consumers' memory beyond their records. It must still cover the bytes sent in one ack
-# round trip, or throughput falls (bench/pipeline.py --replay-mib; docs/PERFORMANCE.md, "A 128 MiB replay window").
-REPLAY_MAX_BYTES = 128 << 20
 
 
 @dataclass
@@ -156,56 +151,43 @@ class Producer:
     first answer logs one INFO line with the time it took.
     """
 
-    def __init__(self, endpoint: str, *, num_layers: int, top_k: int, moe_layer_ids: Sequence[int] | None = None,
-                 layer_range: tuple[int, int] | None = None, producer_id: str | None = None,
-                 context: zmq.Context | None = None, max_queue_bytes: int = 256 << 20,
-                 heartbeat_interval_ms: int = 1000, linger_ms: int = 2000, sndhwm: int = 10000,
-                 replay_max_bytes: int = REPLAY_MAX_BYTES, spill_dir: str | os.PathLike | None = None,
-                 spill_max_bytes: int = 4 << 30, resend_timeout_ms: int = 5000,
-                 curve_secret: str | os.PathLike | None = None, server_key: str | os.PathLike | None = None,
-                 silence_warn_after_ms: int = 3000, silence_warn_every_ms: int = 10_000,
-                 coalesce_max_bytes: int = COALESCE_MAX_BYTES):
-        if not 1 <= num_layers <= wire.MAX_LAYERS or not 1 <= top_k <= wire.MAX_TOP_K:
-            raise ValueError(f"num_layers={num_layers} top_k={top_k} outside protocol limits")
-        if (curve_secret is None) != (server_key is None):
-            raise ValueError("CURVE needs both curve_secret (this producer's secret cert) and server_key "
-                             "(the broker's public cert)")
-        if not 0 <= coalesce_max_bytes <= wire.MAX_PAYLOAD_FRAME_BYTES:     # the broker's whole-message bound
-            raise ValueError(f"coalesce_max_bytes={coalesce_max_bytes} outside 0..{wire.MAX_PAYLOAD_FRAME_BYTES} "
-                             f"(a coalesced delta must stay under wire.MAX_DATA_MESSAGE_BYTES)")
-        self.endpoint = endpoint
+    def __init__(self, endpoint: str | None = None, *, config: ProducerConfig | None = None,
+                 context: zmq.Context | None = None, **settings):
+        """`config`, or the endpoint and keyword arguments that build one (ProducerConfig's fields: num_layers and
+        top_k at least); with both, the arguments replace the config's fields. `context`: a ZeroMQ context to
+        share (default: one of its own, terminated by close())."""
+        if endpoint is not None:
+            settings["endpoint"] = endpoint
+        if config is None:
+            config = ProducerConfig(**settings)
+        elif settings:
+            config = dataclasses.replace(config, **settings)
+        self.config = cfg = config
+        num_layers, top_k = cfg.num_layers, cfg.top_k
+        self.endpoint = endpoint = cfg.endpoint
         self.num_layers = num_layers
         self.top_k = top_k
-        self.moe_layer_ids = list(range(num_layers)) if moe_layer_ids is None else [int(x) for x in moe_layer_ids]
-        if len(self.moe_layer_ids) != num_layers:
-            raise ValueError(f"moe_layer_ids has {len(self.moe_layer_ids)} entries for num_layers={num_layers}")
-        lo, hi = layer_range if layer_range is not None else (0, num_layers)
-        if not 0 <= lo < hi <= num_layers:
-            raise ValueError(f"layer_range {layer_range} not inside [0, {num_layers}]")
+        self.moe_layer_ids = list(range(num_layers)) if cfg.moe_layer_ids is None else [int(x) for x in
+                                                                                         cfg.moe_layer_ids]
+        lo, hi = cfg.layer_range if cfg.layer_range is not None else (0, num_layers)
         self.layer_lo, self.layer_hi = lo, hi
         self._geometry = Geometry(num_layers, top_k, lo, hi)
         self.row_shape = (hi - lo, top_k)
         self.row_bytes = (hi - lo) * top_k * 2
-        self.producer_id = producer_id or default_producer_id()
-        if len(self.producer_id) > wire.MAX_PEER_ID_LEN:
-            raise ValueError(f"producer id longer than {wire.MAX_PEER_ID_LEN} characters")
-        try:
-            self.producer_id.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"producer id {escaped_id(self.producer_id)} is not encodable as UTF-8") from None
+        self.producer_id = cfg.producer_id or default_producer_id()
         self.epoch = time.time_ns() // 1_000_000
-        self.max_queue_bytes = max_queue_bytes
-        self.replay_max_bytes = replay_max_bytes
-        self.spill_max_bytes = spill_max_bytes if spill_dir is not None else 0
-        self.resend_timeout_s = resend_timeout_ms / 1000
-        self.heartbeat_interval_s = heartbeat_interval_ms / 1000
-        self.silence_warn_after_s = silence_warn_after_ms / 1000
-        self.silence_warn_every_s = silence_warn_every_ms / 1000
-        self.linger_ms = linger_ms
-        self.curve_secret, self.server_key = curve_secret, server_key
-        if curve_secret is not None:
-            security.load_secret(curve_secret)            # fail here, in the caller, on a bad key file
-            security.load_public(server_key)
+        self.max_queue_bytes = cfg.max_queue_bytes
+        self.replay_max_bytes = cfg.replay_max_bytes
+        self.spill_max_bytes = cfg.spill_max_bytes if cfg.spill_dir is not None else 0
+        self.resend_timeout_s = cfg.resend_timeout_ms / 1000
+        self.heartbeat_interval_s = cfg.heartbeat_interval_ms / 1000
+        self.silence_warn_after_s = cfg.silence_warn_after_ms / 1000
+        self.silence_warn_every_s = cfg.silence_warn_every_ms / 1000
+        self.linger_ms = cfg.linger_ms
+        self.curve_secret, self.server_key = cfg.curve_secret, cfg.server_key
+        if cfg.curve_secret is not None:
+            security.load_secret(cfg.curve_secret)            # fail here, in the caller, on a bad key file
+            security.load_public(cfg.server_key)
         self.stats = ProducerStats()
         self._q = Inbox()
         self._book = RequestBook()
@@ -213,17 +195,17 @@ class Producer:
         self._lock = self._book.lock
         self._ledger = QueueLedger(self._lock)
         self._closed = False
-        self._replay = ReplayBuffer(replay_max_bytes, Spill(spill_dir, self.producer_id) if spill_dir is not None
-                                    else None, self.spill_max_bytes)
+        self._replay = ReplayBuffer(cfg.replay_max_bytes, Spill(cfg.spill_dir, self.producer_id)
+                                    if cfg.spill_dir is not None else None, self.spill_max_bytes)
         # An own context by default: its term() in close() is what makes linger wait for queued messages to
         # reach the wire (socket.close() alone returns at once, and a process that exits then loses them).
         self._own_ctx = context is None
         self._ctx = context or zmq.Context(io_threads=1)
         self._sender = Sender(SenderSettings(
             endpoint, self.producer_id, self.epoch, self._geometry, self.row_bytes, self.heartbeat_interval_s,
-            self.resend_timeout_s, self.silence_warn_after_s, self.silence_warn_every_s, linger_ms, sndhwm,
-            curve_secret, server_key, replay_max_bytes, self.spill_max_bytes, max_queue_bytes, coalesce_max_bytes),
-            self._ctx, self._q, self._ledger, self._book, self._replay, self.stats)
+            self.resend_timeout_s, self.silence_warn_after_s, self.silence_warn_every_s, cfg.linger_ms, cfg.sndhwm,
+            cfg.curve_secret, cfg.server_key, cfg.replay_max_bytes, self.spill_max_bytes, cfg.max_queue_bytes,
+            cfg.coalesce_max_bytes), self._ctx, self._q, self._ledger, self._book, self._replay, self.stats)
         self._thread = self._sender.thread
         self._sender.start()
         self._check()
