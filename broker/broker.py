@@ -27,6 +27,7 @@ after a restart, for a grace period while the old consumers reconnect) messages 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict, deque
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
+from routing_replay.broker.config import BrokerConfig
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
 from routing_replay.broker.ownership import OpenMsg, OpensEntry, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
@@ -129,38 +131,40 @@ class Broker(ServiceThread):
 
     _service_name = "broker"
 
-    def __init__(self, frontend: str, backend: str, *, context: zmq.Context | None = None,
-                 heartbeat_interval_ms: int = 1000, liveness: int = 3, stats_interval_s: float = 10.0,
-                 max_pending_bytes: int = 512 << 20, max_open_requests: int = 1 << 20, hwm: int = 100_000,
-                 producer_timeout_ms: int = 10_000, ack_interval_ms: int = 20, restart_grace_ms: int | None = None,
-                 curve_secret: str | None = None, curve_allow: str | None = None, open_group_max: int = 16):
-        self.frontend = frontend
-        self.backend = backend
-        self.curve_secret = curve_secret
-        self.curve_allow = curve_allow
-        if (curve_secret is None) != (curve_allow is None):
-            raise ValueError("CURVE needs both curve_secret (the broker's own secret cert) and curve_allow "
-                             "(the directory of allowed clients' public certs)")
-        self._own_ctx = context is None and curve_secret is not None
+    def __init__(self, frontend: str | None = None, backend: str | None = None, *,
+                 config: BrokerConfig | None = None, context: zmq.Context | None = None, **settings):
+        """`config`, or the endpoints and keyword arguments that build one (BrokerConfig's fields); with both, the
+        arguments replace the config's fields. `context`: a ZeroMQ context to share."""
+        for name, value in (("frontend", frontend), ("backend", backend)):
+            if value is not None:
+                settings[name] = value
+        if config is None:
+            config = BrokerConfig(**settings)
+        elif settings:
+            config = dataclasses.replace(config, **settings)
+        self.config = cfg = config
+        self.frontend = cfg.frontend
+        self.backend = cfg.backend
+        self.curve_secret = cfg.curve_secret
+        self.curve_allow = cfg.curve_allow
+        self._own_ctx = context is None and cfg.curve_secret is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self._auth = None
         self._watches: list = []          # security.HandshakeWatch of each CURVE server socket, while serve() runs
-        self.heartbeat_interval_s = heartbeat_interval_ms / 1000
-        self.liveness = liveness
-        self.stats_interval_s = stats_interval_s
-        self.max_pending_bytes = max_pending_bytes
-        self.max_open_requests = max_open_requests
-        self.hwm = hwm
-        self.producer_timeout_s = producer_timeout_ms / 1000
-        self.ack_interval_s = ack_interval_ms / 1000
-        self.restart_grace_s = (2 * self.heartbeat_interval_s if restart_grace_ms is None
-                                else restart_grace_ms / 1000)
-        if not 0 <= open_group_max <= wire.MAX_BATCH_ENTRIES:
-            raise ValueError(f"open_group_max must be in [0, {wire.MAX_BATCH_ENTRIES}], got {open_group_max}")
+        self.heartbeat_interval_s = cfg.heartbeat_interval_ms / 1000
+        self.liveness = cfg.liveness
+        self.stats_interval_s = cfg.stats_interval_s
+        self.max_pending_bytes = cfg.max_pending_bytes
+        self.max_open_requests = max_open_requests = cfg.max_open_requests
+        self.hwm = cfg.hwm
+        self.producer_timeout_s = cfg.producer_timeout_ms / 1000
+        self.ack_interval_s = cfg.ack_interval_ms / 1000
+        self.restart_grace_s = (2 * self.heartbeat_interval_s if cfg.restart_grace_ms is None
+                                else cfg.restart_grace_ms / 1000)
         # an `opens` of at most this many requests puts them all on one consumer (the hash of its first request's
         # id): a step's new requests (a GRPO group) and their rows, finishes and records then travel whole, unsplit;
         # larger ones (a batch's start) are spread request by request. 0: every request by its own hash
-        self.open_group_max = open_group_max
+        self.open_group_max = cfg.open_group_max
         self.epoch = time.time_ns() // 1000          # a new one per start: consumers and producers see restarts
         self.stats = BrokerStats()
         self.bad: dict[str, int] = defaultdict(int)

@@ -71,7 +71,9 @@ from routing_replay.engines.vllm_plugin.prefix_refs import BlockWriters
 from routing_replay.engines.vllm_plugin.selfcheck import check_runner
 from routing_replay.engines.vllm_plugin.settings import Settings
 from routing_replay.protocol import ids as _ids
-from routing_replay.producer.messages import RowsLost, flat_ids, flat_ints, request_major
+from routing_replay.producer.handover import RowsBase, RowsLost
+from routing_replay.producer.items import flat_ids, flat_ints
+from routing_replay.producer.outpool import request_major
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -230,7 +232,7 @@ class StampCheck:
             self.resyncs += 1
 
 
-class _BatchedRows:
+class _BatchedRows(RowsBase):       # implements producer.handover.DeferredRows
     """Own the PendingRows of consecutive steps on their way through the producer as one delta: the producer's
     thread concatenates them (C speed), refuses rows no router wrote (-1, or a stale step stamp), sends, and
     releases every part."""
@@ -364,7 +366,7 @@ class _BatchedRows:
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
     def result_request_major(self, steps: int, inverse: np.ndarray | None = None) -> np.ndarray:
-        """The rows of `steps` steps of n rows each, request-major (producer.messages.RequestMajor): one copy out
+        """The rows of `steps` steps of n rows each, request-major (producer.coalesce.RequestMajor): one copy out
         of the host ring, as result() makes. With `inverse`, request i of each step goes to place inverse[i] (the
         producer's owner grouping), in the same copy."""
         arrays = self._checked()
