@@ -1,7 +1,8 @@
 # `make run`  : the main job (vLLM demo with capture on, npz to ./out, oracle check) on Qwen3-MoE; other models:
 #              `.venv/bin/routing-replay demo --arch deepseek_v3` (or glm4_moe, mixtral, ...: `--help`)
 # `make test` : the test suite (CPU; GPU tests are skipped without CUDA), including the shipping check
-#               (tests/test_wheel.py) against the wheel installed outside the checkout (`make wheel-venv`)
+#               (tests/test_wheel.py) against the wheel installed outside the checkout (`make wheel-venv`), and the
+#               smoke tests of bench/ scripts (marked `bench`: `pytest -m "not bench"` runs the specification tests)
 # `make test-archs` : the architecture matrices (`-m archs`): every MoE family on vLLM's CPU build against the HF
 #               oracle, the trainer side's replay on every family transformers ships, the demo on them
 # `make test-vllm-versions` : the vLLM engine tests against older vLLM releases (one environment each)

@@ -16,7 +16,7 @@ setup(
     packages=[ROOT] + [f"{ROOT}.{p}" for p in found if p != ROOT and not p.startswith(ROOT + ".")],
     package_dir={ROOT: ROOT, **{f"{ROOT}.{layer}": layer for layer in layers}},
     # the producer's request-major copy in C (producer/_gather.c); optional: without a C compiler and Python's
-    # headers the build goes on without it and producer/messages.py copies with numpy (slower, the same bytes)
+    # headers the build goes on without it and producer/outpool.py copies with numpy (slower, the same bytes)
     ext_modules=[Extension(f"{ROOT}.producer._gather", ["producer/_gather.c"], optional=True)],
     exclude_package_data={"": ["*.c"]},             # the wheel carries the built module, not its source
 )

@@ -209,13 +209,14 @@ def metrics_arg(p) -> None:
 
 def cmd_broker(a) -> int:
     import zmq
-    from routing_replay.broker import Broker
+    from routing_replay.broker import Broker, BrokerConfig
     try:
-        b = Broker(a.frontend, a.backend, heartbeat_interval_ms=a.heartbeat_ms, liveness=a.liveness,
-                   stats_interval_s=a.stats_interval, max_pending_bytes=a.max_pending_mb << 20,
-                   producer_timeout_ms=a.producer_timeout_ms, ack_interval_ms=a.ack_interval_ms,
-                   restart_grace_ms=a.restart_grace_ms, curve_secret=a.curve_secret, curve_allow=a.curve_allow,
-                   open_group_max=a.open_group_max)
+        b = Broker(config=BrokerConfig(
+            a.frontend, a.backend, heartbeat_interval_ms=a.heartbeat_ms, liveness=a.liveness,
+            stats_interval_s=a.stats_interval, max_pending_bytes=a.max_pending_mb << 20,
+            producer_timeout_ms=a.producer_timeout_ms, ack_interval_ms=a.ack_interval_ms,
+            restart_grace_ms=a.restart_grace_ms, curve_secret=a.curve_secret, curve_allow=a.curve_allow,
+            open_group_max=a.open_group_max))
         b.bind()
     except ValueError as e:
         return _die("broker", str(e))
@@ -243,7 +244,7 @@ def cmd_broker(a) -> int:
 
 def cmd_consume(a) -> int:
     import zmq
-    from routing_replay.consumer import Consumer
+    from routing_replay.consumer import Consumer, ConsumerConfig
     if a.serve:
         err = _check_binds("consume", [("--serve", a.serve)], bool(a.curve_secret), a.insecure)
         if err:
@@ -253,16 +254,18 @@ def cmd_consume(a) -> int:
         if why:
             return _die("consume", f"{flag}: {why}")
     try:
-        c = Consumer(a.connect, consumer_id=a.consumer_id, npz_dir=a.npz_dir, shard_size=a.shard_size,
-                     serve=a.serve, store_max_bytes=a.store_mb << 20, spill_dir=a.spill_dir,
-                     heartbeat_interval_ms=a.heartbeat_ms, finish_grace_s=a.finish_grace_ms / 1000,
-                     request_timeout_s=a.request_timeout_s, progress=a.progress and a.npz_dir is not None,
-                     stats_interval_s=a.stats_interval, ack_interval_ms=a.ack_interval_ms,
-                     curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow,
-                     remember_finished=a.remember_finished, fetched_retention_s=a.fetched_retention_s,
-                     fetched_retention_bytes=a.fetched_retention_mb << 20, write_retry_max_s=a.write_retry_max_s,
-                     keep_bytes=None if a.keep_mb is None else a.keep_mb << 20,
-                     adopt_min_bytes=None if a.copy_rows else a.keep_received_kb << 10)
+        c = Consumer(config=ConsumerConfig(
+            a.connect, consumer_id=a.consumer_id, npz_dir=a.npz_dir, shard_size=a.shard_size,
+            serve=a.serve, store_max_bytes=a.store_mb << 20, spill_dir=a.spill_dir,
+            heartbeat_interval_ms=a.heartbeat_ms, finish_grace_s=a.finish_grace_ms / 1000,
+            request_timeout_s=a.request_timeout_s, progress=a.progress and a.npz_dir is not None,
+            stats_interval_s=a.stats_interval, ack_interval_ms=a.ack_interval_ms,
+            curve_secret=a.curve_secret, broker_key=a.broker_key, curve_allow=a.curve_allow,
+            remember_finished=a.remember_finished, fetched_retention_s=a.fetched_retention_s,
+            fetched_retention_bytes=a.fetched_retention_mb << 20, write_retry_max_s=a.write_retry_max_s,
+            keep_bytes=None if a.keep_mb is None else a.keep_mb << 20,
+            adopt_min_bytes=None if a.copy_rows else a.keep_received_kb << 10,
+            prefix_pool_bytes=a.prefix_pool_mb << 20))
     except ValueError as e:
         return _die("consume", str(e))
     try:
@@ -413,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-mb", type=NON_NEGATIVE, default=None, metavar="MIB",
                    help="memory of finished requests' rows kept for the next requests, so they write without page "
                         "faults (MiB; default: the most held at once, at least 256)")
+    p.add_argument("--prefix-pool-mb", type=NON_NEGATIVE, default=256, metavar="MIB",
+                   help="memory bound of finished records' prompt rows kept for requests whose opens reference "
+                        "them (prefix_refs: a GRPO group's shared prompt); 0: none kept, such rows come out "
+                        "missing (prefix_unresolved) (MiB; default: %(default)s)")
     p.add_argument("--keep-received-kb", type=NON_NEGATIVE, default=64, metavar="KIB",    # consumer.ADOPT_MIN_BYTES
                    help="a message whose every entry is a new request's first rows, each at least this big (a "
                         "prefill step's), is not copied: the rows stay in the received message and the records "

@@ -6,8 +6,8 @@ import uuid
 
 import zmq
 
-from routing_replay.broker import Broker
-from routing_replay.consumer import Consumer
+from routing_replay.broker import Broker, BrokerConfig
+from routing_replay.consumer import Consumer, ConsumerConfig
 from routing_replay.producer import Producer
 from routing_replay.protocol import security
 
@@ -35,10 +35,10 @@ class EmbeddedPipeline:
         self.frontend = f"inproc://routing-replay-{name}-frontend"
         backend = f"inproc://routing-replay-{name}-backend"
         consumer_kw.setdefault("stats_interval_s", 60.0)
-        self.broker = Broker(self.frontend, backend, context=self.context, stats_interval_s=60.0)
+        self.broker = Broker(config=BrokerConfig(self.frontend, backend, stats_interval_s=60.0), context=self.context)
         self.broker.start()
-        self.consumer = Consumer(backend, npz_dir=npz_dir, shard_size=shard_size, serve=serve,
-                                 context=self.context, on_record=on_record, **consumer_kw)
+        self.consumer = Consumer(config=ConsumerConfig(backend, npz_dir=npz_dir, shard_size=shard_size, serve=serve,
+                                                       **consumer_kw), context=self.context, on_record=on_record)
         self.consumer.start()
         self.serve = self.consumer.serve
         self._closed = False

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from routing_replay.producer.messages import _gather, request_major  # noqa: E402
+from routing_replay.producer.outpool import _gather, request_major  # noqa: E402
 
 L, K = 48, 8        # Qwen3-30B-A3B: 768 B a row
 

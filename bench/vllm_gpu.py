@@ -613,6 +613,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds: one `on` and one `fill` round under cProfile (engine thread, pre_step + "
                          "post_step), reports in profile_on.txt / profile_fill.txt")
+    ap.add_argument("--own", action="store_true",
+                    help="also run vLLM's own capture (enable_return_routed_experts) as mode `own`, a third engine "
+                         "without our plugin, and compare it with ours (results: `own` in the JSON)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: tiny model, 16 requests, 1 round")
     a = ap.parse_args(argv)
     if a.small:
@@ -652,6 +655,13 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     engines = {}
     engines["off"] = LLM(**kw)                          # before the plugin is registered in this process
     start_off = time.monotonic() - t
+    own_error = None
+    if a.own:                                           # vLLM's own capture, also without any of our code
+        try:
+            engines["own"] = LLM(**kw, enable_return_routed_experts=True)
+        except Exception as e:                          # the reason goes to the results
+            own_error = f"{type(e).__name__}: {e}"[:2000]
+            print(f"vLLM's own capture did not start: {own_error}", flush=True)
     os.environ["ROUTING_REPLAY_BROKER"] = helpers.fe
     os.environ["ROUTING_REPLAY_PREFIX_ROWS"] = a.prefix_rows
     import routing_replay.engines.vllm_plugin as plugin
@@ -661,13 +671,17 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     start_on = time.monotonic() - t
     engines["optout"] = engines["fill"] = engines["on"]
     print(f"engines started: off {start_off:.0f} s, on {start_on:.0f} s", flush=True)
-    for name in ("off", "on"):
+    for name in ("off", "own", "on"):
+        if name not in engines:
+            continue
         n = engines[name].collective_rpc(_rpc_reinit_weights, args=(1234,))
         print(f"{name}: refilled {n[0] / 1e9:.2f} B parameters", flush=True)
     assert engines["on"].collective_rpc(_rpc_set_timing, args=(True,)) == [True], "plugin not active"
     info = engines["on"].collective_rpc(_rpc_stats)[0]
     pid = {"off": engines["off"].collective_rpc(_rpc_stats)[0]["pid"], "on": info["pid"]}
     pid["optout"] = pid["fill"] = pid["on"]
+    if "own" in engines:
+        pid["own"] = engines["own"].collective_rpc(_rpc_stats)[0]["pid"]
     print("plugin engine:", json.dumps(info), flush=True)
 
     rnd = random.Random(0)
@@ -675,7 +689,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     prompts = [{"prompt_token_ids": head + [rnd.randrange(256) for _ in range(a.prompt_len - len(head))]}
                for _ in range(a.requests)]
     lens = output_lens(a.requests, a.output_len, a.output_spread)
-    extra = {"off": None, "on": {"return_routed_experts": True}, "fill": {"return_routed_experts": True},
+    extra = {"off": None, "own": None, "on": {"return_routed_experts": True}, "fill": {"return_routed_experts": True},
              "optout": {"return_routed_experts": False}}
     sps = {m: [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False,
                               **({"extra_args": x} if x is not None else {})) for n in lens]
@@ -683,6 +697,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     outputs: dict = {}
     rounds: list = []
     checks: list = []
+    last_rows: dict = {}                                  # mode -> per request (rows, num_cached) of its last round
 
     def one_round(mode: str, idx: int) -> dict:
         llm = engines[mode]
@@ -724,7 +739,20 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
             r["helpers_cpu_s"] = helpers.cpu_s() - h0
             chk = _check_records(helpers.npz, outs, a.prompt_len, lens, info["moe_layers"], info["top_k"])
             checks.append(chk)
+            r["bytes_out_per_token"] = r["sent_bytes"] / (ntok + a.requests * a.prompt_len)
+            if a.own:
+                last_rows[mode] = _record_rows(helpers.npz, outs)
             helpers.clear()
+        if mode == "own":
+            arrs = [o.outputs[0].routed_experts for o in outs]
+            got = [x for x in arrs if x is not None]
+            nbytes = sum(x.nbytes for x in got)
+            r.update(own_returned=len(got), own_dtype=str(got[0].dtype) if got else None,
+                     own_rows=sum(len(x) for x in got), own_bytes=nbytes,
+                     bytes_out_per_token=nbytes / (ntok + a.requests * a.prompt_len),
+                     own_num_cached=[o.num_cached_tokens or 0 for o in outs][:4],
+                     own_cached_tokens=sum(o.num_cached_tokens or 0 for o in outs))
+            last_rows["own"] = [(x, o.num_cached_tokens or 0) for x, o in zip(arrs, outs)]
         outputs.setdefault(mode, []).append([list(o.outputs[0].token_ids) for o in outs])   # warm-up first
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         partial = {"plugin_engine": info, "engine_start_s": [start_off, start_on], "rounds_so_far": rounds + [r],
@@ -733,6 +761,8 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
         return r
 
     modes = MODES if a.prefix_rows == "fill" else tuple(m for m in MODES if m != "fill")
+    if "own" in engines:
+        modes = modes + ("own",)
     for m in modes:                                       # warm-up, not counted
         one_round(m, -1)
     order = list(modes)
@@ -765,7 +795,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
                   f"opened {g['opened']}, finished {g['finished']}, tokens {g['tokens']}", flush=True)
     gpu = engines["on"].collective_rpc(_rpc_gpu_cost, args=([a.requests, int(info["max_num_batched_tokens"])],))[0]
     final = engines["on"].collective_rpc(_rpc_stats)[0]
-    for llm in (engines["on"], engines["off"]):
+    for llm in {id(e): e for e in engines.values()}.values():
         llm.llm_engine.engine_core.shutdown()
 
     med = lambda mode, k: statistics.median(r[k] for r in rounds if r["mode"] == mode)      # noqa: E731
@@ -818,7 +848,7 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     res["host_us_per_step_optout"] = med("optout", "host_us_per_step")
     # the timing clocks' own cost (one read pair per timed section, measured in place): the plugin without them
     for m in modes:
-        if m == "off":
+        if m in ("off", "own"):                           # engines without the plugin
             continue
         res[f"clock_us_per_step_{m}"] = med(m, "clock_us_per_step")
         res[f"clock_wall_us_per_step_{m}"] = med(m, "clock_wall_us_per_step")
@@ -836,12 +866,74 @@ def _run(a, out: Path, work: Path, helpers: Helpers) -> int:
     res["memory"] = {"device_cache_bytes": final["cache_device_bytes"],
                      "device_copier_bytes": final["copier_device_bytes"],
                      "pinned_host_bytes": final["pinned_host_bytes"]}
+    if a.own:
+        res["own"] = _own_summary(rounds, last_rows, own_error, a.prompt_len)
     (out / "bench_vllm_gpu.json").write_text(json.dumps(res, indent=2))
     _print_summary(res)
     ok = all(c["n_bad"] == 0 and c["records"] == a.requests for c in checks) and not any(res["dropped"].values())
     if not ok:
         print("FAILED: records incomplete or dropped", json.dumps(checks)[:2000], flush=True)
     return 0 if ok else 1
+
+
+def _record_rows(npz: Path, outs) -> list:
+    """Per request (in the order of outs): (prompt + generation rows as one array, num_cached) of its record."""
+    import numpy as np
+
+    from routing_replay.consumer import load_records
+
+    recs = load_records(npz)
+    rows = []
+    for o in outs:
+        r = recs.get(o.request_id)
+        rows.append(None if r is None else
+                    (np.concatenate([r.prompt_routed_experts, r.routed_experts]), r.num_cached_tokens))
+    return rows
+
+
+def _own_summary(rounds: list, last_rows: dict, error: str | None, prompt_len: int) -> dict:
+    """vLLM's own capture against ours: throughput, engine CPU, bytes out per token, and its rows (prefix-cached
+    ones apart) against the rows of our `fill` records of the same requests (another engine with the same weights
+    and the same workload: rows can differ at near-ties of the router logits, in either part)."""
+    import numpy as np
+
+    if error is not None:
+        return {"ran": False, "error": error}
+    out: dict = {"ran": True}
+    for m in ("off", "own", "on", "fill", "optout"):
+        rs = [r for r in rounds if r["mode"] == m and r["round"] >= 0]
+        if not rs:
+            continue
+        out[m] = {"output_tok_s": statistics.median(r["output_tok_s"] for r in rs),
+                  "engine_cpu_s": statistics.median(r["engine_cpu_s"] for r in rs)}
+        if "bytes_out_per_token" in rs[0]:
+            out[m]["bytes_out_per_token"] = statistics.median(r["bytes_out_per_token"] for r in rs)
+    own = [r for r in rounds if r["mode"] == "own"]
+    if own:
+        out["own_dtype"], out["own_returned"] = own[-1]["own_dtype"], own[-1]["own_returned"]
+        out["own_rows"], out["own_cached_tokens"] = own[-1]["own_rows"], own[-1]["own_cached_tokens"]
+    for ref in ("fill", "on"):
+        if "own" not in last_rows or ref not in last_rows:
+            continue
+        agree = {"cached": [0, 0], "computed": [0, 0]}
+        cached_zero_rows = 0
+        for mine, theirs in zip(last_rows["own"], last_rows[ref]):
+            x, own_cached = mine
+            if x is None or theirs is None:
+                continue
+            y, cached = theirs
+            n = min(len(x), len(y))
+            xs, ys = np.sort(x[:n].astype(np.int64), axis=-1), np.sort(y[:n].astype(np.int64), axis=-1)
+            same = (xs == ys).all(axis=(1, 2))
+            c = min(own_cached, n)
+            agree["cached"][0] += int(same[:c].sum())
+            agree["cached"][1] += c
+            agree["computed"][0] += int(same[c:].sum())
+            agree["computed"][1] += n - c
+            cached_zero_rows += int((x[:c] == 0).all(axis=(1, 2)).sum())
+        out[f"rows_own_vs_{ref}"] = {k: {"same": v[0], "of": v[1]} for k, v in agree.items()}
+        out[f"own_cached_rows_all_zero"] = cached_zero_rows
+    return out
 
 
 def _last(outputs: dict, mode: str):
@@ -878,6 +970,8 @@ def _print_summary(r: dict) -> None:
         print(f"  continuous batching: max_num_seqs {r['max_num_seqs']}, output lengths spread "
               f"{r['output_spread']:.2f} (down to {round(r['output_len'] * (1 - r['output_spread']))}); "
               f"opens + finishes per step, on: {r['opens_finishes_per_step_on']:.2f}")
+    if "own" in r:
+        print("  vLLM's own capture against ours: " + json.dumps(r["own"]))
     for m in r["modes"]:
         xs = r[f"{m}_output_tok_s_all"]
         print(f"  {m:7s}: {r[f'{m}_output_tok_s']:9.0f} output tok/s  (rounds {min(xs):.0f}..{max(xs):.0f})")
@@ -898,7 +992,8 @@ def _print_summary(r: dict) -> None:
           "section, measured in place), CPU / wall: " + ", ".join(
               f"{m} {r[f'host_net_us_per_step_{m}']:.1f} / {r[f'host_wall_net_us_per_step_{m}']:.1f} us (clocks "
               f"{r[f'clock_us_per_step_{m}']:.1f} / {r[f'clock_wall_us_per_step_{m}']:.1f} us, "
-              f"{r[f'timed_sections_per_step_{m}']:.2f} sections per step)" for m in r["modes"] if m != "off"))
+              f"{r[f'timed_sections_per_step_{m}']:.2f} sections per step)" for m in r["modes"]
+              if m not in ("off", "own")))
     quiet = [m for m in r["modes"] if f"quiet_net_us_per_step_{m}" in r]
     if quiet:
         print("  quiet steps only (nothing opened, finished or preempted: one step of the running batch), the same "

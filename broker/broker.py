@@ -27,6 +27,7 @@ after a restart, for a grace period while the old consumers reconnect) messages 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict, deque
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
+from routing_replay.broker.config import BrokerConfig
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
 from routing_replay.broker.ownership import OpenMsg, OpensEntry, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
@@ -69,6 +71,7 @@ class BrokerStats:
     requests_opened: int = 0
     opens_in: int = 0                 # `opens` messages (several requests' opens in one)
     opens_grouped: int = 0            # of them, those whose new requests all went to one owner (open_group_max)
+    prefix_affine: int = 0            # new requests placed on their prefix writer's consumer (prefix_refs)
     opens_unbatched: int = 0          # their entries sent as `open`s (to consumers that do not take `opens`)
     finishes_in: int = 0              # `finishes` messages (several requests' finishes in one)
     finishes_unbatched: int = 0       # their entries sent as `finish`es (to consumers that do not take `finishes`)
@@ -128,38 +131,40 @@ class Broker(ServiceThread):
 
     _service_name = "broker"
 
-    def __init__(self, frontend: str, backend: str, *, context: zmq.Context | None = None,
-                 heartbeat_interval_ms: int = 1000, liveness: int = 3, stats_interval_s: float = 10.0,
-                 max_pending_bytes: int = 512 << 20, max_open_requests: int = 1 << 20, hwm: int = 100_000,
-                 producer_timeout_ms: int = 10_000, ack_interval_ms: int = 20, restart_grace_ms: int | None = None,
-                 curve_secret: str | None = None, curve_allow: str | None = None, open_group_max: int = 16):
-        self.frontend = frontend
-        self.backend = backend
-        self.curve_secret = curve_secret
-        self.curve_allow = curve_allow
-        if (curve_secret is None) != (curve_allow is None):
-            raise ValueError("CURVE needs both curve_secret (the broker's own secret cert) and curve_allow "
-                             "(the directory of allowed clients' public certs)")
-        self._own_ctx = context is None and curve_secret is not None
+    def __init__(self, frontend: str | None = None, backend: str | None = None, *,
+                 config: BrokerConfig | None = None, context: zmq.Context | None = None, **settings):
+        """`config`, or the endpoints and keyword arguments that build one (BrokerConfig's fields); with both, the
+        arguments replace the config's fields. `context`: a ZeroMQ context to share."""
+        for name, value in (("frontend", frontend), ("backend", backend)):
+            if value is not None:
+                settings[name] = value
+        if config is None:
+            config = BrokerConfig(**settings)
+        elif settings:
+            config = dataclasses.replace(config, **settings)
+        self.config = cfg = config
+        self.frontend = cfg.frontend
+        self.backend = cfg.backend
+        self.curve_secret = cfg.curve_secret
+        self.curve_allow = cfg.curve_allow
+        self._own_ctx = context is None and cfg.curve_secret is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self._auth = None
         self._watches: list = []          # security.HandshakeWatch of each CURVE server socket, while serve() runs
-        self.heartbeat_interval_s = heartbeat_interval_ms / 1000
-        self.liveness = liveness
-        self.stats_interval_s = stats_interval_s
-        self.max_pending_bytes = max_pending_bytes
-        self.max_open_requests = max_open_requests
-        self.hwm = hwm
-        self.producer_timeout_s = producer_timeout_ms / 1000
-        self.ack_interval_s = ack_interval_ms / 1000
-        self.restart_grace_s = (2 * self.heartbeat_interval_s if restart_grace_ms is None
-                                else restart_grace_ms / 1000)
-        if not 0 <= open_group_max <= wire.MAX_BATCH_ENTRIES:
-            raise ValueError(f"open_group_max must be in [0, {wire.MAX_BATCH_ENTRIES}], got {open_group_max}")
+        self.heartbeat_interval_s = cfg.heartbeat_interval_ms / 1000
+        self.liveness = cfg.liveness
+        self.stats_interval_s = cfg.stats_interval_s
+        self.max_pending_bytes = cfg.max_pending_bytes
+        self.max_open_requests = max_open_requests = cfg.max_open_requests
+        self.hwm = cfg.hwm
+        self.producer_timeout_s = cfg.producer_timeout_ms / 1000
+        self.ack_interval_s = cfg.ack_interval_ms / 1000
+        self.restart_grace_s = (2 * self.heartbeat_interval_s if cfg.restart_grace_ms is None
+                                else cfg.restart_grace_ms / 1000)
         # an `opens` of at most this many requests puts them all on one consumer (the hash of its first request's
         # id): a step's new requests (a GRPO group) and their rows, finishes and records then travel whole, unsplit;
         # larger ones (a batch's start) are spread request by request. 0: every request by its own hash
-        self.open_group_max = open_group_max
+        self.open_group_max = cfg.open_group_max
         self.epoch = time.time_ns() // 1000          # a new one per start: consumers and producers see restarts
         self.stats = BrokerStats()
         self.bad: dict[str, int] = defaultdict(int)
@@ -312,7 +317,8 @@ class Broker(ServiceThread):
                  "dropped_unreachable=%d resent_in=%d refused_gap=%d refused_unknown=%d rewinds_asked=%d "
                  "acks_in=%d acks_out=%d unacked_parts=%d link_resyncs=%d notices_resent=%d links_lost=%d "
                  "producers_lost=%d claims_out=%d claimed=%d claims_refused=%d "
-                 "aborted_for_lost_producer=%d refusals_out=%d curve_refused=%d dropped_bad=%d bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
+                 "aborted_for_lost_producer=%d refusals_out=%d curve_refused=%d dropped_bad=%d prefix_affine=%d "
+                 "bad=%d %s", s.msgs_in, s.bytes_in / 1e6, s.msgs_out,
                  s.bytes_out / 1e6, s.deltas_split, s.split_gathered, s.owner_hints_out, s.opens_in, s.opens_grouped,
                  s.opens_unbatched,
                  s.finishes_in, s.finishes_unbatched, s.requests_opened, s.requests_closed, len(self.ownership),
@@ -323,7 +329,7 @@ class Broker(ServiceThread):
                  s.links_lost, s.producers_lost, s.claims_out, s.claimed, s.claims_refused,
                  s.aborted_for_lost_producer, s.refusals_out,
                  (self._auth.refused if self._auth is not None else 0) + sum(w.failed for w in self._watches),
-                 s.dropped_bad,
+                 s.dropped_bad, s.prefix_affine,
                  sum(self.bad.values()), dict(self.bad) if self.bad else "")
 
     def metrics(self) -> list:
@@ -708,14 +714,23 @@ class Broker(ServiceThread):
             ps.hint_of[rid] = ps.hints_due[rid] = o.link.num
         return o.link
 
+    def _affine(self, rid: str, refs: tuple) -> ConsumerLink | None:
+        """For a request not placed yet whose open references a writer's rows: the live consumer that owns or
+        owned that writer (Ownership.affine), else None."""
+        if not refs or rid in self.ownership.owner:
+            return None
+        link = self.ownership.affine(refs[0][0])
+        if link is not None:
+            self.stats.prefix_affine += 1
+        return link
+
     def _route_request(self, h: wire.Header, frames: list, tok: InFlight, ps: ProducerIntake) -> None:
         rid = wire.check_request_id(h.key)
-        if h.kind == "open":
-            wire.parse_open(h)
+        o = wire.parse_open(h) if h.kind == "open" else None
         if self._hold_all:
             return self._hold(h, frames, tok, ps)
-        if h.kind == "open":
-            owner = self._owner_of(rid, ps)
+        if o is not None:
+            owner = self._owner_of(rid, ps, self._affine(rid, o.prefix_refs))
             self.stats.requests_opened += 1
             self.ownership.opened(rid, ps, OpenMsg(frames[1].bytes, frames[2:]))
         else:
@@ -744,8 +759,9 @@ class Broker(ServiceThread):
             self.stats.opens_grouped += 1
         opened = own.opened
         by_owner: dict = {}
+        refs = o.prefix_refs
         for i, rid in enumerate(ids):
-            link = self._owner_of(rid, ps, group)
+            link = self._owner_of(rid, ps, (refs is not None and self._affine(rid, refs[i])) or group)
             opened(rid, ps, OpensEntry(h, o, tokens, i))
             by_owner.setdefault(link, []).append(i)
         self._route_entries(h, frames, tok, by_owner, o, tokens, "takes_opens", "opens_unbatched")

@@ -1,14 +1,16 @@
 """The broker's ownership table: which consumer link owns each open request id (sticky rendezvous hashing), with
 per-link and per-producer indexes so that losing one touches only its own entries (socket-free).
 
-A request id is assigned when first seen, by rendezvous hashing over the live consumers, and keeps its owner until
-its finish or abort (sticky), so adding a consumer never moves an in-flight request. Requests opened together in
-one small `opens` message go together (`owner_of(rid, prefer)`: the owner the hash gives the message's first
-request), so a step's new requests and their rows, finishes and records stay on one consumer; after a broker
-restart each consumer claims the requests it holds (`claim`), so they stay where they are whatever the hash
-says. A request whose owner was lost is assigned again on its next message; the new owner must then get the
-request's open again, marked `reassigned: true` (the table keeps each open message for that). Links and producers
-are any hashable objects; a link has `alive` (False once lost) and the table never looks further into them.
+A request id is assigned when first seen, by rendezvous hashing over the live consumers, and keeps its owner until its
+finish or abort (sticky), so adding a consumer never moves an in-flight request. Requests opened together in one small
+`opens` message go together (`owner_of(rid, prefer)`: the owner the hash gives the message's first request), so a step's
+new requests and their rows, finishes and records stay on one consumer; after a broker restart each consumer claims the
+requests it holds (`claim`), so they stay where they are whatever the hash says. A request whose open references an
+earlier request's rows (prefix_refs: a GRPO group's shared prompt) goes to the consumer that owns or recently owned that
+writer, when it is alive (`affine`: a bounded map of the last RECENT_OWNERS request ids assigned), where the writer's
+rows are; else as above. A request whose owner was lost is assigned again on its next message; the new owner must then
+get the request's open again, marked `reassigned: true` (the table keeps each open message for that). Links and
+producers are any hashable objects; a link has `alive` (False once lost) and the table never looks further into them.
 
 A finish or abort does not forget a request at once: until the producer's ack frontier passes that message's seq
 the request is kept as closing (its owner, its open message). A producer that rewinds resends from before the
@@ -20,10 +22,12 @@ unacked, would leave its successor rows and a finish with no open.
 from __future__ import annotations
 
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Hashable, NamedTuple
 
 from routing_replay.protocol import wire
+
+RECENT_OWNERS = 1 << 16        # request ids whose last owner is remembered after they close (prefix affinity)
 
 
 def rendezvous(rid: bytes, consumers: list[bytes]) -> bytes:
@@ -102,6 +106,7 @@ class Ownership:
                                                          # of a finish or abort not yet acked to its producer
         self._closing_seqs: dict[Hashable, deque] = {}   # producer -> (seq, request id) of its closings, in order
         self.evicted = 0                                 # requests forgotten at max_open_requests
+        self._recent: OrderedDict[str, Any] = OrderedDict()  # request id -> its last owner (RECENT_OWNERS newest)
         self.version = 0                                 # moves on every change of an owner or of the live set
 
     def __len__(self) -> int:
@@ -129,6 +134,13 @@ class Ownership:
     def hashed(self, rid: str) -> Any:
         """The live link rendezvous hashing gives `rid` (needs a live link); nothing is assigned."""
         return self._link_of[rendezvous(rid.encode("utf-8", "surrogatepass"), self.live_ids)]
+
+    def affine(self, writer: str) -> Any:
+        """The live link that owns or last owned request `writer` (None: none remembered, or it was lost)."""
+        link = self.owner.get(writer)
+        if link is None:
+            link = self._recent.get(writer)
+        return link if link is not None and link.alive else None
 
     def owner_of(self, rid: str, prefer: Any = None) -> Owner:
         """The live owner of `rid`, assigned now if it has none or its owner was lost (needs a live link). A request
@@ -243,6 +255,11 @@ class Ownership:
             self.evicted += 1
         self.owner[rid] = link
         self._by_link.setdefault(link, set()).add(rid)
+        recent = self._recent
+        recent[rid] = link
+        recent.move_to_end(rid)
+        if len(recent) > RECENT_OWNERS:
+            recent.popitem(last=False)
         return link
 
     def _by_link_discard(self, link: Any, rid: str) -> None:

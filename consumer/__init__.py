@@ -12,10 +12,10 @@ from routing_replay.consumer.npz import (NpzWriter, UnreadableRecord, iter_recor
                                         record_files, safe_filename, write_record)
 
 _LAZY = {"Accumulator": "accumulator", "AccumulatorStats": "accumulator", "Consumer": "service",
-         "RecordStore": "store", "TrainerService": "trainer_service"}
+         "ConsumerConfig": "config", "RecordStore": "store", "TrainerService": "trainer_service"}
 
-__all__ = ["Accumulator", "AccumulatorStats", "Consumer", "FetchTimeout", "NpzWriter", "RecordEvicted",
-           "RecordStore", "RecordUnknown", "RecordUnreadable", "RecordsNotServed", "TrainerClient", "TrainerService",
+__all__ = ["Accumulator", "AccumulatorStats", "Consumer", "ConsumerConfig", "FetchTimeout", "NpzWriter",
+           "RecordEvicted", "RecordStore", "RecordUnknown", "RecordUnreadable", "RecordsNotServed", "TrainerClient", "TrainerService",
            "UnreadableRecord", "iter_records", "load_records", "read_record",
            "record_files", "safe_filename", "write_record"]
 

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from routing_replay.consumer.arena import Arena, void_rows
+from routing_replay.consumer.prefix_pool import PREFIX_POOL_BYTES, PoolEntry, PrefixPool
 from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
@@ -57,6 +58,10 @@ class AccumulatorStats:
     adopted: int = 0            # requests whose first rows were kept as received (no copy; _Adopted)
     adopted_records: int = 0    # records whose prompt rows are a view of a received message
     materialized: int = 0       # adopted rows copied into the arena after all (another message touched them)
+    prefix_ref_rows: int = 0    # prompt rows resolved by reference (prefix_refs), from the pool or a live writer
+    prefix_live_rows: int = 0   # of them, copied from a writer still in flight (the record holds them itself)
+    prefix_unresolved_rows: int = 0   # referenced rows this consumer could not resolve (-1, missing)
+    prefix_unresolved: int = 0  # records with such rows (reason prefix_unresolved)
 
 
 class EntriesRefused(wire.ProtocolError):
@@ -248,7 +253,8 @@ class _Request:
 
     __slots__ = ("rid", "opened", "prompt_len", "num_cached", "prefix_filled", "num_layers", "top_k", "layer_ids",
                  "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "shapes",
-                 "seen_n", "key", "damaged", "lease")
+                 "seen_n", "key", "damaged", "lease", "refs", "resolved", "entry",
+                 "ref_rows")
 
     def __init__(self, rid: str, now: float):
         self.rid = rid
@@ -271,6 +277,12 @@ class _Request:
         self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
         self.damaged = False        # a message for it could not be read: its record can never be complete
         self.lease = None           # (layer range, lease) when the last build's arrays are a view of its rows
+        self.refs: list = []        # [(source, writer_pos, pos, count)] of its open's prefix_refs; source: the
+                                    # writer's _Request (in flight at the open), its PoolEntry (pinned), or None
+        self.resolved: list = []    # the last build's refs served whole by a PoolEntry (what compaction drops)
+        self.entry = None           # the PoolEntry of its prompt rows, once emitted (referencers in flight)
+        self.ref_rows = (0, 0, 0)   # the last build's referenced rows: (resolved, of them from a live writer,
+                                    # unresolved)
 
 
 class Accumulator:
@@ -293,7 +305,7 @@ class Accumulator:
     def __init__(self, *, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
                  max_positions: int = 1 << 21, max_bytes: int = 16 << 30, max_record_bytes: int = 4 << 30,
                  remember_finished: int = 100_000, keep_bytes: int | None = None,
-                 adopt_min_bytes: int | None = ADOPT_MIN_BYTES):
+                 adopt_min_bytes: int | None = ADOPT_MIN_BYTES, prefix_pool_bytes: int = PREFIX_POOL_BYTES):
         # keep_bytes: pages of finished requests' rows kept for the next requests (consumer.arena; None: up to the
         # most held at once, at least arena.KEEP_BYTES)
         if remember_finished < 0:
@@ -319,6 +331,8 @@ class Accumulator:
         self.stats = AccumulatorStats()
         # per row shape (L, K, layer_lo, layer_hi): its arena and request id -> handle there
         self._shapes: dict[tuple, _Shape] = {}
+        # finished records' prompt rows that later opens reference (prefix_refs; consumer/prefix_pool.py)
+        self.pool = PrefixPool(prefix_pool_bytes)
 
     # ---- input --------------------------------------------------------------------------------------------------
 
@@ -434,8 +448,7 @@ class Accumulator:
                 # a newer open of an id whose record waits out finish_grace_s: the id's next request. The waiting
                 # record goes out now, as it is (not dropped), before the new request takes the id
                 self.pending_finish.pop(o.request_id, None)
-                self._emit_done(st, rec := self._build(st))
-                self._early.append(rec)
+                self._early.append(self._emit_done(st, self._build(st)))
             self._finished_ids.pop(o.request_id, None)
             st = self.requests[o.request_id] = _Request(o.request_id, now)
         elif st.opened and st.key is not None and st.key[0] != key[0]:
@@ -459,10 +472,72 @@ class Accumulator:
         st.opened = True
         st.prompt_len, st.num_cached, st.prefix_filled = o.prompt_len, o.num_cached, o.prefix_filled
         st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
+        self._set_refs(st, o.prefix_refs, key[0])
         st.last_seen = now
         if st.key is None or not self._older(st.key, key):
             st.key = key
         return True
+
+    def _set_refs(self, st: _Request, refs: tuple, producer: str) -> None:
+        """The sources of an open's prefix_refs, found now: the writer in flight here, else its pool entry
+        (pinned until the record is emitted), else none (its rows come out unresolved). Found at the open, not at
+        the build: the writer's id may be opened again by a later request meanwhile. Only the same producer's
+        requests are writers (one engine's KV cache; another engine's request of that id is another request)."""
+        self._unpin_refs(st)
+        out = []
+        for w, wp, pos, n in refs:
+            src = self.requests.get(w)
+            if src is None or not src.opened or src is st or src.key is None or src.key[0] != producer:
+                src = self.pool.get((producer, w))
+                if src is not None:
+                    self.pool.pin(src)
+            out.append((src, wp, pos, n))
+        st.refs = out
+
+    def _unpin_refs(self, st: _Request) -> None:
+        for src, *_ in st.refs:
+            if type(src) is PoolEntry:
+                self.pool.unpin(src)
+        st.refs = []
+
+    def _resolve_refs(self, st: _Request, arr: np.ndarray, missing: list) -> tuple[list, list]:
+        """Write each reference's rows into `arr` (P + G, L, K) from its source: (missing without the rows that
+        resolved, the [lo, hi) runs that did not). Records which references a pool entry served whole
+        (st.resolved: compaction leaves their rows out)."""
+        st.resolved = []
+        good = live = 0
+        P = st.prompt_len
+        shape = arr.shape[1:]
+        bad = np.zeros(P, bool)
+        for src, wp, pos, n in st.refs:
+            if pos + n > P:
+                continue                            # (checked against num_cached at the open)
+            missing = _subtract(missing, pos, pos + n)
+            if type(src) is _Request and src.entry is not None:
+                src = src.entry                     # the writer finished since: its entry
+            ok = np.zeros(n, bool)
+            if type(src) is PoolEntry and src.shape == shape:
+                idx, ok = src.take(wp, n)
+                arr[pos:pos + n][ok] = src.rows[idx[ok]]
+                if ok.all():
+                    st.resolved.append((src, wp, pos, n))
+            elif type(src) is _Request and self.requests.get(src.rid) is src and src.num_layers is not None:
+                rows = src.ranges.get((0, src.num_layers))
+                if (src.num_layers, src.top_k) == shape[:2] and type(rows) is _Rows and rows.n > wp:
+                    tmp = np.full((min(rows.n, wp + n), *shape), -1, wire.ROW_DTYPE)
+                    rows.copy_into(tmp, 0, src.num_layers, len(tmp))
+                    got = tmp[wp:]
+                    ok[:len(got)] = (got >= 0).reshape(len(got), -1).all(axis=1)
+                    ok[:len(got)] &= ~_in_ranges(wp + len(got), rows.holes)[wp:]
+                    arr[pos:pos + n][ok] = got[ok[:len(got)]]
+                    live += int(ok.sum())
+            bad[pos:pos + n] |= ~ok
+            good += int(ok.sum())
+        st.ref_rows = (good, live, int(bad.sum()))
+        unresolved = _runs(bad) if bad.any() else []
+        for a, b in unresolved:
+            arr[a:b] = -1
+        return missing + unresolved, unresolved
 
     def mark(self, rid: str, note: str, now: float) -> None:
         """Attach a reason (e.g. 'consumer_lost') that explains rows this consumer could not have seen."""
@@ -842,8 +917,7 @@ class Accumulator:
             self.pending_finish[st.rid] = st
             return []
         self.pending_finish.pop(st.rid, None)
-        self._emit_done(st, rec)
-        return [rec]
+        return [self._emit_done(st, rec)]
 
     def _ready(self, now: float) -> list[wire.Record]:
         out = []
@@ -851,8 +925,7 @@ class Accumulator:
             rec = self._build(st)
             if rec.complete or now - st.finish_at >= self.finish_grace_s:
                 del self.pending_finish[st.rid]
-                self._emit_done(st, rec)
-                out.append(rec)
+                out.append(self._emit_done(st, rec))
         return out
 
     def poll(self, now: float) -> list[wire.Record]:
@@ -872,12 +945,30 @@ class Accumulator:
                 st.prompt_len = 0
             st.finish = _Ending(self._computed_outputs(st), "timeout", [], None, True)
             st.notes.append("timeout")
-            rec = self._build(st)
-            self._emit_done(st, rec)
-            out.append(rec)
+            out.append(self._emit_done(st, self._build(st)))
         return out
 
-    def _emit_done(self, st: _Request, rec: wire.Record) -> None:
+    def _emit_done(self, st: _Request, rec: wire.Record) -> wire.Record:
+        """The request is done: its state goes, its record is counted and returned (compact where pool entries
+        serve some of its prompt rows; consumer/prefix_pool.py), and, with prefix rows, its prompt rows become the
+        pool's entry of its id."""
+        if st.refs:
+            rec = self.pool.compact(rec, st.resolved)
+            self._unpin_refs(st)
+            good, live, bad = st.ref_rows
+            self.stats.prefix_ref_rows += good
+            self.stats.prefix_live_rows += live
+            self.stats.prefix_unresolved_rows += bad
+            self.stats.prefix_unresolved += bad > 0
+        if st.prefix_filled and self.pool.max_bytes:
+            own = getattr(rec, "refs", None)
+            keep = None
+            if own:
+                keep = np.ones(rec.prompt_len, bool)
+                for _, _, pos, n in own:
+                    keep[pos:pos + n] = False
+            st.entry = self.pool.put(rec, keep, view=not own and st.lease is not None,
+                                     key=(st.key[0] if st.key is not None else "", st.rid))
         if st.lease is not None:            # the record is a view of its rows: their region goes with it
             key, lease = st.lease
             st.lease = None
@@ -893,6 +984,7 @@ class Accumulator:
             self.stats.complete += 1
         else:
             self.stats.incomplete += 1
+        return rec
 
     def _drop(self, st: _Request) -> None:
         for r in st.ranges.values():
@@ -970,6 +1062,9 @@ class Accumulator:
                 not_found = _runs(bad)
                 missing += not_found
                 arr[:F][bad] = -1
+        unresolved: list = []
+        if st.refs and L:
+            missing, unresolved = self._resolve_refs(st, arr, missing)
         for a, b in lost:                           # the producer dropped rows here: whatever the positions hold
             if b > floor and a < need_hi:           # now may be older rows that those would have overwritten
                 missing.append([max(a, floor), min(b, need_hi)])
@@ -991,6 +1086,8 @@ class Accumulator:
                 reason = "producer_queue_full"
             elif notes:
                 reason = notes[0]
+            elif unresolved:
+                reason = "prefix_unresolved"
             elif L and not covered.all():
                 reason = "layers_missing"
             elif not_found:

@@ -13,6 +13,7 @@ counted as bad, the held requests it names are marked incomplete ("undecodable")
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -22,9 +23,11 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from routing_replay.consumer.accumulator import ADOPT_MIN_BYTES, Accumulator, EntriesRefused
+from routing_replay.consumer.accumulator import Accumulator, EntriesRefused
+from routing_replay.consumer.config import ConsumerConfig
 from routing_replay.consumer.keys import RecordKeys
 from routing_replay.consumer.npz import NpzWriter, Progress
+from routing_replay.consumer.prefix_pool import CompactRecord
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
 from routing_replay.protocol import memory, metrics, security, wire
@@ -134,7 +137,8 @@ class RecordCounts:
             self.complete += 1
         else:
             self.incomplete[rec.reason or "unknown"] += 1
-        self.rows += rec.prompt_routed_experts.shape[0] + rec.routed_experts.shape[0]
+        P = rec.prompt_len if type(rec) is CompactRecord else rec.prompt_routed_experts.shape[0]
+        self.rows += P + rec.routed_experts.shape[0]
         self.prefix_rows += rec.num_cached_tokens
         self.prefix_filled += rec.num_prefix_filled
         self.missing_rows += sum(hi - lo for lo, hi in rec.missing)
@@ -151,56 +155,52 @@ class Consumer(ServiceThread):
     # version gets); without "holds" it is never asked `claim`, and no `opens` is grouped onto one consumer
     takes: list = wire.CONSUMER_TAKES
 
-    def __init__(self, connect: str, *, consumer_id: str | None = None, npz_dir: str | None = None,
-                 shard_size: int = 0, serve: str | None = None, context: zmq.Context | None = None,
-                 store_max_bytes: int = 2 << 30, spill_dir: str | None = None,
-                 heartbeat_interval_ms: int = 1000, finish_grace_s: float = 0.5, request_timeout_s: float = 600.0,
-                 max_bytes: int = 16 << 30, on_record: Callable[[wire.Record], None] | None = None,
-                 progress: bool = False, stats_interval_s: float = 10.0, rcvhwm: int = 100_000,
-                 ack_interval_ms: int = 20, curve_secret: str | None = None, broker_key: str | None = None,
-                 curve_allow: str | None = None, remember_finished: int = 100_000,
-                 fetched_retention_s: float = 600.0, fetched_retention_bytes: int = 256 << 20,
-                 write_retry_max_s: float = 2.0, keep_bytes: int | None = None,
-                 adopt_min_bytes: int | None = ADOPT_MIN_BYTES):
-        self.connect = connect
-        self.consumer_id = consumer_id or default_peer_id("consumer")
-        if not 0 < len(self.consumer_id.encode()) <= 255:
-            raise ValueError(f"consumer id must be 1..255 bytes of UTF-8, got {self.consumer_id[:64]!r}")
-        self.serve = serve
-        if (curve_secret is None) != (broker_key is None):
-            raise ValueError("CURVE towards the broker needs both curve_secret and broker_key")
-        if serve and curve_secret is not None and curve_allow is None:
-            raise ValueError("serving trainers over CURVE needs curve_allow (the directory of trainers' public "
-                             "certs); without it any client key would be accepted")
-        self.curve_secret, self.broker_key, self.curve_allow = curve_secret, broker_key, curve_allow
-        self._own_ctx = context is None and curve_allow is not None
+    def __init__(self, connect: str | None = None, *, config: ConsumerConfig | None = None,
+                 context: zmq.Context | None = None, on_record: Callable[[wire.Record], None] | None = None,
+                 **settings):
+        """`config`, or the broker address and keyword arguments that build one (ConsumerConfig's fields); with
+        both, the arguments replace the config's fields. `context`: a ZeroMQ context to share; `on_record`: called
+        with each finished record, in the consumer's thread."""
+        if connect is not None:
+            settings["connect"] = connect
+        if config is None:
+            config = ConsumerConfig(**settings)
+        elif settings:
+            config = dataclasses.replace(config, **settings)
+        self.config = cfg = config
+        self.connect = connect = cfg.connect
+        self.consumer_id = cfg.consumer_id or default_peer_id("consumer")
+        self.serve = serve = cfg.serve
+        self.curve_secret, self.broker_key, self.curve_allow = cfg.curve_secret, cfg.broker_key, cfg.curve_allow
+        self._own_ctx = context is None and cfg.curve_allow is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.epoch = time.time_ns() // 1000       # this incarnation: the broker forgets what the last one held
         # adopt_min_bytes (Accumulator): a prefill message's rows stay in the received frames, records are views
         # of them. Never over inproc: a frame there can be the sender's own memory (a zero-copy send), which a
         # record must not alias.
-        if connect.startswith("inproc://"):
-            adopt_min_bytes = None
-        self.acc = Accumulator(finish_grace_s=finish_grace_s, request_timeout_s=request_timeout_s,
-                               max_bytes=max_bytes, remember_finished=remember_finished, keep_bytes=keep_bytes,
-                               adopt_min_bytes=adopt_min_bytes)
-        self.writer = NpzWriter(npz_dir, shard_size, hold_max_bytes=store_max_bytes, spill_dir=spill_dir,
-                                retry_max_s=write_retry_max_s) if npz_dir else None
-        self.store = RecordStore(store_max_bytes, spill_dir) if serve else None
+        adopt_min_bytes = None if connect.startswith("inproc://") else cfg.adopt_min_bytes
+        self.acc = Accumulator(finish_grace_s=cfg.finish_grace_s, request_timeout_s=cfg.request_timeout_s,
+                               max_bytes=cfg.max_bytes, remember_finished=cfg.remember_finished,
+                               keep_bytes=cfg.keep_bytes, adopt_min_bytes=adopt_min_bytes,
+                               prefix_pool_bytes=cfg.prefix_pool_bytes)
+        npz_dir, store_max_bytes, spill_dir = cfg.npz_dir, cfg.store_max_bytes, cfg.spill_dir
+        self.writer = NpzWriter(npz_dir, cfg.shard_size, hold_max_bytes=store_max_bytes, spill_dir=spill_dir,
+                                retry_max_s=cfg.write_retry_max_s) if npz_dir else None
+        self.store = RecordStore(store_max_bytes, spill_dir, pool=self.acc.pool) if serve else None
         self.keys = RecordKeys(self.acc.requests.__contains__,
-                               self.writer.index.read if self.writer is not None else None, remember_finished)
+                               self.writer.index.read if self.writer is not None else None, cfg.remember_finished)
         self.trainers = TrainerService(
             self.consumer_id, self.store, self._send_trainer, is_open=self.acc.requests.__contains__,
             disk=self.writer.index if self.writer is not None else None,
             disk_pending=self.writer.pending if self.writer is not None else (lambda rid: False),
-            fetched=FetchedRecords(fetched_retention_s, fetched_retention_bytes),
+            fetched=FetchedRecords(cfg.fetched_retention_s, cfg.fetched_retention_bytes),
             bad=self._count_bad) if serve else None
         self.on_record = on_record
-        self.progress = Progress() if progress else None
-        self.heartbeat_interval_s = heartbeat_interval_ms / 1000
-        self.stats_interval_s = stats_interval_s
-        self.rcvhwm = rcvhwm
-        self.ack_interval_s = ack_interval_ms / 1000
+        self.progress = Progress() if cfg.progress else None
+        self.heartbeat_interval_s = cfg.heartbeat_interval_ms / 1000
+        self.stats_interval_s = cfg.stats_interval_s
+        self.rcvhwm = cfg.rcvhwm
+        self.ack_interval_s = cfg.ack_interval_ms / 1000
         self.link = LinkIn()
         self.intake = Intake.OPEN
         self.acks_sent = 0
@@ -441,7 +441,9 @@ class Consumer(ServiceThread):
                  "refused=%d link=%d/%d/%d acks=%d link_dropped=%d bad=%d %s store=%s store_MB=%.1f spilled=%d evicted=%d "
                  "subscriber_drops=%d waiters=%d outbox=%d written=%d write_failed=%d write_retry_pending=%d "
                  "intake=%s undecodable_skipped=%d fetched_retained=%d fetched_MB=%.1f unknown_answers=%d "
-                 "disk_reads=%d renamed=%d unreadable=%d curve_refused=%d", self.consumer_id, s.finished, s.complete,
+                 "disk_reads=%d renamed=%d unreadable=%d curve_refused=%d prefix_ref_rows=%d prefix_live_rows=%d "
+                 "prefix_unresolved=%d prefix_unresolved_rows=%d pool=%d pool_MB=%.1f pool_evicted=%d "
+                 "compact_records=%d", self.consumer_id, s.finished, s.complete,
                  s.incomplete,
                  s.aborted, s.timed_out, self.acc.in_flight, s.delta_msgs, s.rows, s.adopted, s.adopted_records,
                  s.materialized, s.bytes / 1e6,
@@ -456,7 +458,9 @@ class Consumer(ServiceThread):
                  w.retry_pending if w is not None else 0, self.intake.value, self.skipped_undecodable,
                  len(tr.fetched) if tr is not None else 0, tr.fetched.bytes / 1e6 if tr is not None else 0.0,
                  tr.unknown_answers if tr is not None else 0, tr.disk_reads if tr is not None else 0,
-                 self.keys.renamed, tr.unreadable if tr is not None else 0, self._curve_refused())
+                 self.keys.renamed, tr.unreadable if tr is not None else 0, self._curve_refused(), s.prefix_ref_rows,
+                 s.prefix_live_rows, s.prefix_unresolved, s.prefix_unresolved_rows, len(self.acc.pool),
+                 self.acc.pool.bytes / 1e6, self.acc.pool.evicted, self.acc.pool.compacted)
 
     def _curve_refused(self) -> int:
         """Trainer handshakes refused: by the allow-list, and before it (another server key, no CURVE)."""
@@ -490,6 +494,8 @@ class Consumer(ServiceThread):
               for r, n in dict(self.bad).items()],
             metrics.gauge("consumer_in_flight_requests", "requests open in the accumulator", self.acc.in_flight),
             metrics.gauge("consumer_held_bytes", "bytes of rows held for open requests", self.acc.bytes_held),
+            metrics.gauge("consumer_prefix_pool_bytes", "bytes the prefix pool keeps", self.acc.pool.bytes),
+            metrics.counter("consumer_prefix_pool_evicted", "prefix pool entries evicted", self.acc.pool.evicted),
         ]
         if st is not None:
             out += [metrics.gauge("consumer_store_records", "records waiting for a trainer", len(st)),
@@ -588,13 +594,26 @@ class Consumer(ServiceThread):
     def _emit(self, rec: wire.Record) -> None:
         self.records_out += 1
         rec = self.keys.name(rec, self.consumer_id)      # a reused request id never replaces a stored record
+        # a record held compact (prefix references, consumer/prefix_pool.py) leaves whole: to npz, on_record,
+        # subscribers and a waiting trainer; only the store keeps it compact (and materialises it at fetch)
+        pool = self.acc.pool
+        tr = self.trainers
+        direct = tr is not None and (tr.subscribers or rec.request_id in tr.waiters)
+        compact = type(rec) is CompactRecord
+        whole = rec
+        if compact and (self.writer is not None or self.on_record is not None or tr is None or direct):
+            whole = pool.materialize(rec)
         self.out.count(rec)
         if not rec.complete:
             log.warning("consumer %s record %r incomplete: reason=%s missing=%s", self.consumer_id,
                         rec.request_id[:64], rec.reason, rec.missing[:4])
         if self.writer is not None:
-            self.writer.put(rec)
+            self.writer.put(whole)
         if self.on_record is not None:
-            self.on_record(rec)
-        if self.trainers is not None:
-            self.trainers.on_record(rec, time.monotonic())
+            self.on_record(whole)
+        if tr is not None:
+            if compact and not direct:
+                tr.on_record(rec, time.monotonic())         # into the store, compact
+                return
+            tr.on_record(whole, time.monotonic())
+        pool.release(rec)

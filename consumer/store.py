@@ -8,6 +8,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from routing_replay.consumer import npz
+from routing_replay.consumer.prefix_pool import PrefixPool
 from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
@@ -24,7 +25,9 @@ class RecordStore:
     """
 
     def __init__(self, max_bytes: int = 2 << 30, spill_dir: str | os.PathLike | None = None,
-                 remember_evicted: int = 100_000):
+                 remember_evicted: int = 100_000, pool: PrefixPool | None = None):
+        # pool: records held compact (CompactRecord) leave whole (peek, take, spill) and unpin when they go
+        self.pool = pool if pool is not None else PrefixPool(0)
         self.max_bytes = max_bytes
         self.spill_dir = Path(spill_dir) if spill_dir else None
         if self.spill_dir:
@@ -44,14 +47,17 @@ class RecordStore:
         old = self._mem.pop(rec.request_id, None)
         if old is not None:
             self.bytes -= old.nbytes
+            self.pool.release(old)
         self._mem[rec.request_id] = rec
         self.bytes += rec.nbytes
         while self.bytes > self.max_bytes and len(self._mem) > 1:
             rid, victim = self._mem.popitem(last=False)
             self.bytes -= victim.nbytes
+            whole = self.pool.materialize(victim) if self.spill_dir is not None else victim
+            self.pool.release(victim)
             if self.spill_dir is not None:
                 try:
-                    self._spilled[rid] = npz.write_record(self.spill_dir, victim)
+                    self._spilled[rid] = npz.write_record(self.spill_dir, whole)
                     self.spilled += 1
                     continue
                 except OSError as e:
@@ -74,7 +80,7 @@ class RecordStore:
         """The record without removing it (read back from the spill dir if it is there); like take() otherwise."""
         rec = self._mem.get(rid)
         if rec is not None:
-            return rec
+            return self.pool.materialize(rec)
         path = self._spilled.get(rid)
         if path is not None:
             return npz.read_record(path)
@@ -87,6 +93,7 @@ class RecordStore:
         rec = self._mem.pop(rid, None)
         if rec is not None:
             self.bytes -= rec.nbytes
+            self.pool.release(rec)
             return
         path = self._spilled.pop(rid, None)
         if path is not None:
@@ -97,7 +104,9 @@ class RecordStore:
         rec = self._mem.pop(rid, None)
         if rec is not None:
             self.bytes -= rec.nbytes
-            return rec
+            whole = self.pool.materialize(rec)
+            self.pool.release(rec)
+            return whole
         path = self._spilled.pop(rid, None)
         if path is not None:
             rec = npz.read_record(path)

@@ -2,7 +2,7 @@
  *
  * gather_rows(out, arrays, order, row_bytes, stream=True) writes, for i = 0..n-1 and s = 0..k-1 in that order,
  *     out[(i * k + s) * row_bytes ...] = arrays[s][order[i] * row_bytes ...]      (row_bytes bytes each)
- * i.e. request order[i]'s row of every step in a row, then the next request's: producer/messages.py's
+ * i.e. request order[i]'s row of every step in a row, then the next request's: producer/outpool.py's
  * request_major, whose numpy version (a scatter per step) is its reference and its fallback.
  *
  * Why C: the destination is megabytes written once and sent (not read again on this thread), and numpy's copies
@@ -171,7 +171,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_gather",
-    .m_doc = "The producer's request-major copy in C (producer/messages.py request_major).",
+    .m_doc = "The producer's request-major copy in C (producer/outpool.py request_major).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -13,18 +13,18 @@ import zmq
 
 from routing_replay.protocol import security, wire
 from routing_replay.protocol.ids import default_peer_id
-from routing_replay.producer.messages import (Announce, Announces, Geometry, Inbox, QueueLedger, RequestBook, Step,
-                                              StepParts, escaped_id, flat_ids, flat_ints)
-from routing_replay.producer.replay import ReplayBuffer, Spill
-from routing_replay.producer.sender import COALESCE_MAX_BYTES, STOP, Sender, SenderSettings
+from routing_replay.producer.books import RequestBook, escaped_id
+from routing_replay.producer.coalesce import StepParts
+from routing_replay.producer.config import ProducerConfig
+from routing_replay.producer.encode import Geometry
+from routing_replay.producer.handover import deferred_rows, release
+from routing_replay.producer.inbox import STOP, Inbox, QueueLedger
+from routing_replay.producer.intake import SenderSettings
+from routing_replay.producer.items import Announce, Announces, Step, flat_ids, flat_ints
+from routing_replay.producer.resend import ReplayBuffer, Spill
+from routing_replay.producer.sender import Sender
 
 log = logging.getLogger("routing_replay.producer")
-
-# Unacked bytes a producer keeps in memory (beyond them, with spill_dir, a spill file). Acks come back only after
-# the consumers applied a message, so this is also how far a producer runs ahead of them: what can sit in their
-# receive queues, and so the consumers' memory beyond their records. It must still cover the bytes sent in one ack
-# round trip, or throughput falls (bench/pipeline.py --replay-mib; docs/PERFORMANCE.md, "A 128 MiB replay window").
-REPLAY_MAX_BYTES = 128 << 20
 
 
 @dataclass
@@ -56,7 +56,7 @@ class ProducerStats:
                                 # queued one behind the other), when the broker takes them
     finishes_msgs: int = 0      # `finishes` messages: the same for finishes (end_many, or finish() calls)
     unbatched_msgs: int = 0     # held `opens`/`finishes` sent again as one `open`/`finish` each: the broker was
-                                # replaced by one that does not take them (a downgrade; Sender._unbatch)
+                                # replaced by one that does not take them (a downgrade; Intake._unbatch)
 
 
 def _positions(values: Any, name: str) -> Any:
@@ -151,56 +151,43 @@ class Producer:
     first answer logs one INFO line with the time it took.
     """
 
-    def __init__(self, endpoint: str, *, num_layers: int, top_k: int, moe_layer_ids: Sequence[int] | None = None,
-                 layer_range: tuple[int, int] | None = None, producer_id: str | None = None,
-                 context: zmq.Context | None = None, max_queue_bytes: int = 256 << 20,
-                 heartbeat_interval_ms: int = 1000, linger_ms: int = 2000, sndhwm: int = 10000,
-                 replay_max_bytes: int = REPLAY_MAX_BYTES, spill_dir: str | os.PathLike | None = None,
-                 spill_max_bytes: int = 4 << 30, resend_timeout_ms: int = 5000,
-                 curve_secret: str | os.PathLike | None = None, server_key: str | os.PathLike | None = None,
-                 silence_warn_after_ms: int = 3000, silence_warn_every_ms: int = 10_000,
-                 coalesce_max_bytes: int = COALESCE_MAX_BYTES):
-        if not 1 <= num_layers <= wire.MAX_LAYERS or not 1 <= top_k <= wire.MAX_TOP_K:
-            raise ValueError(f"num_layers={num_layers} top_k={top_k} outside protocol limits")
-        if (curve_secret is None) != (server_key is None):
-            raise ValueError("CURVE needs both curve_secret (this producer's secret cert) and server_key "
-                             "(the broker's public cert)")
-        if not 0 <= coalesce_max_bytes <= wire.MAX_PAYLOAD_FRAME_BYTES:     # the broker's whole-message bound
-            raise ValueError(f"coalesce_max_bytes={coalesce_max_bytes} outside 0..{wire.MAX_PAYLOAD_FRAME_BYTES} "
-                             f"(a coalesced delta must stay under wire.MAX_DATA_MESSAGE_BYTES)")
-        self.endpoint = endpoint
+    def __init__(self, endpoint: str | None = None, *, config: ProducerConfig | None = None,
+                 context: zmq.Context | None = None, **settings):
+        """`config`, or the endpoint and keyword arguments that build one (ProducerConfig's fields: num_layers and
+        top_k at least); with both, the arguments replace the config's fields. `context`: a ZeroMQ context to
+        share (default: one of its own, terminated by close())."""
+        if endpoint is not None:
+            settings["endpoint"] = endpoint
+        if config is None:
+            config = ProducerConfig(**settings)
+        elif settings:
+            config = dataclasses.replace(config, **settings)
+        self.config = cfg = config
+        num_layers, top_k = cfg.num_layers, cfg.top_k
+        self.endpoint = endpoint = cfg.endpoint
         self.num_layers = num_layers
         self.top_k = top_k
-        self.moe_layer_ids = list(range(num_layers)) if moe_layer_ids is None else [int(x) for x in moe_layer_ids]
-        if len(self.moe_layer_ids) != num_layers:
-            raise ValueError(f"moe_layer_ids has {len(self.moe_layer_ids)} entries for num_layers={num_layers}")
-        lo, hi = layer_range if layer_range is not None else (0, num_layers)
-        if not 0 <= lo < hi <= num_layers:
-            raise ValueError(f"layer_range {layer_range} not inside [0, {num_layers}]")
+        self.moe_layer_ids = list(range(num_layers)) if cfg.moe_layer_ids is None else [int(x) for x in
+                                                                                         cfg.moe_layer_ids]
+        lo, hi = cfg.layer_range if cfg.layer_range is not None else (0, num_layers)
         self.layer_lo, self.layer_hi = lo, hi
         self._geometry = Geometry(num_layers, top_k, lo, hi)
         self.row_shape = (hi - lo, top_k)
         self.row_bytes = (hi - lo) * top_k * 2
-        self.producer_id = producer_id or default_producer_id()
-        if len(self.producer_id) > wire.MAX_PEER_ID_LEN:
-            raise ValueError(f"producer id longer than {wire.MAX_PEER_ID_LEN} characters")
-        try:
-            self.producer_id.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"producer id {escaped_id(self.producer_id)} is not encodable as UTF-8") from None
+        self.producer_id = cfg.producer_id or default_producer_id()
         self.epoch = time.time_ns() // 1_000_000
-        self.max_queue_bytes = max_queue_bytes
-        self.replay_max_bytes = replay_max_bytes
-        self.spill_max_bytes = spill_max_bytes if spill_dir is not None else 0
-        self.resend_timeout_s = resend_timeout_ms / 1000
-        self.heartbeat_interval_s = heartbeat_interval_ms / 1000
-        self.silence_warn_after_s = silence_warn_after_ms / 1000
-        self.silence_warn_every_s = silence_warn_every_ms / 1000
-        self.linger_ms = linger_ms
-        self.curve_secret, self.server_key = curve_secret, server_key
-        if curve_secret is not None:
-            security.load_secret(curve_secret)            # fail here, in the caller, on a bad key file
-            security.load_public(server_key)
+        self.max_queue_bytes = cfg.max_queue_bytes
+        self.replay_max_bytes = cfg.replay_max_bytes
+        self.spill_max_bytes = cfg.spill_max_bytes if cfg.spill_dir is not None else 0
+        self.resend_timeout_s = cfg.resend_timeout_ms / 1000
+        self.heartbeat_interval_s = cfg.heartbeat_interval_ms / 1000
+        self.silence_warn_after_s = cfg.silence_warn_after_ms / 1000
+        self.silence_warn_every_s = cfg.silence_warn_every_ms / 1000
+        self.linger_ms = cfg.linger_ms
+        self.curve_secret, self.server_key = cfg.curve_secret, cfg.server_key
+        if cfg.curve_secret is not None:
+            security.load_secret(cfg.curve_secret)            # fail here, in the caller, on a bad key file
+            security.load_public(cfg.server_key)
         self.stats = ProducerStats()
         self._q = Inbox()
         self._book = RequestBook()
@@ -208,17 +195,17 @@ class Producer:
         self._lock = self._book.lock
         self._ledger = QueueLedger(self._lock)
         self._closed = False
-        self._replay = ReplayBuffer(replay_max_bytes, Spill(spill_dir, self.producer_id) if spill_dir is not None
-                                    else None, self.spill_max_bytes)
+        self._replay = ReplayBuffer(cfg.replay_max_bytes, Spill(cfg.spill_dir, self.producer_id)
+                                    if cfg.spill_dir is not None else None, self.spill_max_bytes)
         # An own context by default: its term() in close() is what makes linger wait for queued messages to
         # reach the wire (socket.close() alone returns at once, and a process that exits then loses them).
         self._own_ctx = context is None
         self._ctx = context or zmq.Context(io_threads=1)
         self._sender = Sender(SenderSettings(
             endpoint, self.producer_id, self.epoch, self._geometry, self.row_bytes, self.heartbeat_interval_s,
-            self.resend_timeout_s, self.silence_warn_after_s, self.silence_warn_every_s, linger_ms, sndhwm,
-            curve_secret, server_key, replay_max_bytes, self.spill_max_bytes, max_queue_bytes, coalesce_max_bytes),
-            self._ctx, self._q, self._ledger, self._book, self._replay, self.stats)
+            self.resend_timeout_s, self.silence_warn_after_s, self.silence_warn_every_s, cfg.linger_ms, cfg.sndhwm,
+            cfg.curve_secret, cfg.server_key, cfg.replay_max_bytes, self.spill_max_bytes, cfg.max_queue_bytes,
+            cfg.coalesce_max_bytes), self._ctx, self._q, self._ledger, self._book, self._replay, self.stats)
         self._thread = self._sender.thread
         self._sender.start()
         self._check()
@@ -262,17 +249,21 @@ class Producer:
                         escaped_id(request_id), self._book.problem(request_id) or "refused", total)
 
     def open(self, request_id: str, *, prompt_len: int, num_cached_tokens: int = 0,
-             prompt_token_ids: Sequence[int] | np.ndarray | None = None, prefix_filled: bool = False) -> None:
+             prompt_token_ids: Sequence[int] | np.ndarray | None = None, prefix_filled: bool = False,
+             prefix_refs: Sequence[tuple] = ()) -> None:
         """Announce a request: its prompt length and how many leading prompt tokens were prefix-cache hits.
         prefix_filled: rows [0, num_cached_tokens) will be published too (from the engine's prefix store), so
-        the consumer expects them instead of writing -1 there.
+        the consumer expects them instead of writing -1 there. prefix_refs (with prefix_filled): (writer,
+        writer_pos, pos, count) runs of those rows that are an earlier request's rows and are not published
+        (wire.parse_prefix_refs; checked here, a bad one raises ProtocolError).
 
         Raises wire.ProtocolError("bad_request_id") for an id that cannot travel; that id's later parts are
         dropped and counted, as are those of a request whose open raised anything else.
         """
         self._check()
         try:
-            item = self._open_item(request_id, prompt_len, num_cached_tokens, prompt_token_ids, prefix_filled)
+            item = self._open_item(request_id, prompt_len, num_cached_tokens, prompt_token_ids, prefix_filled,
+                                   prefix_refs=prefix_refs)
         except wire.ProtocolError:
             raise
         except BaseException:
@@ -287,25 +278,25 @@ class Producer:
         built on the producer's thread (an engine hands over a step's new requests so), as one `opens` message
         when the broker takes it (opens queued one behind the other by `open` go so too).
 
-        Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with
-        int lengths. `ids_checked`: the caller has already checked each id with wire.request_id_problem (the
-        thread checks it again: an id that cannot travel is then refused, logged and counted in
-        stats.encode_errors). `tokens_frozen`: the caller never modifies the token id lists it passes (an engine's
-        prompt lists): they go to the producer's thread by reference, not copied. Returns (index, exception) for
-        each item open() would have raised for; nothing is announced for those (their ids are refused as open()
-        refuses them). The others are announced, in order."""
+        Each item is (request_id, prompt_len, num_cached_tokens, prompt_token_ids or None, prefix_filled) with int
+        lengths (a sixth element, when present: its prefix_refs, as open() takes them). `ids_checked`: the caller has
+        already checked each id with wire.request_id_problem (the thread checks it again: an id that cannot travel is
+        then refused, logged and counted in stats.encode_errors). `tokens_frozen`: the caller never modifies the token
+        id lists it passes (an engine's prompt lists): they go to the producer's thread by reference, not copied.
+        Returns (index, exception) for each item open() would have raised for; nothing is announced for those (their ids
+        are refused as open() refuses them). The others are announced, in order."""
         self._check()
         if ids_checked and tokens_frozen and opens:
             # an engine's own items (the vLLM worker's): checked in one pass, taken as they are when all are sound
             if not any(type(p) is not int or type(c) is not int or not 0 <= c <= p
-                       or (t is not None and type(t) is not list) for _, p, c, t, _ in opens):
+                       or (t is not None and type(t) is not list) for _, p, c, t, *_ in opens):
                 ok = list(opens)
                 self._book.opened_many([item[0] for item in ok])
                 self._put_many(Announces(self._open_items, ok))
                 return []
         ok, ids, failed = [], [], []
         for i, item in enumerate(opens):
-            rid, prompt_len, num_cached, tokens, filled = item
+            rid, prompt_len, num_cached, tokens, filled, *refs = item
             bad = None if ids_checked else _id_error(rid)
             if bad is not None:
                 failed.append((i, bad))
@@ -321,7 +312,7 @@ class Producer:
                         self._book.refuse(rid)
                         failed.append((i, e))
                         continue
-                ok.append((rid, prompt_len, num_cached, tokens, filled))
+                ok.append((rid, prompt_len, num_cached, tokens, filled, *refs))
                 ids.append(rid)
         if ok:
             self._book.opened_many(ids)
@@ -331,16 +322,17 @@ class Producer:
     def _open_items(self, items: list) -> list:
         """open_many's items as Announce (the producer's thread)."""
         out = []
-        for rid, prompt_len, num_cached, tokens, filled in items:
+        for rid, prompt_len, num_cached, tokens, filled, *refs in items:
             try:
-                out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled, frozen=True))
+                out.append(self._open_item(rid, prompt_len, num_cached, tokens, filled, frozen=True,
+                                           prefix_refs=refs[0] if refs else ()))
             except Exception as e:  # noqa: BLE001 -- an id passed as checked that cannot travel: it alone
                 self._book.refuse(rid)
                 self._build_failed("open", rid, e)
         return out
 
     def _open_item(self, request_id: str, prompt_len: int, num_cached_tokens: int, prompt_token_ids: Any,
-                   prefix_filled: bool, frozen: bool = False) -> Announce:
+                   prefix_filled: bool, frozen: bool = False, prefix_refs: Sequence[tuple] = ()) -> Announce:
         bad = _id_error(request_id)
         if bad is not None:
             raise bad
@@ -350,6 +342,12 @@ class Producer:
                 "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
         if prefix_filled:
             body["prefix_filled"] = True
+        if prefix_refs:
+            refs = [[w, int(wp), int(pos), int(n)] for w, wp, pos, n in prefix_refs]
+            if not prefix_filled:
+                raise ValueError(f"prefix_refs of {request_id[:64]!r} without prefix_filled")
+            wire.parse_prefix_refs(refs, num_cached_tokens, request_id)
+            body["prefix_refs"] = refs
         return Announce("open", request_id, body, _token_frames(body, "n_prompt_tokens", prompt_token_ids, frozen))
 
     def publish(self, step: Iterable[tuple[str, int, np.ndarray]]) -> bool:
@@ -390,25 +388,23 @@ class Producer:
         if not (len(request_ids) == len(starts) == len(counts)):
             raise ValueError(f"{len(request_ids)} request ids, {len(starts)} starts, {len(counts)} counts")
         total = sum(counts)
-        shape = getattr(rows, "shape", None)
-        if shape is not None:
-            self._check_rows_shape(shape, getattr(rows, "dtype", wire.ROW_DTYPE))
-            if shape[0] != total:
-                raise ValueError(f"rows has {shape[0]} rows, counts add up to {total}")
+        if not isinstance(rows, np.ndarray):
+            rows = deferred_rows(rows)          # TypeError naming what a caller's object lacks
+        self._check_rows_shape(rows.shape, rows.dtype)
+        if rows.shape[0] != total:
+            raise ValueError(f"rows has {rows.shape[0]} rows, counts add up to {total}")
         screen = self._book.screen(request_ids)
         keep = screen.keep
         if keep is not None:
             bad = next(rid for rid, k in zip(request_ids, keep) if not k)
             self._drop_parts(f"{screen.dropped} delta part(s)", bad, screen.dropped)
             if not any(keep):
-                rel = getattr(rows, "release", None)
-                if rel is not None:
-                    rel()
+                release(rows)
                 return True
             total = sum(c for c, k in zip(counts, keep) if k)
         nbytes = total * self.row_bytes
         item = Step(list(request_ids), list(starts), list(counts), rows, keep)
-        if not getattr(rows, "dropped", False) and self._put(item, nbytes, True):
+        if (isinstance(rows, np.ndarray) or not rows.dropped) and self._put(item, nbytes, True):
             return True
         self._step_dropped(request_ids, starts, counts, rows, keep, total)
         return False
@@ -423,13 +419,15 @@ class Producer:
         of the flattened lists (which it falls back to when an id cannot travel or was refused).
 
         checked=True: the caller built the per-step lists and arrays itself and vouches for their lengths and
-        types, and `rows` has a `shape` whose first entry is the rows of all steps (the vLLM plugin's worker):
-        the per-step checks are skipped. The ids are still screened.
+        types (an engine's own batches): the per-step checks are skipped. The ids are still screened.
 
-        With checked=True, `rows` may be `deferred` (the worker's steps added raw): its `resolve(request_ids,
-        starts, counts)` gives the steps' real ids, starts and counts on the producer's thread, and may leave rows
-        out (`rows.shape` shrinks). Those ids are not screened here; the thread drops the parts of refused ids."""
+        With checked=True, `rows` may be `deferred` (DeferredRows, producer/handover.py: the ids are the engine's
+        own): its `resolve(request_ids, starts, counts)` gives the steps' record ids, starts and counts on the
+        producer's thread, and may leave rows out (`rows.shape` shrinks). Those ids are not screened here; the
+        thread drops the parts of refused ids."""
         self._check()
+        if not isinstance(rows, np.ndarray):
+            rows = deferred_rows(rows)          # TypeError naming what a caller's object lacks
         if not (len(request_ids) == len(starts) == len(counts)) or not request_ids:
             raise ValueError(f"{len(request_ids)} id lists, {len(starts)} starts, {len(counts)} counts (one per "
                              "step, at least one step)")
@@ -451,16 +449,14 @@ class Producer:
             if not (len(ids) == len(st) == len(cn)):
                 raise ValueError(f"a step of {len(ids)} request ids, {len(st)} starts, {len(cn)} counts")
             total += n
-        shape = getattr(rows, "shape", None)
-        if shape is not None:
-            self._check_rows_shape(shape, getattr(rows, "dtype", wire.ROW_DTYPE))
-            if shape[0] != total:
-                raise ValueError(f"rows has {shape[0]} rows, counts add up to {total}")
+        self._check_rows_shape(rows.shape, rows.dtype)
+        if rows.shape[0] != total:
+            raise ValueError(f"rows has {rows.shape[0]} rows, counts add up to {total}")
         return self._publish_parts(request_ids, starts, counts, rows, total)
 
     def _publish_parts(self, request_ids: Sequence, starts: Sequence, counts: Sequence, rows: Any,
                        total: int) -> bool:
-        if getattr(rows, "deferred", False):
+        if not isinstance(rows, np.ndarray) and rows.deferred:
             return self._publish_deferred(request_ids, starts, counts, rows, total)
         book = self._book
         last, refusals = self._screened
@@ -472,7 +468,8 @@ class Producer:
                 return self.publish_rows(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows)
             self._screened = (ids, seen)
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        if not getattr(rows, "dropped", False) and self._put(item, self._queued_bytes(rows, total), True):
+        if (isinstance(rows, np.ndarray) or not rows.dropped) and self._put(item, self._queued_bytes(rows, total),
+                                                                              True):
             return True
         self._step_dropped(flat_ids(request_ids), flat_ints(starts), flat_ints(counts), rows, None, total)
         return False
@@ -481,7 +478,8 @@ class Producer:
                           total: int) -> bool:
         """publish_steps of rows whose ids the producer's thread resolves (see there)."""
         item = StepParts(list(request_ids), list(starts), list(counts), rows)
-        if not getattr(rows, "dropped", False) and self._put(item, self._queued_bytes(rows, total), True):
+        if (isinstance(rows, np.ndarray) or not rows.dropped) and self._put(item, self._queued_bytes(rows, total),
+                                                                              True):
             return True
         ids, starts, counts = rows.resolve(item.request_ids, item.starts, item.counts)     # dropped: which keys
         self._step_dropped(flat_ids(ids), flat_ints(starts), flat_ints(counts), rows, None, rows.shape[0])
@@ -490,16 +488,14 @@ class Producer:
     def _queued_bytes(self, rows: Any, total: int) -> int:
         """What a step of `total` rows counts against the queue bound: its int16 rows, plus what the rows object
         holds beyond them until the thread takes it (extra_nbytes: an eager CPU engine's router tensors; the
-        thread gives it back then, Sender._step_of)."""
-        return total * self.row_bytes + getattr(rows, "extra_nbytes", 0)
+        thread gives it back then, Intake._step_of)."""
+        return total * self.row_bytes + (0 if isinstance(rows, np.ndarray) else rows.extra_nbytes)
 
     def _step_dropped(self, request_ids, starts, counts, rows, keep, total: int) -> None:
         """A step refused by the queue bound (or dropped by capture): release its rows, report its positions lost."""
         self.stats.dropped_msgs += 1
         self.stats.dropped_rows += total
-        rel = getattr(rows, "release", None)
-        if rel is not None:
-            rel()
+        release(rows)
         if keep is None:
             self._book.add_lost(request_ids, starts, counts)
         else:

@@ -24,18 +24,23 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames
 Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default when absent):
     open      key: request id
               {prompt_len, num_cached, num_layers, top_k[, layer_ids = range(num_layers)][, n_prompt_tokens = 0]
-               [, prefix_filled = false][, reassigned]}
+               [, prefix_filled = false][, prefix_refs = []][, reassigned]}
                                                   prefix_filled: the producer sends rows [0, num_cached) too (from
                                                   its prefix store); reassigned: added by the broker only
+                                                  prefix_refs (with prefix_filled only): [[writer, writer_pos, pos,
+                                                  count], ...], at most MAX_PREFIX_REFS, pos ascending and disjoint,
+                                                  pos + count <= num_cached: rows [pos, pos + count) are request
+                                                  `writer`'s rows [writer_pos, writer_pos + count) and are not sent
               frame 1 (when n_prompt_tokens is sent): the prompt token ids, n_prompt_tokens int32 LE
     opens     key: list of request ids (distinct), the opens of several requests in one message: each entry is
               what an `open` of that request would say. Sent only to a peer that takes it (FEATURE_OPENS in its
               hello/heartbeat: broker -> producer reply, consumer -> broker); a peer that does not gets `open`s
               {prompt_len: bin, num_cached: bin, num_layers, top_k[, layer_ids = range(num_layers)]
-               [, n_prompt_tokens: bin][, prefix_filled: bin]}
+               [, n_prompt_tokens: bin][, prefix_filled: bin][, prefix_refs: [entry refs, ...]]}
               prompt_len, num_cached, n_prompt_tokens: int32 LE arrays, one entry per request id (n_prompt_tokens
-              absent: none sent); prefix_filled: one byte per request id, 0 or 1 (absent: all 0); num_layers,
-              top_k and layer_ids are every entry's
+              absent: none sent); prefix_filled: one byte per request id, 0 or 1 (absent: all 0); prefix_refs: one
+              list per request id, each what that entry's `open` would carry ([] for none; absent: none at all);
+              num_layers, top_k and layer_ids are every entry's
               frame 1 (when any n_prompt_tokens entry is > 0): the prompt token ids of every entry, in key order,
               sum(n_prompt_tokens) int32 LE
     delta     key: list of request ids
@@ -158,6 +163,7 @@ MAX_POSITION = 1 << 26               # 64M tokens
 MAX_LAYERS = 1024
 MAX_LAYER_ID = 1 << 16               # model layer ids a slice may name ([lo, hi), hi at most this)
 MAX_TOP_K = 256
+MAX_PREFIX_REFS = 4096               # references per open (runs of KV blocks: a prompt of 512k tokens in 128s)
 MAX_FRAMES = 1 + MAX_REQUESTS_PER_DELTA
 # Whole-message bounds (protocol/loop.recv_frames): a multipart message above its socket's bound is refused by its
 # total size, frame by frame as it is read, whatever each frame's size. libzmq hands a multipart message over only
@@ -475,6 +481,45 @@ class Open:
     layer_ids: list
     n_prompt_tokens: int
     prefix_filled: bool = False
+    # ((writer, writer_pos, pos, count), ...): rows [pos, pos + count) of this request are `writer`'s rows
+    # [writer_pos, writer_pos + count), not sent (the consumer resolves them: consumer/prefix_pool.py)
+    prefix_refs: tuple = ()
+
+
+def parse_prefix_refs(raw: Any, num_cached: int, rid: str) -> tuple:
+    """An open's prefix_refs, checked: a list of at most MAX_PREFIX_REFS [writer, writer_pos, pos, count] (writer a
+    valid request id other than `rid`, writer_pos >= 0, count >= 1, writer_pos + count <= MAX_POSITION, ranges
+    [pos, pos + count) ascending, disjoint, inside [0, num_cached)). Returns a tuple of tuples."""
+    if type(raw) is not list:
+        raise _bad("bad_field", f"prefix_refs of {rid[:64]!r} must be a list, got {type(raw).__name__}")
+    if len(raw) > MAX_PREFIX_REFS:
+        raise _bad("bad_field", f"prefix_refs of {rid[:64]!r} has {len(raw)} entries, limit {MAX_PREFIX_REFS}")
+    out = []
+    end = 0
+    for ref in raw:
+        if type(ref) is not list or len(ref) != 4:
+            raise _bad("bad_field", f"prefix_refs entry {str(ref)[:80]} of {rid[:64]!r} is not "
+                       f"[writer, writer_pos, pos, count]")
+        w, wp, pos, n = ref
+        problem = request_id_problem(w)
+        if problem is not None:
+            raise _bad("bad_request_id", f"prefix_refs writer of {rid[:64]!r}: {problem}")
+        if w == rid:
+            raise _bad("bad_field", f"prefix_refs of {rid[:64]!r} names the request itself as writer")
+        if (type(wp) is not int or type(pos) is not int or type(n) is not int or wp < 0 or n < 1
+                or wp + n > MAX_POSITION):
+            raise _bad("bad_field", f"prefix_refs entry [{w[:64]!r}, {wp!r}, {pos!r}, {n!r}] of {rid[:64]!r}: "
+                       f"writer_pos >= 0, count >= 1, writer_pos + count <= {MAX_POSITION} (ints)")
+        if pos < end or pos + n > num_cached:
+            raise _bad("out_of_range", f"prefix_refs entry [{w[:64]!r}, {wp}, {pos}, {n}] of {rid[:64]!r}: rows "
+                       f"[{pos}, {pos + n}) not ascending and disjoint inside [0, num_cached={num_cached})")
+        end = pos + n
+        out.append((w, wp, pos, n))
+    return tuple(out)
+
+
+def _refs_body(refs: tuple) -> list:
+    return [list(r) for r in refs]
 
 
 # the last layer_ids list that passed the checks (a new list of ints): every open of one model carries the same
@@ -510,7 +555,12 @@ def parse_open(h: Header) -> Open:
     filled = b.get("prefix_filled", False)
     if type(filled) is not bool:
         raise _bad("bad_field", f"prefix_filled must be a bool, got {type(filled).__name__}")
-    return Open(rid, P, C, L, K, ids, nt, filled)
+    refs = ()
+    if b.get("prefix_refs"):
+        if not filled:
+            raise _bad("bad_field", f"prefix_refs of {rid[:64]!r} without prefix_filled")
+        refs = parse_prefix_refs(b["prefix_refs"], C, rid)
+    return Open(rid, P, C, L, K, ids, nt, filled, refs)
 
 
 class _EntryTokens:
@@ -557,12 +607,14 @@ class Opens(_EntryTokens):
     top_k: int
     layer_ids: list
     offsets: np.ndarray                  # int64, len + 1 (_EntryTokens; all 0 when no token ids were sent)
+    prefix_refs: list | None = None      # per entry: a tuple of (writer, writer_pos, pos, count) (None: none)
 
     def open_at(self, i: int) -> Open:
         return Open(self.request_ids[i], int(self.prompt_len[i]), int(self.num_cached[i]), self.num_layers,
                     self.top_k, self.layer_ids,
                     0 if self.n_prompt_tokens is None else int(self.n_prompt_tokens[i]),
-                    False if self.prefix_filled is None else bool(self.prefix_filled[i]))
+                    False if self.prefix_filled is None else bool(self.prefix_filled[i]),
+                    () if self.prefix_refs is None else self.prefix_refs[i])
 
     def single(self, h: Header, tokens: np.ndarray | None, i: int, reassigned: bool = False) -> tuple:
         """Entry i as an `open` of its own, from the same sender and seq: (header, payload frames)."""
@@ -617,17 +669,28 @@ def parse_opens(h: Header, frames: Sequence = ()) -> tuple[Opens, np.ndarray | N
         if n and int(u.max()) > 1:
             raise _bad("bad_field", "prefix_filled bytes must be 0 or 1")
         filled = u.astype(bool)
+    refs = None
+    if b.get("prefix_refs") is not None:
+        raw = b["prefix_refs"]
+        if type(raw) is not list or len(raw) != n:
+            raise _bad("bad_field", f"prefix_refs must be a list of {n} lists, one per request id")
+        refs = []
+        for i, r in enumerate(raw):
+            if r and (filled is None or not filled[i]):
+                raise _bad("bad_field", f"prefix_refs of {ids[i][:64]!r} without prefix_filled")
+            refs.append(parse_prefix_refs(r, int(C[i]), ids[i]) if r else ())
     total = int(offsets[-1])
     if len(frames) != (1 if total else 0):
         raise _bad("frame_count", f"opens announces {total} prompt tokens but has {len(frames)} payload frames")
     tokens = tokens_from_frame(frames[0], total, "prompt token") if total else None
-    return Opens(ids, P, C, NT, filled, L, K, layer_ids, offsets), tokens
+    return Opens(ids, P, C, NT, filled, L, K, layer_ids, offsets, refs), tokens
 
 
 def opens_body(prompt_len: Sequence[int], num_cached: Sequence[int], num_layers: int, top_k: int,
                layer_ids: Sequence[int] | None = None, n_prompt_tokens: Sequence[int] | None = None,
-               prefix_filled: Sequence[bool] | None = None) -> dict:
-    """The body of an `opens` (entries in key order); layer_ids None: range(num_layers)."""
+               prefix_filled: Sequence[bool] | None = None, prefix_refs: Sequence[tuple] | None = None) -> dict:
+    """The body of an `opens` (entries in key order); layer_ids None: range(num_layers); prefix_refs: per entry
+    its references (() for none)."""
     body = {"prompt_len": _i32_bytes(prompt_len), "num_cached": _i32_bytes(num_cached), "num_layers": num_layers,
             "top_k": top_k}
     if layer_ids is not None:
@@ -636,6 +699,8 @@ def opens_body(prompt_len: Sequence[int], num_cached: Sequence[int], num_layers:
         body["n_prompt_tokens"] = _i32_bytes(n_prompt_tokens)
     if prefix_filled is not None and any(prefix_filled):
         body["prefix_filled"] = bytes(bytearray(1 if x else 0 for x in prefix_filled))
+    if prefix_refs is not None and any(prefix_refs):
+        body["prefix_refs"] = [_refs_body(r) for r in prefix_refs]
     return body
 
 
@@ -647,6 +712,8 @@ def open_body(o: Open, reassigned: bool = False) -> dict:
         body["n_prompt_tokens"] = o.n_prompt_tokens
     if o.prefix_filled:
         body["prefix_filled"] = True
+    if o.prefix_refs:
+        body["prefix_refs"] = _refs_body(o.prefix_refs)
     if reassigned:
         body["reassigned"] = True
     return body
@@ -658,7 +725,8 @@ def subset_opens(h: Header, o: Opens, tokens: np.ndarray | None, idx: Sequence[i
     idx = np.asarray(idx, dtype=np.int64)
     nt = None if o.n_prompt_tokens is None else o.n_prompt_tokens[idx]
     body = opens_body(o.prompt_len[idx], o.num_cached[idx], o.num_layers, o.top_k, o.layer_ids, nt,
-                      None if o.prefix_filled is None else o.prefix_filled[idx])
+                      None if o.prefix_filled is None else o.prefix_filled[idx],
+                      None if o.prefix_refs is None else [o.prefix_refs[i] for i in idx.tolist()])
     if "layer_ids" not in h.body:
         del body["layer_ids"]
     ids = idx.tolist()

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.bench     # runs a bench/ script: `-m "not bench"` selects the specification tests
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "open_storm.py"
 
 

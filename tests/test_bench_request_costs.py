@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.bench     # runs a bench/ script: `-m "not bench"` selects the specification tests
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "zmq_small_messages.py"
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.procs import load_script
 
+pytestmark = pytest.mark.bench     # runs a bench/ script: `-m "not bench"` selects the specification tests
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "vllm_gpu.py"
 
 

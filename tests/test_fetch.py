@@ -68,7 +68,7 @@ def test_a_producer_closed_right_after_its_first_flush_waits_for_acks_and_its_op
             p.publish_rows([rid], [0], [2], true_rows(i, np.arange(2), L, K, E))
             assert p.flush(10)
             p.close()
-            assert p._sender._broker_epoch is not None and len(p._sender._replay) == 0     # answered, all acked
+            assert p._sender.intake._broker_epoch is not None and len(p._sender._replay) == 0     # answered, all acked
             t0 = time.monotonic()
             rec = t.fetch([rid], timeout_s=5)[rid]
             assert time.monotonic() - t0 < 3.0                        # the broker's producer timeout is 10 s

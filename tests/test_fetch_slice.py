@@ -250,6 +250,7 @@ def test_the_subscribe_cli_refuses_a_bad_range_with_exit_2():
                                        "<= 65536"]
 
 
+@pytest.mark.bench
 def test_the_slice_bench_reports_exact_bytes_per_rank(tmp_path, capsys):
     """bench/slice_fetch.py, small: the per-rank figures are the encoded slices' sizes (it checks each record)."""
     import json

@@ -1,4 +1,4 @@
-"""The producer's request-major copy in C (producer/_gather.c) against its numpy reference (producer/messages.py
+"""The producer's request-major copy in C (producer/_gather.c) against its numpy reference (producer/outpool.py
 request_major with native=False): bit for bit, on the shapes the producer meets and odd ones, through both of the C
 copy's paths (streaming stores for large 16-byte rows, memcpy per row otherwise); bad arguments get a clear error
 before a byte of the destination is written. Where a C compiler and Python's headers exist (so `pip install -e .`
@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from routing_replay.producer import messages
-from routing_replay.producer.messages import request_major
+from routing_replay.producer import outpool as messages
+from routing_replay.producer.outpool import request_major
 from tests.procs import c_toolchain
 
 _gather = messages._gather

@@ -94,3 +94,70 @@ def test_trainer_side_imports_without_the_consumer_service(module):
     assert "routing_replay.consumer.accumulator" not in loaded
     assert not any(m.startswith(("routing_replay.broker", "routing_replay.producer", "routing_replay.capture"))
                    for m in loaded)
+
+
+def _private_imports(path: Path, package: str):
+    """(line, text) for each private name of another package that `path` imports (`from routing_replay.X.y import
+    _z`, or `m._z` where `m` is a module of another package imported by name)."""
+    tree = ast.parse(path.read_text(), str(path))
+    modules = set()             # local names bound to another package's modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            parts = node.module.split(".")
+            if parts[0] != ROOT:
+                continue
+            for a in node.names:
+                other = (parts[1] if len(parts) > 1 else a.name) != package
+                if len(parts) > 1 and other and a.name.startswith("_") and not a.name.startswith("__"):
+                    yield node.lineno, f"from {node.module} import {a.name}"
+                elif len(parts) <= 2 and other:
+                    modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == ROOT and len(parts) > 1 and parts[1] != package and a.asname:
+                    modules.add(a.asname)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            yield node.lineno, f"{node.value.id}.{node.attr}"
+
+
+# Private names engines/ still imports from a stage: engines/vllm_plugin/ is being split apart from this change;
+# this list is emptied when the two meet (then the test below wants it empty).
+KNOWN_PRIVATE_IMPORTS: set = set()
+
+
+def test_no_module_imports_another_packages_private_names():
+    found = set()
+    for name, folder in _packages().items():
+        for path in sorted(folder.rglob("*.py")):
+            for _, text in _private_imports(path, name):
+                found.add((str(path.relative_to(REPO)), text))
+    assert sorted(found - KNOWN_PRIVATE_IMPORTS) == []
+    assert sorted(KNOWN_PRIVATE_IMPORTS - found) == [], "fixed: take these out of KNOWN_PRIVATE_IMPORTS"
+
+
+def test_private_imports_are_found(tmp_path):
+    """The check above on a module written for it: each form is found, a package's own private names are not."""
+    src = tmp_path / "m.py"
+    src.write_text("from routing_replay.capture.cache import _ID_DTYPES, RoutingCache\n"
+                   "from routing_replay.capture import stamps\n"
+                   "import routing_replay.capture.ring as ring\n"
+                   "from routing_replay.producer.outpool import _gather\n"
+                   "x = stamps._mask + ring._slot + stamps.public + ring.__name__\n")
+    assert sorted(t for _, t in _private_imports(src, "producer")) == [
+        "from routing_replay.capture.cache import _ID_DTYPES", "ring._slot", "stamps._mask"]
+
+
+def test_the_producer_never_names_the_engine():
+    """producer/ takes rows through its own contract (producer/handover.py): it imports nothing of engines/ and
+    names none of its classes."""
+    engine_names = ("_BatchedRows", "WorkerCapture", "vllm_plugin", "PendingRows", "HostRows")
+    bad = []
+    for path in sorted((REPO / "producer").rglob("*.py")):
+        text = path.read_text()
+        bad += [f"{path.name}:{line} imports {target}" for line, target in _imports(path, "producer")
+                if target in ENGINES | APPS]
+        bad += [f"{path.name} names {n}" for n in engine_names if n in text]
+    assert bad == []

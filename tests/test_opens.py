@@ -443,7 +443,7 @@ def fake_broker_taking_batches(tmp_path):
 
     def answer():                                   # the broker's first reply: its epoch and what it takes
         deadline = time.monotonic() + 10
-        while fake.ident is None or not p._sender.broker_takes_finishes:
+        while fake.ident is None or not p._sender.intake.broker_takes_finishes:
             assert time.monotonic() < deadline, "no hello from the producer"
             if fake.sock.poll(50):
                 fake.ident, *frames = fake.sock.recv_multipart()
@@ -492,14 +492,14 @@ def test_a_loss_reported_before_a_built_finishes_is_sent_is_re_encoded_into_its_
     fake = None
     try:
         s = p._sender
-        s.broker_takes_opens = s.broker_takes_finishes = True     # as a broker's reply would set them
+        s.intake.broker_takes_opens = s.intake.broker_takes_finishes = True     # as a broker's reply would set them
         assert p.open_many([("a", 3, 0, None, False), ("b", 3, 0, None, False)]) == []
         p.end_many([("finish", "a", 1, "stop", None), ("finish", "b", 1, "stop", None)])
         p.flush(0.05)                                          # no broker: both wait in the replay buffer
         wait_until(lambda: len(s._replay) == 2, 10, "both messages built")
         fin = s._replay.get(2)
         assert fin.parts.kind == "finishes" and fin.sent_at == 0.0
-        assert s._note_lost("b", [0, 2], 1, "refused") == "finish re-encoded"
+        assert s.intake._note_lost("b", [0, 2], 1, "refused") == "finish re-encoded"
         fake = FakeBroker(ctx, f"ipc://{tmp_path}/g")          # the broker comes up: they go
         got = []
         while len(got) < 2:
@@ -520,7 +520,7 @@ def test_renumber_splits_the_chosen_entries_and_numbers_every_held_entry_again(t
     """ReplayBuffer.renumber: an `opens` of 3 entries becomes 3 messages, the entries after it move up by 2 (their
     headers rewritten, spilled ones too), an entry kept as it was keeps its send time, the cursor goes back to the
     first unacknowledged seq, and the byte accounting matches the new frames."""
-    from routing_replay.producer.replay import Parts, ReplayBuffer, Spill
+    from routing_replay.producer.resend import Parts, ReplayBuffer, Spill
     r = ReplayBuffer(mem_bound=300, spill=Spill(tmp_path, "p"), spill_bound=1 << 20)
 
     def msg(kind, seq, key, pad=0):
@@ -593,7 +593,8 @@ def test_a_broker_downgraded_under_held_opens_and_finishes_gets_them_one_by_one_
     p = Producer(fe, num_layers=L, top_k=K, context=ctx, linger_ms=0)
     try:
         s = p._sender
-        wait_until(lambda: s.broker_takes_opens and s.broker_takes_finishes, 10, "the first broker's reply")
+        wait_until(lambda: s.intake.broker_takes_opens and s.intake.broker_takes_finishes, 10,
+                   "the first broker's reply")
         specs = _specs("down")
         SyntheticEngine(num_layers=L, top_k=K, num_experts=E, open_many=True).run(p, specs, seed=0)
         assert p.flush(30)                              # all sent to the first broker, which acks nothing
@@ -609,7 +610,8 @@ def test_a_broker_downgraded_under_held_opens_and_finishes_gets_them_one_by_one_
         assert p.wait_acked(60), "the producer's messages were not all acked by the older broker"
         wait_until(lambda: len(got) >= len(specs), 30, "records")
         _exact(specs, got)
-        assert p.stats.unbatched_msgs == batched and not s.broker_takes_opens and not s.broker_takes_finishes
+        assert p.stats.unbatched_msgs == batched and not s.intake.broker_takes_opens \
+            and not s.intake.broker_takes_finishes
         assert b2.stats.opens_in == 0 and b2.stats.finishes_in == 0
         assert b2.stats.requests_opened == len(specs)
         assert not any(sum(c.bad.values()) for c in cons)

@@ -322,7 +322,7 @@ def test_a_reachable_broker_gives_one_startup_line(ctx, tmp_path, caplog):
         wait_for(lambda: any("broker answered" in r.getMessage() for r in caplog.records))
         lines = [r.getMessage() for r in caplog.records if "broker answered" in r.getMessage()]
         assert len(lines) == 1 and re.search(r"broker answered at ipc://\S+ in \d+ ms copy=", lines[0]), lines
-        from routing_replay.producer import messages
+        from routing_replay.producer import outpool as messages
         assert lines[0].endswith(f" copy={'native' if messages.NATIVE else 'numpy'}"), lines
         assert lines[0].startswith(f"producer {p.producer_id}: ")
         assert not _silence_lines(caplog)
@@ -604,7 +604,7 @@ def test_owner_hints_order_groups_requests_stably_and_only_when_it_helps():
     stable order by group (unknown owners first) and its inverse; cached for the same or an equal list until a
     hint arrives;
     the generic RequestMajor (ndarray rows) applies it in its one copy."""
-    from routing_replay.producer.messages import OwnerHints, RequestMajor
+    from routing_replay.producer.coalesce import OwnerHints, RequestMajor
     h = OwnerHints()
     ids = ["a", "b", "c", "d", "e"]
     assert h.order(ids) is None
@@ -719,7 +719,7 @@ def test_owner_hints_group_merged_decode_steps_so_the_broker_only_slices(ctx, tm
         # every merged batch went to both consumers (coalesced or not) as slices: nothing gathered after the
         # hints; the prompt rows (one message, before the hints, 2 rows per request: short runs) were gathered
         assert broker.stats.owner_hints_out == n
-        wait_for(lambda: p._sender.hints.groups == {})                      # forgotten at the finishes
+        wait_for(lambda: p._sender.intake.hints.groups == {})                      # forgotten at the finishes
     finally:
         p.close(timeout_s=2)
         for c in cons:
@@ -732,8 +732,9 @@ def test_coalesced_decode_steps_merge_into_one_entry_per_request_in_one_copy():
     entry per request (its rows of every step in a row), owner-grouped with hints; anything else is left as it
     is: a screened step, deferred rows, a count of 2, a position that does not advance, another id list, wrong
     rows. The encoded delta carries exactly the same routing."""
-    from routing_replay.producer.messages import (Geometry, OwnerHints, Step, encode_steps,
-                                                  merge_coalesced_steps)
+    from routing_replay.producer.coalesce import OwnerHints, merge_coalesced_steps
+    from routing_replay.producer.encode import Geometry, encode_steps
+    from routing_replay.producer.items import Step
     rng = np.random.default_rng(5)
     ids, n, k = ["a", "b", "c"], 3, 4
     src = rng.integers(0, 50, (k, n, L, K)).astype(np.int16)
@@ -796,7 +797,7 @@ def test_out_pool_reuses_memory_only_when_nothing_refers_to_it():
     view, a memoryview or a ZeroMQ frame made from it is alive its bytes never change under another copy; the
     copies are exact either way; free roots beyond the bound go back to the OS."""
     import weakref
-    from routing_replay.producer.messages import OutPool, request_major, out_pool
+    from routing_replay.producer.outpool import OutPool, request_major, out_pool
 
     pool = OutPool()
     n, L, K = 256, 48, 8                                    # 196,608 B per step: 16 steps = 3 MiB, above MIN_BYTES
@@ -886,9 +887,9 @@ def test_a_replay_buffer_full_again_and_again_logs_its_first_episode_then_one_li
     is still counted (stats.replay_full). `every_s` 0: every episode logged, as before. Real producer, broker and
     consumer; every record exact."""
     from routing_replay.apps.embedded import EmbeddedPipeline
-    from routing_replay.producer import sender
+    from routing_replay.producer import intake
     if every_s is not None:
-        monkeypatch.setattr(sender, "FULL_LOG_EVERY_S", every_s)
+        monkeypatch.setattr(intake, "FULL_LOG_EVERY_S", every_s)
     got = {}
     with caplog.at_level(logging.INFO, logger="routing_replay.producer"):
         with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:

@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from routing_replay.producer.connection import Answer, Link, LinkEvent, LinkState, Silence, SilenceWatch
-from routing_replay.producer.messages import (Announce, Geometry, Inbox, RequestBook, Screen, Step, encode_announce,
-                                              encode_step, escaped_id, kept_rows, with_lost)
-from routing_replay.producer.replay import Parts, ReplayBuffer, Spill, SpillRef
+from routing_replay.producer.books import RequestBook, Screen, escaped_id, with_lost
+from routing_replay.producer.encode import Geometry, encode_announce, encode_step, kept_rows
+from routing_replay.producer.handover import deferred_rows
+from routing_replay.producer.inbox import Inbox
+from routing_replay.producer.items import Announce, Step
+from routing_replay.producer.resend import Parts, ReplayBuffer, Spill, SpillRef
 from routing_replay.protocol import wire
 
 OPEN = Parts("open", ("a",))
@@ -164,6 +167,7 @@ def test_encode_step_cuts_refused_parts_after_the_deferred_result():
 
     class Deferred:
         released = 0
+        shape, dtype = data.shape, data.dtype
 
         def result(self):
             return data
@@ -171,7 +175,7 @@ def test_encode_step_cuts_refused_parts_after_the_deferred_result():
         def release(self):
             Deferred.released += 1
 
-    enc = encode_step(Step(["a", "bad", "c"], [0, 5, 9], [2, 3, 1], Deferred(), [True, False, True]), "p", 7, 4, G)
+    enc = encode_step(Step(["a", "bad", "c"], [0, 5, 9], [2, 3, 1], deferred_rows(Deferred()), [True, False, True]), "p", 7, 4, G)
     h = wire.decode_header(enc.frames[0])
     d = wire.parse_delta(h)
     assert (h.kind, h.producer, h.epoch, h.seq, h.key) == ("delta", "p", 7, 4, ["a", "c"])
@@ -183,6 +187,7 @@ def test_encode_step_cuts_refused_parts_after_the_deferred_result():
 def test_encode_step_releases_the_slot_when_the_result_fails():
     class Broken:
         released = 0
+        shape, dtype = (1, 2, 2), np.dtype(np.int16)
 
         def result(self):
             raise RuntimeError("copy failed")
@@ -191,7 +196,7 @@ def test_encode_step_releases_the_slot_when_the_result_fails():
             Broken.released += 1
 
     with pytest.raises(RuntimeError, match="copy failed"):
-        encode_step(Step(["a"], [0], [1], Broken()), "p", 7, 1, G)
+        encode_step(Step(["a"], [0], [1], deferred_rows(Broken())), "p", 7, 1, G)
     assert Broken.released == 1
 
 
@@ -289,7 +294,7 @@ def _joined(parts: list) -> dict:
 
 
 def test_a_step_too_large_for_one_delta_is_cut_into_parts_that_each_fit_and_together_are_the_step():
-    from routing_replay.producer.messages import ENTRY_HEADER_BOUND, oversized, split_step
+    from routing_replay.producer.encode import ENTRY_HEADER_BOUND, oversized, split_step
 
     ids = ["a", "bb" * 30, "c", "d" * 200, "e"]
     starts, counts = [0, 5, 0, 7, 3], [7, 3, 0, 11, 9]
@@ -317,18 +322,18 @@ def test_a_step_too_large_for_one_delta_is_cut_into_parts_that_each_fit_and_toge
 
 
 def test_a_split_step_waits_for_deferred_rows_copies_them_out_before_releasing_and_cuts_refused_parts():
-    from routing_replay.producer.messages import split_step
+    from routing_replay.producer.encode import split_step
     from tests.standins import Slot
 
     rows = np.arange(12 * 2 * 2, dtype=np.int16).reshape(12, 2, 2)
     slot = Slot(rows.copy())
-    parts = split_step(Step(["a", "b", "c"], [0, 0, 4], [5, 3, 4], slot, keep=[True, False, True]), 4)
+    parts = split_step(Step(["a", "b", "c"], [0, 0, 4], [5, 3, 4], deferred_rows(slot), keep=[True, False, True]), 4)
     assert slot.released == 1
     assert [(p.request_ids, p.starts, p.counts) for p in parts] == [(["a"], [0], [4]), (["a", "c"], [4, 4], [1, 3]),
                                                                    (["c"], [7], [1])]
     np.testing.assert_array_equal(np.concatenate([p.rows for p in parts]), np.concatenate([rows[:5], rows[8:]]))
     slot = Slot(rows.copy())
-    parts = split_step(Step(["a", "b"], [0, 0], [5, 7], slot), 8)
+    parts = split_step(Step(["a", "b"], [0, 0], [5, 7], deferred_rows(slot)), 8)
     np.testing.assert_array_equal(np.concatenate([p.rows for p in parts]), rows)   # copied before the release
     assert slot.released == 1
 
@@ -338,7 +343,7 @@ def test_a_split_step_waits_for_deferred_rows_copies_them_out_before_releasing_a
 
     broken = Broken(rows.copy())
     with pytest.raises(RuntimeError, match="device copy failed"):
-        split_step(Step(["a"], [0], [12], broken), 4)
+        split_step(Step(["a"], [0], [12], deferred_rows(broken)), 4)
     assert broken.released == 1
     with pytest.raises(ValueError, match="counts add up to 13 rows"):
         split_step(Step(["a"], [0], [13], rows), 4)

@@ -14,6 +14,8 @@ import pytest
 
 from tests.procs import load_script
 
+pytestmark = pytest.mark.bench     # runs a bench/ script: `-m "not bench"` selects the specification tests
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "r3_gpu.py"
 

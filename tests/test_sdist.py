@@ -75,7 +75,7 @@ PROBE = r"""
 import json, sys
 import numpy as np
 import routing_replay
-from routing_replay.producer import messages
+from routing_replay.producer import outpool as messages
 rng = np.random.default_rng(0)
 arrs = [rng.integers(0, 128, (256, 48, 8)).astype(np.int16) for _ in range(16)]
 inverse = rng.permutation(256)

@@ -80,7 +80,7 @@ def test_rows_the_producer_refuses_reach_the_record_as_refused_and_rows_it_lost_
     every other step, and the finish reports those positions lost and refused, so the record says
     `producer_refused`; rows it could not deliver for lack of room (RowsLost, e.g. a step-ring read that fell behind)
     say `producer_queue_full`, as a step the queue bound dropped. Real producer, broker and consumer (embedded)."""
-    from routing_replay.producer.messages import RowsLost
+    from routing_replay.producer.handover import RowsLost
 
     got = {}
     with EmbeddedPipeline(on_record=lambda r: got.__setitem__(r.request_id, r), finish_grace_s=0) as pipe:

@@ -108,6 +108,7 @@ def test_router_errors_come_back_as_from_send_multipart():
         ctx.term()
 
 
+@pytest.mark.bench
 def test_the_calls_bench_counts_every_message(tmp_path):
     script = Path(__file__).resolve().parents[1] / "bench" / "zmq_calls.py"
     out = tmp_path / "c.json"

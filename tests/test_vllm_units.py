@@ -437,6 +437,7 @@ def test_the_last_hook_passes_the_shape_and_dtype_its_layers_share_or_none():
     assert sigs[-1] is None and b.calls == 1 and taken[-1] == [full, None, None, None]
 
 
+@pytest.mark.bench
 def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_path):
     """bench/eager_drain.py (docs/PERFORMANCE.md): the real binding and worker, every step checked (all
     layers counted, the step taken by reference); its JSON is what it printed."""
@@ -948,7 +949,7 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     new array: the producer need not copy it out of the host ring), a batch of one does not; steps of different
     sizes are refused."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.producer.messages import RequestMajor, StepParts
+    from routing_replay.producer.coalesce import RequestMajor, StepParts
     cache = RoutingCache(64, 3, 8, stamp=True)
     copier = AsyncCopier(cache, num_slots=4, max_rows=32)
     batch = StepBatch(8, stamped=True)
@@ -978,7 +979,7 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     rows.release()
     # with owner hints (b and d on one consumer, a and c on another): the same copy puts each owner's requests
     # together, ids, starts and rows alike
-    from routing_replay.producer.messages import OwnerHints
+    from routing_replay.producer.coalesce import OwnerHints
     hints = OwnerHints()
     hints.update(["a", "b", "c", "d"], [7, 3, 7, 3])
     for s in range(3):
@@ -1135,7 +1136,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     exactly those of the captured requests, steps added by reference keep theirs, and the queue's byte count comes
     back to 0 (the rows left out leave it too)."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.producer.messages import StepParts
+    from routing_replay.producer.coalesce import StepParts
     from tests.test_producer_faults import wait_for
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)

@@ -110,7 +110,7 @@ import routing_replay, routing_replay.engines.vllm_plugin as plugin
 def native():
     # the producer's C copy as installed: built, used, and equal to the numpy copy on a decode merge's shape
     import numpy as np
-    from routing_replay.producer import messages
+    from routing_replay.producer import outpool as messages
     if messages._gather is None:
         return {"built": False}
     rng = np.random.default_rng(0)

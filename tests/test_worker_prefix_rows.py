@@ -39,7 +39,7 @@ def _rows_of(slots):
 def test_queued_prefix_rows_are_gathered_from_their_blocks_slots_into_the_batch():
     p, batch, copier, flushes, changes = _prefix()
     assert changes == [(True, p.store)]
-    p.fills += [("r1", "k1", 6, [2, 5, 9]), ("r2", "k2", 3, [7])]      # (engine id, key, hits, blocks)
+    p.fills += [("r1", "k1", 6, [2, 5, 9], 0), ("r2", "k2", 3, [7], 0)]    # (id, key, hits, blocks, by reference)
     p.after_forward()                               # queued; not due yet (one step, 9 rows of a 32-row ring)
     assert [(f.key, f.blocks, f.hits) for f in p.queue] == [("k1", [2, 5], 6), ("k2", [7], 3)]
     assert (p.rids, p.rows, p.wait, p.fills) == ({"r1", "r2"}, 9, 1, []) and batch.parts == []
@@ -55,7 +55,7 @@ def test_queued_prefix_rows_are_gathered_from_their_blocks_slots_into_the_batch(
 
 def test_freed_blocks_are_gathered_at_once_and_the_others_wait():
     p, batch, copier, _, _ = _prefix()
-    p.fills += [("r1", "k1", 4, [1]), ("r2", "k2", 2, [3])]
+    p.fills += [("r1", "k1", 4, [1], 0), ("r2", "k2", 2, [3], 0)]
     p.after_forward()
     p.blocks_freed({"r2", "x"}, set())
     assert [f.key for f in p.queue] == ["k1"] and p.rids == {"r1"} and batch.keys == [["k2"]]
@@ -66,9 +66,9 @@ def test_freed_blocks_are_gathered_at_once_and_the_others_wait():
 
 def test_a_refused_open_drops_its_prefix_rows_and_a_lost_store_clears_everything():
     p, batch, _, _, changes = _prefix()
-    p.fills += [("r1", "k1", 4, [1]), ("r2", "k2", 2, [3])]
-    p.refused("r1")
-    assert p.fills == [("r2", "k2", 2, [3])]
+    p.fills += [("r1", "k1", 4, [1], 0), ("r2", "k2", 2, [3], 0)]
+    p.refused("r1", "k1")
+    assert p.fills == [("r2", "k2", 2, [3], 0)]
     p.after_forward()
     store = p.store
     p.runner.input_batch.block_table[0].slot_mapping.gpu = torch.zeros(32, dtype=torch.int64)     # replaced
@@ -90,3 +90,18 @@ def test_switching_modes_and_kv_connectors():
     with pytest.raises(NotImplementedError, match="with a KV connector"):
         check_fill_supported(SimpleNamespace(kv_transfer_config=object()))
     check_fill_supported(SimpleNamespace(kv_transfer_config=None))
+
+
+def test_hits_named_by_reference_are_not_gathered():
+    """ROUTING_REPLAY_PREFIX_REFS: rows [0, covered) of a request's hits go by reference in its open (prefix_refs.py);
+    only the rest is queued and gathered, and a request whose every hit is covered gathers nothing."""
+    p, batch, copier, _, _ = _prefix()
+    p.fills += [("r1", "k1", 8, [2, 5], 4), ("r2", "k2", 4, [7], 4)]
+    p.after_forward()
+    assert [(f.key, f.done, f.hits) for f in p.queue] == [("k1", 4, 8)] and p.rows == 4 and p.rids == {"r1"}
+    assert (p.stats.prefix_ref_rows, p.stats.prefix_rows) == (8, 12)
+    p.pump()
+    assert (batch.keys, batch.starts, batch.counts) == ([["k1"]], [[4]], [[4]])
+    rows = batch.hand_over(copier, 0)[3]
+    assert rows.result().tolist() == _rows_of([20, 21, 22, 23])
+    rows.release()

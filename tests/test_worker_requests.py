@@ -62,11 +62,11 @@ def test_an_open_waits_for_the_hand_over_and_carries_prompt_and_prefix_flag():
 def test_a_refused_open_is_not_captured_and_its_refusal_is_reported():
     refused = []
     t, _ = _tracker(Producer(refuse={"b"}))
-    t.on_refused = refused.append
+    t.on_refused = lambda rid, key: refused.append((rid, key))
     t.open(_new("a"), 1, False)
     t.open(_new("b"), 1, False)
     assert t.send_opens() == {"b"}
-    assert t.tracked == {"a": "a"} and "b" not in t.seen and refused == ["b"]
+    assert t.tracked == {"a": "a"} and "b" not in t.seen and refused == [("b", "b")]
     assert (t.stats.opened, t.stats.skipped) == (1, 1)
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.procs import load_script
 
+pytestmark = pytest.mark.bench     # runs a bench/ script: `-m "not bench"` selects the specification tests
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "worker_step_probe.py"
 

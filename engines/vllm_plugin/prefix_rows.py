@@ -10,7 +10,9 @@ block-table row -> slots) into the same host ring and batch as computed rows, af
 other requests' rows, once the queue has waited MAX_BATCH_STEPS steps or holds half a step's rows, or at once when
 the request's blocks are freed. A weight reload invalidates the store (the queue is gathered first); a store the
 runner stopped feeding (a replaced slot-mapping buffer) is dropped, loudly, and prefix rows stay -1 from then on.
-Rows read as -1 reach the consumer as such and make the record `prefix_not_found`.
+Rows read as -1 reach the consumer as such and make the record `prefix_not_found`. With
+ROUTING_REPLAY_PREFIX_REFS, hit blocks that a captured request computed are named by reference in the open instead
+of gathered (BlockWriters, prefix_refs.py); only the rest of the hits is queued.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 
 from routing_replay.capture import PrefixStore, hit_slots_many
+from routing_replay.engines.vllm_plugin.prefix_refs import BlockWriters
 
 log = logging.getLogger("vllm.routing_replay")
 
@@ -50,7 +53,8 @@ class PrefixRows:
     `on_change`. The gathers go into the worker's `batch` and hand-overs (`flush`) as computed rows do."""
 
     def __init__(self, runner, kind: str, cache, copier, batch, stats, *, fill: bool, max_batch_steps: int,
-                 max_batch_rows: int, flush: Callable[[], None], on_change: Callable[[], None] | None = None):
+                 max_batch_rows: int, flush: Callable[[], None], on_change: Callable[[], None] | None = None,
+                 refs: bool = False):
         self.runner, self.kind = runner, kind
         self.cache, self.copier, self.batch, self.stats = cache, copier, batch, stats
         self.device = cache.device
@@ -60,11 +64,13 @@ class PrefixRows:
         self.producer = None                    # publish_rows of a gather the host ring had no room for
         self.fill = fill
         self.store: PrefixStore | None = None   # made when warm-up starts (KV cache sized, graphs not captured)
+        self.refs = refs                        # ROUTING_REPLAY_PREFIX_REFS: name computed blocks by reference
+        self.writers: BlockWriters | None = None    # with refs, once the store exists: who computed each KV block
         self.block_size = 0
         self.slot_mapping = None                # the runner's persistent slot buffer the store write reads
         self._owner = None                      # slot_owner() when the store was attached
         self._keepalive: list = []              # dropped stores that captured graphs may still write
-        self.fills: list = []                   # (engine id, record key, hits, blocks) opened this step
+        self.fills: list = []                   # (engine id, key, hits, blocks, rows by reference) this step
         self.queue: deque[Fill] = deque()       # prefix rows waiting for their gather (room in the host ring)
         self.rids: set = set()                  # the engine ids in the queue
         self.wait = 0                           # steps since the queue was last emptied
@@ -72,6 +78,11 @@ class PrefixRows:
 
     def _set(self, fill: bool, store: PrefixStore | None) -> None:
         self.fill, self.store = fill, store
+        self.on_change()
+
+    def set_writers(self, writers: BlockWriters | None) -> None:
+        """Name hit blocks by reference through `writers` (None: gather every hit)."""
+        self.writers = writers
         self.on_change()
 
     # ---- the store -------------------------------------------------------------------------------------------
@@ -116,6 +127,8 @@ class PrefixRows:
                       "prompt rows stay -1 (num_prefix_filled=0)", type(e).__name__, e)
             return
         self.slot_mapping, self.block_size = slot_mapping, block_size
+        if self.refs:
+            self.writers = BlockWriters(block_size)
         self._set(self.fill, store)
         self._owner = self.slot_owner()
         cpu = self.device.type == "cpu"
@@ -145,6 +158,8 @@ class PrefixRows:
                                  "captured graphs: start the engine with ROUTING_REPLAY_PREFIX_ROWS=fill")
         fill = mode == "fill"
         self.clear()
+        if self.writers is not None:
+            self.writers.clear()
         store = self.store
         if not fill and gate and store is not None:
             self.cache.detach_store()
@@ -194,6 +209,7 @@ class PrefixRows:
         self.cache.detach_store()
         self._keepalive.append(self.store)      # captured graphs may still write it: never free it
         self.clear()
+        self.writers = None
         self._set(False, None)
         log.error("routing-replay: prefix store dropped (%s); prefix-cached prompt rows stay -1 from now on "
                   "(num_prefix_filled=0)", why)
@@ -205,6 +221,8 @@ class PrefixRows:
             self.pump(force=set(self.rids))
         if self.store is not None:
             self.store.invalidate()
+        if self.writers is not None:            # rows of the old weights: no later hit names them
+            self.writers.clear()
 
     def forget_step(self, n: int) -> None:
         """Eager step whose hooks did not all record: its n KV slots hold no prefix rows (the forward's store
@@ -220,10 +238,31 @@ class PrefixRows:
         self.rids = set()
         self.wait = self.rows = 0
 
-    def refused(self, rid: str) -> None:
-        """The producer refused the open of `rid` (sent in the step it opened, before its rows were queued)."""
+    def opened(self, new, key: str, prompt, prompt_len: int, scheduled: dict) -> tuple:
+        """A captured request opens (fill mode, with a store): the references to hit blocks a captured request
+        computed, for its open (prefix_refs.py; () without them), and, if it has prefix-cache hits, its prefix
+        rows queued for the gather after this step's forward (those not named by reference). `scheduled`: the
+        step's tokens per engine id."""
+        refs, covered = (), 0
+        if self.writers is not None:
+            # which of its hit blocks a captured request computed; records what this one computes
+            refs, covered = self.writers.open(new.req_id, key, prompt, new.block_ids[0],
+                                              int(new.num_computed_tokens), prompt_len,
+                                              scheduled.get(new.req_id, 0))
+        if new.num_computed_tokens:
+            # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both runners
+            # append to their block tables); slot = block x block size + offset
+            self.fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0], covered))
+        return refs
+
+    def refused(self, rid: str, key: str) -> None:
+        """The producer refused the open of `rid` under `key` (sent in the step it opened, before its rows were
+        queued): its rows are not gathered, and it is never named as a writer (no consumer holds its rows)."""
         if self.fills:
             self.fills = [f for f in self.fills if f[0] != rid]
+        if self.writers is not None:
+            self.writers.forget_key(key)
+            self.writers.ended((rid,))
 
     def blocks_freed(self, finished, preempted) -> None:
         """Before the forward (pre_step): the queued requests among `finished` and `preempted` have their rows
@@ -254,10 +293,15 @@ class PrefixRows:
         fills, self.fills = self.fills, []
         bs = self.block_size
         queue, rids = self.queue, self.rids
-        for rid, key, hits, blocks in fills:
-            queue.append(Fill(rid, key, blocks[:(hits + bs - 1) // bs], hits))     # (a copy: C speed)
+        for rid, key, hits, blocks, covered in fills:
+            self.stats.prefix_ref_rows += covered
+            if covered >= hits:                 # every hit named by reference: nothing to gather
+                continue
+            f = Fill(rid, key, blocks[:(hits + bs - 1) // bs], hits)     # (a copy: C speed)
+            f.done = covered                    # rows [0, covered) go by reference (prefix_refs)
+            queue.append(f)
             rids.add(rid)
-            self.rows += hits
+            self.rows += hits - covered
         self.stats.prefix_requests += len(fills)
         self.stats.prefix_rows += sum(f[2] for f in fills)
 

@@ -49,7 +49,7 @@ class RequestTracker:
         self.randomized = randomized        # engine ids carry a random suffix (keys.capture_key)
         self.producer = producer
         self.flush = flush if flush is not None else (lambda: None)
-        self.on_refused: Callable[[str], None] | None = None    # an open the producer refused: its engine id
+        self.on_refused: Callable[[str, str], None] | None = None   # an open the producer refused: (id, key)
         self.keep_opens = False             # embedded: keep each open to send again if the helper restarts
         self.tracked: dict[str, str] = {}   # engine request id -> record key (the dict is never replaced)
         self.gen = 0                        # bumped on every change of `tracked`
@@ -109,13 +109,14 @@ class RequestTracker:
         if self.ends:
             self.send_ends()
 
-    def open(self, new, forward: int, prefix_rows: bool) -> str | None:
+    def open(self, new, forward: int, prefix_rows: bool, on_prefix: Callable | None = None) -> str | None:
         """Start capturing a newly scheduled request (vLLM's NewRequestData), under its record key, from the
         engine's forward `forward` on; returns the key, or None if it is not captured (opted out, or skipped). A
         request whose id cannot travel is captured under the derived key, one whose capture fails otherwise is
         skipped (WARNING, stats.skipped). Its open waits in self.opens for the next hand-over to the producer
         (send_opens; with a prefix store, for the end of pre_step). `prefix_rows`: its prefix-cached rows will
-        come from the prefix store (the open says so)."""
+        come from the prefix store (the open says so); `on_prefix(new, key, prompt, prompt_len)` (with it) queues
+        them and returns the references its open names (PrefixRows.opened)."""
         if new.req_id in self.seen:
             self.flush()           # the batch may hold raw steps where this id is a request that ended
         try:
@@ -125,10 +126,13 @@ class RequestTracker:
             key, dup = self.unique_key(key)
             if key in self.closing:
                 self.flush()       # the key's last request finishes first: its finish waits for no batch now
+            prompt = new.prompt_token_ids              # None for prompt embeddings: no token ids to carry
+            prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
+            refs = on_prefix(new, key, prompt, prompt_len) if on_prefix is not None else ()
             if self.announces:
-                prompt = new.prompt_token_ids          # None for prompt embeddings: no token ids to carry
-                prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
                 item = (key, prompt_len, int(new.num_computed_tokens), prompt, prefix_rows)
+                if refs:
+                    item += (refs,)
                 self.opens.append((new.req_id, item))
                 if self.keep_opens:
                     self._keep_open(new.req_id, item)
@@ -222,7 +226,7 @@ class RequestTracker:
                     self.seen_shared = False
                 del self.seen[rid]
             if self.on_refused is not None:     # (fill: sent in the step it opened, before its prefix rows
-                self.on_refused(rid)            # are queued)
+                self.on_refused(rid, opens[i][1][0])    # are queued)
             self.skip(rid, "open", e)
         return {opens[i][1][0] for i, _ in failed} or None
 

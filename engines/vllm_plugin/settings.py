@@ -13,6 +13,10 @@
     ROUTING_REPLAY_PREFIX_ROWS `sentinel` (default): a record's prompt rows below num_cached_tokens (prefix-cache
                               hits) are -1. `fill`: they carry the routing that computed the cached KV, from a
                               per-KV-slot store in the worker (docs/VLLM.md, "Prefix rows").
+    ROUTING_REPLAY_PREFIX_REFS `1` (default; with `fill`): rows of prefix-cache hits on blocks another captured
+                              request computed are not sent again: the open names that request (prefix_refs) and
+                              the consumer stores them once. `0`: every hit's rows sent (engines/vllm_plugin/
+                              prefix_refs.py).
     ROUTING_REPLAY_STEP_STAMP `auto` (default): `ring` where the step ring's Triton kernels run on the device (CUDA
                               and Triton, checked bit for bit at start-up), else `on`. `on`: under CUDA graphs every
                               step's rows carry a step stamp written inside the forward, checked against the
@@ -50,6 +54,7 @@ ENV_CURVE_SECRET = "ROUTING_REPLAY_CURVE_SECRET"
 ENV_BROKER_KEY = "ROUTING_REPLAY_BROKER_KEY"
 ENV_PREFIX_ROWS = "ROUTING_REPLAY_PREFIX_ROWS"
 ENV_STEP_STAMP = "ROUTING_REPLAY_STEP_STAMP"
+ENV_PREFIX_REFS = "ROUTING_REPLAY_PREFIX_REFS"
 PREFIX_MODES = ("sentinel", "fill")
 EMBEDDED = "embedded"
 EXTRA_ARG = "return_routed_experts"
@@ -74,6 +79,7 @@ class Settings:
     step_stamp: bool = True          # under CUDA graphs: step stamps instead of a -1 fill per step
     step_ring: bool = True           # and the step ring (ROUTING_REPLAY_STEP_STAMP=ring, or auto)
     ring_needs_kernels: bool = True  # auto: the ring only where its Triton kernels run (else stamps alone)
+    prefix_refs: bool = True         # with fill: hits on blocks a captured request computed go as prefix_refs
 
     @property
     def enabled(self) -> bool:
@@ -108,13 +114,17 @@ def _truthy(value: Any, what: str) -> bool:
 
 def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str, curve_secret: str = "",
               broker_key: str = "", prefix_rows: str = "sentinel", step_stamp: str = "auto",
-              serve_insecure: str = "") -> Settings:
+              serve_insecure: str = "", prefix_refs: str = "1") -> Settings:
     mode = step_stamp.strip().lower() if isinstance(step_stamp, str) else step_stamp
     ring, auto = mode in ("ring", "auto"), mode == "auto"
     try:
         stamp = ring or _truthy(step_stamp, ENV_STEP_STAMP)
     except ValueError:
         raise ValueError(f"{ENV_STEP_STAMP}={step_stamp!r}: choose auto, on, off or ring") from None
+    try:
+        refs = _truthy(prefix_refs, ENV_PREFIX_REFS)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX_REFS}={prefix_refs!r}: choose 1 or 0") from None
     if prefix_rows not in PREFIX_MODES:
         raise ValueError(f"{ENV_PREFIX_ROWS}={prefix_rows!r}: choose one of {', '.join(PREFIX_MODES)}")
     if requests not in REQUEST_MODES:
@@ -137,7 +147,7 @@ def _validate(broker: str, npz_dir: str | None, serve: str | None, requests: str
         raise ValueError(f"{ENV_CURVE_SECRET}/{ENV_BROKER_KEY} apply to an external broker; the embedded pipeline "
                          f"talks to its broker over ipc inside this machine")
     return Settings(broker, npz_dir or None, serve or None, requests, curve_secret or None, broker_key or None,
-                    prefix_rows, stamp, ring, auto)
+                    prefix_rows, stamp, ring, auto, refs)
 
 
 _cache: tuple[tuple, Settings] | None = None
@@ -150,7 +160,8 @@ def current() -> Settings:
     raw = (env.get(ENV_BROKER, "").strip(), env.get(ENV_NPZ_DIR, "").strip(), env.get(ENV_SERVE, "").strip(),
            env.get(ENV_REQUESTS, "all").strip().lower() or "all", env.get(ENV_CURVE_SECRET, "").strip(),
            env.get(ENV_BROKER_KEY, "").strip(), env.get(ENV_PREFIX_ROWS, "sentinel").strip().lower() or "sentinel",
-           env.get(ENV_STEP_STAMP, "auto").strip().lower() or "auto", env.get(ENV_SERVE_INSECURE, "").strip())
+           env.get(ENV_STEP_STAMP, "auto").strip().lower() or "auto", env.get(ENV_SERVE_INSECURE, "").strip(),
+           env.get(ENV_PREFIX_REFS, "1").strip().lower() or "1")
     cached = _cache
     if cached is not None and cached[0] == raw:
         return cached[1]

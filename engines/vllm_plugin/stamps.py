@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from routing_replay.capture.cache import read_stamp, stamp_bits, stamp_lanes
-from routing_replay.producer.messages import RowsLost
+from routing_replay.producer.handover import RowsLost
 
 
 class LostHookError(RuntimeError):

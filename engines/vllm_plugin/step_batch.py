@@ -10,9 +10,9 @@ A step enters the batch as one part, in one of these forms (told apart by type, 
   rows object  anything with result()/release() (PendingRows from AsyncCopier.submit or submit_gather, HostRows):
                added by add(); a whole step copied raw (add_copied) carries its layout dtypes in `tag`.
 
-The producer calls, on the BatchedRows it receives: `deferred`, `resolve(request_ids, starts, counts)`, `result()`,
-`result_request_major(steps, inverse)`, `release()`, and reads `dropped`, `owns_result`, `shape`, `dtype`,
-`extra_nbytes`.
+BatchedRows implements the producer's contract for deferred rows (producer/handover.py, DeferredRows): `deferred`,
+`resolve(request_ids, starts, counts)`, `result()`, `result_request_major(steps, inverse)`, `release()`, `dropped`,
+`owns_result`, `shape`, `dtype`, `extra_nbytes`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import numpy as np
 from routing_replay.capture import AsyncCopier, HostRows
 from routing_replay.capture.copier import ROW_DTYPE, launch_rows
 from routing_replay.engines.vllm_plugin.stamps import LostHookError, RingReadLost, StampCheck
-from routing_replay.producer.messages import flat_ids, flat_ints, request_major
+from routing_replay.producer.handover import RowsBase
+from routing_replay.producer.items import flat_ids, flat_ints
+from routing_replay.producer.outpool import request_major
 
 MAX_BATCH_STEPS = 16          # steps per delta message at most
 
@@ -48,7 +50,7 @@ class HostRef(NamedTuple):
     layout_dtypes: tuple
 
 
-class BatchedRows:
+class BatchedRows(RowsBase):        # implements producer.handover.DeferredRows
     """Own the PendingRows of consecutive steps on their way through the producer as one delta: the producer's
     thread concatenates them (C speed), refuses rows no router wrote (-1, or a stale step stamp), sends, and
     releases every part."""
@@ -182,7 +184,7 @@ class BatchedRows:
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
     def result_request_major(self, steps: int, inverse: np.ndarray | None = None) -> np.ndarray:
-        """The rows of `steps` steps of n rows each, request-major (producer.messages.RequestMajor): one copy out
+        """The rows of `steps` steps of n rows each, request-major (producer.coalesce.RequestMajor): one copy out
         of the host ring, as result() makes. With `inverse`, request i of each step goes to place inverse[i] (the
         producer's owner grouping), in the same copy."""
         arrays = self._checked()

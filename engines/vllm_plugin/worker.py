@@ -34,6 +34,7 @@ overwritten by the next step or lie beyond the final length) need no special cas
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -88,7 +89,8 @@ class WorkerStats:
     quiet_clock_wall_ns: int = 0
     rebinds: int = 0
     prefix_requests: int = 0        # requests opened with prefix hits whose rows came from the prefix store
-    prefix_rows: int = 0            # rows gathered from the prefix store
+    prefix_rows: int = 0            # rows gathered from the prefix store (or sent by reference, below)
+    prefix_ref_rows: int = 0        # of them, rows named by reference (prefix_refs) instead of gathered
     store_forgotten: int = 0        # slots set to -1 because a step's routing was not fully recorded
     derived_keys: int = 0           # requests captured under record_key_for(id): their id cannot travel as it is
     duplicate_keys: int = 0         # requests captured as f"{key}#{n}": another live request had their key
@@ -192,10 +194,11 @@ class WorkerCapture:
         # the prefix store's lifecycle (fill mode); `fill` and `store` mirror its own (read every step)
         self.prefix = PrefixRows(runner, plan.kind, cache, copier, self.batch, self.stats, fill=plan.fill,
                                  max_batch_steps=plan.max_batch_steps, max_batch_rows=plan.max_batch_rows,
-                                 flush=self.flush, on_change=self._prefix_changed)
+                                 flush=self.flush, on_change=self._prefix_changed, refs=settings.prefix_refs)
         self.prefix.producer = producer
         self.fill = plan.fill
         self.store: PrefixStore | None = None   # made when warm-up starts (KV cache sized, graphs not captured)
+        self.writers = None                     # fill + ROUTING_REPLAY_PREFIX_REFS: who computed each KV block
         self.graphs_captured = False            # compile_or_warm_up_model returned (graphs hold the store write)
         self.forwards = 0                       # steps with tokens launched through execute_model (StampCheck)
         # a graph engine's step of the running batch (RingPath.ring_step): the last step went to the step ring by
@@ -253,7 +256,8 @@ class WorkerCapture:
     # ---- prefix store (fill mode) ------------------------------------------------------------------------------
 
     def _prefix_changed(self) -> None:
-        self.fill, self.store = self.prefix.fill, self.prefix.store
+        p = self.prefix
+        self.fill, self.store, self.writers = p.fill, p.store, p.writers
 
     def set_prefix_rows(self, mode: str) -> None:
         """Switch fill mode between steps (benchmarks compare both on one engine); call only while no captured
@@ -330,7 +334,8 @@ class WorkerCapture:
         st.steps += 1
         # (isdisjoint walks the step's dict until a tracked id: with nothing tracked, all of it; so it goes last)
         if self.steady and self.tracked and not (so.scheduled_new_reqs or so.finished_req_ids
-                                                  or so.preempted_req_ids or so.scheduled_spec_decode_tokens) \
+                                                 or so.preempted_req_ids or so.scheduled_spec_decode_tokens
+                                                 or self.writers is not None and self.writers.prefill) \
                 and so.total_num_scheduled_tokens and not self.tracked.keys().isdisjoint(so.num_scheduled_tokens):
             # the running batch's step after one that went by reference: to the ring (RingPath, a graph engine)
             # or as the routers' tensors (HostPath, CPU eager): nothing opens, ends or waits for the store, a
@@ -387,8 +392,14 @@ class WorkerCapture:
             store = self.store
         if store is not None and so.scheduled_new_reqs and not prefix.trusted():
             store = None                            # before a request opens with rows from it
+        writers = self.writers
+        if writers is not None and writers.prefill:     # blocks the captured prompts compute (prefix_refs.py)
+            if so.finished_req_ids or so.preempted_req_ids:
+                writers.ended(so.finished_req_ids)
+                writers.ended(so.preempted_req_ids or ())
+            writers.step(so.scheduled_cached_reqs, so.num_scheduled_tokens)
         if so.scheduled_new_reqs:
-            self._open_requests(so.scheduled_new_reqs)
+            self._open_requests(so.scheduled_new_reqs, so.num_scheduled_tokens)
         if self.fill and requests.opens:
             # with a prefix store, each step's opens go at once: waiting for the hand-over costs fill engines
             # engine-thread time every step (docs/VLLM.md, "Step ring")
@@ -416,22 +427,20 @@ class WorkerCapture:
         if t0:
             self.count_host(t0, w0)
 
-    def _open_requests(self, scheduled_new_reqs) -> None:
-        """Open the step's newly scheduled requests (RequestTracker.open); with a prefix store, queue the prefix
-        rows of those opened with prefix-cache hits for their gather after the forward."""
+    def _open_requests(self, scheduled_new_reqs, scheduled: dict) -> None:
+        """Open the step's newly scheduled requests (RequestTracker.open); with a prefix store, their opens name
+        the hit blocks a captured request computed, and the prefix rows of the other hits are queued for their
+        gather after the forward (PrefixRows.opened). `scheduled`: the step's tokens per engine id."""
         requests, tracked = self.requests, self.tracked
         prefix_rows = self.fill and self.store is not None
+        on_prefix = functools.partial(self.prefix.opened, scheduled=scheduled) if prefix_rows else None
         forward = self.forwards + 1             # (this step's forward, once pre_step counts it)
         for new in scheduled_new_reqs:
             if new.req_id in tracked:
                 continue
             if new.req_id in requests.seen:     # (read each time: a flush may give it a new table)
                 self.flush()           # the batch may hold raw steps where this id is a request that ended
-            key = requests.open(new, forward, prefix_rows)
-            if key is not None and prefix_rows and new.num_computed_tokens:
-                # the request's KV blocks of group 0 as the scheduler allocated them, hits first (what both
-                # runners append to their block tables); slot = block x block size + offset
-                self.prefix.fills.append((new.req_id, key, int(new.num_computed_tokens), new.block_ids[0]))
+            requests.open(new, forward, prefix_rows, on_prefix)
 
     def post_step(self, so) -> None:
         if self.host_next:

@@ -1,4 +1,4 @@
-"""Keep a producer's unacknowledged data messages, in seq order, in memory and a disk spill, until acked.
+"""Keep a producer's unacknowledged data messages (its resend buffer), in seq order, in memory and a spill file.
 
 Socket-free: the producer's thread adds encoded messages, takes the next one to send, rewinds the send cursor to
 the first unacknowledged message and releases a prefix on each ack; everything here works on frames (bytes).
