@@ -77,7 +77,7 @@ class RecordStore:
             return rec
         path = self._spilled.get(rid)
         if path is not None:
-            return npz.read_record(path)
+            return npz.read_record(path, "compact")
         if rid in self._evicted:
             return EVICTED
         return None
@@ -100,7 +100,7 @@ class RecordStore:
             return rec
         path = self._spilled.pop(rid, None)
         if path is not None:
-            rec = npz.read_record(path)
+            rec = npz.read_record(path, "compact")
             path.unlink(missing_ok=True)
             return rec
         if rid in self._evicted:

@@ -131,6 +131,11 @@ class Producer:
     and optionally `release()` (called once its bytes were copied, or when it is dropped). A deferred object with
     `dropped=True` (capture's host ring was full) is counted and reported lost the same way, never waited on.
 
+    Expert ids: the caller hands int16 rows (-1: never computed); they travel as `id_dtype` (uint8 for at most
+    255 experts, uint16 above: pass `num_experts` or `id_dtype`; neither: int16), narrowed once on the background
+    thread when the delta is encoded. A step with an id that does not fit is refused (its positions reported lost
+    and refused in the finish), as rows that fail the other checks are.
+
     Coalescing: steps that wait in the queue together when the thread takes them (it fell behind the caller)
     leave as one delta message of up to `coalesce_max_bytes` (16 MiB) of rows and 64 steps; the thread never
     waits for more, so a step that finds the queue empty goes alone (no added latency). The broker and consumers
@@ -159,7 +164,8 @@ class Producer:
                  spill_max_bytes: int = 4 << 30, resend_timeout_ms: int = 5000,
                  curve_secret: str | os.PathLike | None = None, server_key: str | os.PathLike | None = None,
                  silence_warn_after_ms: int = 3000, silence_warn_every_ms: int = 10_000,
-                 coalesce_max_bytes: int = COALESCE_MAX_BYTES):
+                 coalesce_max_bytes: int = COALESCE_MAX_BYTES, num_experts: int | None = None,
+                 id_dtype: Any = None):
         if not 1 <= num_layers <= wire.MAX_LAYERS or not 1 <= top_k <= wire.MAX_TOP_K:
             raise ValueError(f"num_layers={num_layers} top_k={top_k} outside protocol limits")
         if (curve_secret is None) != (server_key is None):
@@ -178,9 +184,16 @@ class Producer:
         if not 0 <= lo < hi <= num_layers:
             raise ValueError(f"layer_range {layer_range} not inside [0, {num_layers}]")
         self.layer_lo, self.layer_hi = lo, hi
-        self._geometry = Geometry(num_layers, top_k, lo, hi)
+        # rows travel as id_dtype (given, or wire.id_dtype(num_experts); neither: int16): the caller hands int16
+        # rows (-1 never computed), narrowed once on the producer's thread when a delta is encoded
+        if id_dtype is not None and num_experts is not None and wire.as_id_dtype(id_dtype) != wire.id_dtype(
+                num_experts):
+            raise ValueError(f"id_dtype={id_dtype} disagrees with num_experts={num_experts} "
+                             f"({wire.id_dtype(num_experts).name}): pass one of them")
+        self.id_dtype = wire.as_id_dtype(id_dtype) if id_dtype is not None else wire.id_dtype(num_experts)
+        self._geometry = Geometry(num_layers, top_k, lo, hi, self.id_dtype)
         self.row_shape = (hi - lo, top_k)
-        self.row_bytes = (hi - lo) * top_k * 2
+        self.row_bytes = (hi - lo) * top_k * 2          # the queue counts the caller's int16 rows
         self.producer_id = producer_id or default_producer_id()
         if len(self.producer_id) > wire.MAX_PEER_ID_LEN:
             raise ValueError(f"producer id longer than {wire.MAX_PEER_ID_LEN} characters")
@@ -350,6 +363,8 @@ class Producer:
                 "num_layers": self.num_layers, "top_k": self.top_k, "layer_ids": self.moe_layer_ids}
         if prefix_filled:
             body["prefix_filled"] = True
+        if self.id_dtype != wire.ROW_DTYPE:
+            body["ids"] = wire.ids_code(self.id_dtype)
         return Announce("open", request_id, body, _token_frames(body, "n_prompt_tokens", prompt_token_ids, frozen))
 
     def publish(self, step: Iterable[tuple[str, int, np.ndarray]]) -> bool:

@@ -269,6 +269,16 @@ def narrow_rows(rows: np.ndarray, dtype: Any, out: np.ndarray | None = None) -> 
     return out
 
 
+IDS_CHOICES = ("int16", "compact")      # what a reader of records asks for (Record.as_ids)
+
+
+def check_ids_choice(ids: str) -> str:
+    """`ids` if it is one of IDS_CHOICES; ValueError naming it otherwise (checked before any work is done)."""
+    if ids not in IDS_CHOICES:
+        raise ValueError(f"ids={str(ids)[:32]!r}: expected 'int16' or 'compact'")
+    return ids
+
+
 def widen_rows(rows: np.ndarray) -> np.ndarray:
     """Rows of any ID_DTYPES dtype as int16 with -1 for never computed (today's arrays); int16 rows as they are."""
     rows = np.asarray(rows)
@@ -1234,6 +1244,15 @@ class Record:
             return self
         return replace(self, prompt_routed_experts=widen_rows(self.prompt_routed_experts),
                        routed_experts=widen_rows(self.routed_experts))
+
+    def as_ids(self, ids: str) -> "Record":
+        """The record as a reader asked for it: ids="int16" (widened(), today's arrays) or "compact" (as stored,
+        no copy); ValueError naming anything else."""
+        if ids == "int16":
+            return self.widened()
+        if ids == "compact":
+            return self
+        raise ValueError(f"ids={str(ids)[:32]!r}: expected 'int16' or 'compact'")
 
     @property
     def nbytes(self) -> int:
