@@ -140,6 +140,7 @@ TOKEN_DTYPE = np.dtype("<i4")
 # all one-bits (-1, 255, 65535): holes are filled with 0xff bytes whatever the dtype.
 ID_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2"), "i2": ROW_DTYPE}
 _ID_CODES = {dt: code for code, dt in ID_DTYPES.items()}
+_MISSING = {ID_DTYPES["u1"]: 255, ID_DTYPES["u2"]: 65535, ROW_DTYPE: -1}
 
 KINDS = frozenset({
     "open", "opens", "delta", "finish", "finishes", "abort", "refused",
@@ -222,6 +223,8 @@ def id_dtype(num_experts: int | None) -> np.dtype:
 
 def as_id_dtype(dtype: Any) -> np.dtype:
     """`dtype` (a dtype, its name or its `ids` code) as one of ID_DTYPES; ValueError naming it otherwise."""
+    if isinstance(dtype, np.dtype) and dtype in _ID_CODES:     # (the hot path: a dtype already)
+        return dtype
     if isinstance(dtype, str) and dtype in ID_DTYPES:
         return ID_DTYPES[dtype]
     try:
@@ -236,13 +239,14 @@ def as_id_dtype(dtype: Any) -> np.dtype:
 
 def ids_code(dtype: Any) -> str:
     """The `ids` code ("u1", "u2", "i2") of an expert id dtype."""
-    return _ID_CODES[as_id_dtype(dtype)]
+    code = _ID_CODES.get(dtype) if isinstance(dtype, np.dtype) else None
+    return code if code is not None else _ID_CODES[as_id_dtype(dtype)]
 
 
 def missing_id(dtype: Any) -> int:
     """The value that marks a row never computed in `dtype`: -1 for int16, the largest value for uint8/uint16."""
-    dt = as_id_dtype(dtype)
-    return -1 if dt == ROW_DTYPE else int(np.iinfo(dt).max)
+    m = _MISSING.get(dtype) if isinstance(dtype, np.dtype) else None
+    return m if m is not None else _MISSING[as_id_dtype(dtype)]
 
 
 def narrow_rows(rows: np.ndarray, dtype: Any, out: np.ndarray | None = None) -> np.ndarray:
