@@ -5,7 +5,8 @@ moe_layer_ids, complete, missing, reason, finish_reason, request_id, and prompt_
 when known, num_prefix_filled when not 0 (files without it read as 0), and, for rows that are not int16, `ids`
 (the rows' dtype code, "u1" or "u2", wire.ID_DTYPES) and `missing_id` (255 or 65535: a row never computed).
 Files without `ids` hold int16 rows with -1 (every file written before compact ids) and keep loading. Readers
-hand out int16 rows (-1) by default, as before; ids="compact" gives the rows as stored. Shard layout (--shard-size N): DIR/shard-000000.npz holds N records under keys "<i>/<name>" and
+hand out int16 rows (-1) by default, as before; ids="compact" gives the rows as stored.
+Shard layout (--shard-size N): DIR/shard-000000.npz holds N records under keys "<i>/<name>" and
 DIR/index.jsonl has one line per record {"request_id", "shard", "i"}. Every file is written to a temporary
 name in DIR, fsynced, renamed, and the directory fsynced (durable=True, the default), so a reader never sees a
 partial file and a renamed file survives a power cut.

@@ -27,7 +27,7 @@ Routing rows are (tokens, layers, top_k) arrays of expert ids in one of three dt
 every body that carries or announces rows (open, opens, delta, record; absent = "i2"):
     "u1"  uint8,      255 = never computed     models with num_experts <= 255 (id_dtype)
     "u2"  uint16 LE,  65535 = never computed   num_experts <= 65535 (256 experts need it: 255 is an expert id)
-    "i2"  int16 LE,   -1 = never computed      the capture's own dtype; every row of a v1 peer and of an npz without `ids`
+    "i2"  int16 LE,   -1 = never computed      the capture's dtype; every row of a v1 peer and of an npz without `ids`
 Every missing value is all one-bits, so a run of never-computed rows is 0xff bytes in each dtype.
 
 Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default when absent):

@@ -11,7 +11,8 @@ so the trainer's input position i takes row i of `concat(prompt_routed_experts, 
                                              gen[1] is -1: o1 was never fed to the engine.
 
 Records of either id dtype are taken (int16 with -1, or compact uint8/uint16 with `Record.missing_id`: fetched or
-loaded with ids="compact"); the tensors are the same for both. Rows the engine never computed are -1: prefix-cache hits (prompt rows below `num_cached_tokens`), the last
+loaded with ids="compact"); the tensors are the same for both.
+Rows the engine never computed are -1: prefix-cache hits (prompt rows below `num_cached_tokens`), the last
 output token's row, and (records with `complete=False`) the positions in `missing`. They, padding, and dense
 layers in the "all" layout are flagged in `no_routing`; a trainer lets its own router choose there. The last
 output position only affects the logits that follow the response, so its fallback never changes the loss.

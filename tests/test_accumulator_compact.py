@@ -76,7 +76,8 @@ def test_compact_records_are_the_int16_records_widened(dtype, adopt, monkeypatch
         assert s.widened().equals(w), rid
         assert s.prompt_routed_experts.nbytes * 2 == w.prompt_routed_experts.nbytes * dtype.itemsize
     miss = wire.missing_id(dtype)
-    assert (small["c"].prompt_routed_experts[3:5] == miss).all() and (small["b"].prompt_routed_experts[:4] == miss).all()
+    assert (small["c"].prompt_routed_experts[3:5] == miss).all()
+    assert (small["b"].prompt_routed_experts[:4] == miss).all()
     assert f.acc.stats.bytes * 2 == fw.acc.stats.bytes * dtype.itemsize and f.acc.stats.rows == fw.acc.stats.rows
     assert f.acc.stats.adopted == fw.acc.stats.adopted == (8 if adopt else 0)
     assert f.acc.stats.adopted_records == fw.acc.stats.adopted_records == (1 if adopt else 0)
