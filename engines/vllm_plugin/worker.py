@@ -829,7 +829,7 @@ class WorkerCapture:
         self.sink = Sink(settings, single_publisher=pc.data_parallel_size == 1 and pp.world_size == 1,
                          in_flight=lambda: list(self.tracked.values()), on_restart=self.helper_restarted,
                          num_layers=len(global_ids), top_k=top_k, moe_layer_ids=global_ids,
-                         layer_range=layer_range)
+                         layer_range=layer_range, num_experts=max(m.num_experts for m in layers) or None)
         self.producer = self.sink.producer
         log.info("routing-replay: bound %d MoE layers %s (of %s), top_k=%d, cache %d tokens (%.1f MiB on %s), "
                  "host ring %.1f MiB, requests=%s, prefix_rows=%s, model runner %s", len(layers), local_ids,
