@@ -434,6 +434,7 @@ class Oracle:
     def check(self, rec, prompt_token_ids=None, output_token_ids=None) -> RecordVerdict:
         """Compare one wire.Record with the oracle. Token ids default to the ones the record carries."""
         v = RecordVerdict(rec.request_id)
+        rec = rec.widened()                 # int16 rows, -1 never computed, whichever dtype the record holds
         pt = rec.prompt_token_ids if prompt_token_ids is None else np.asarray(prompt_token_ids)
         ot = rec.output_token_ids if output_token_ids is None else np.asarray(output_token_ids)
         P, L, K = rec.prompt_routed_experts.shape

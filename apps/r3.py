@@ -207,7 +207,8 @@ def measure(model, records: Sequence, engine_lp: Mapping[str, np.ndarray], *, ba
     import time
 
     t0 = time.monotonic()
-    records = sorted(records, key=lambda r: (len(r.prompt_token_ids) + len(r.output_token_ids), r.request_id))
+    records = sorted((r.widened() for r in records),      # int16 rows (-1), whichever dtype a record holds
+                     key=lambda r: (len(r.prompt_token_ids) + len(r.output_token_ids), r.request_id))
     own = rep = Agreement(0, 0)
     lp_own, lp_rep, lp_eng = [], [], []
     pre_rows = pre_tok = last_rows = other_rows = total_rows = 0

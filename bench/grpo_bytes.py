@@ -1,5 +1,6 @@
-"""Bytes on the wire and consumer memory per generated token for a GRPO workload: every prompt row sent (fill) vs
-rows of a shared prefix sent and stored once (prefix_refs).
+"""Bytes on the wire and consumer memory per generated token for a GRPO workload: every prompt row sent as int16
+(`today`: ROUTING_REPLAY_PREFIX_ROWS=fill before compact ids and prefix references) against compact ids alone
+(`compact`), prefix references alone (`refs`), and both (`both`: what the plugin sends now).
 
 Drives the real Producer -> Broker -> Consumer (the consumer a `routing-replay consume` process, so its RSS is its
 own) with synthetic rows, no engine. The engine's prefix cache is modelled by KV blocks: a block of `--block`
@@ -7,8 +8,9 @@ tokens is cached once a request computed it (the system prompt's blocks by the f
 full blocks by its first sample); a later request's leading full blocks that are cached are hits (at most up to
 its last prompt token, which vLLM always computes). In `fill` mode the hits' rows are sent again (as
 ROUTING_REPLAY_PREFIX_ROWS=fill does); in `refs` mode the open names the request that computed each run of blocks
-and those rows are not sent. Rows are a hash of (prefix owner, position), so a prompt row is the same in every
-request that shares it, as routing is. Then every record is fetched and the two modes compared bit for bit.
+and those rows are not sent. `compact` and `both` send uint8/uint16 ids (wire.id_dtype(--experts)), the others
+int16. Rows are a hash of (prefix owner, position), so a prompt row is the same in every request that shares it, as
+routing is. Then every record is fetched (as int16, the default) and every mode compared with `today` bit for bit.
 
     python bench/grpo_bytes.py                      # the issue's workload: 16 prompts x 8 samples, 512 + 64
                                                     # prompt tokens, 256 generated, 48 layers, top-8 of 128
@@ -183,10 +185,14 @@ class ConsumerProc:
         return self.p.returncode
 
 
-def run_mode(w: Workload, refs: bool, tmp: str, consumers: int = 1, pool_mb: int = 256) -> dict:
+MODES = {"today": (False, False), "compact": (False, True), "refs": (True, False), "both": (True, True)}
+
+
+def run_mode(w: Workload, refs: bool, tmp: str, consumers: int = 1, pool_mb: int = 256, compact: bool = False,
+             tag: str | None = None) -> dict:
     """One mode end to end: bytes in and out of the broker, each consumer's accounting and RSS once every
     record is held, then every record fetched. Returns the figures and the records."""
-    tag = "refs" if refs else "fill"
+    tag = tag or ("refs" if refs else "fill")
     b = Broker(f"ipc://{tmp}/{tag}-fe", f"ipc://{tmp}/{tag}-be", stats_interval_s=3600).start()
     serves = [f"ipc://{tmp}/{tag}-serve{i}" for i in range(consumers)]
     cs = [ConsumerProc(b.backend, s, "--prefix-pool-mb", str(pool_mb)) for s in serves]
@@ -198,7 +204,8 @@ def run_mode(w: Workload, refs: bool, tmp: str, consumers: int = 1, pool_mb: int
             time.sleep(0.02)
         rss0 = [_rss_kb(c.p.pid) for c in cs]
         t0 = time.perf_counter()
-        with Producer(b.frontend, num_layers=w.layers, top_k=w.top_k) as p:
+        with Producer(b.frontend, num_layers=w.layers, top_k=w.top_k,
+                      num_experts=w.experts if compact else None) as p:
             n = publish(p, w, refs)
             p.flush(120)
             p.wait_acked(120)
@@ -250,37 +257,44 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=d.top_k, help="experts per token (default %(default)s)")
     ap.add_argument("--experts", type=int, default=d.experts, help="experts per layer (default %(default)s)")
     ap.add_argument("--block", type=int, default=d.block, help="KV block tokens (default %(default)s)")
+    ap.add_argument("--modes", default="today,compact,refs,both",
+                    help="comma-separated, from today, compact, refs, both (default %(default)s); the first is the "
+                         "baseline of the ratios")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
     a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes {a.modes!r}: choose from {', '.join(MODES)}")
     if min(a.prompts, a.samples, a.gen, a.layers, a.top_k, a.experts, a.block) < 1 or min(a.system, a.user) < 0:
         ap.error("counts must be positive (system, user: >= 0)")
     w = Workload(a.prompts, a.samples, a.system, a.user, a.gen, a.layers, a.top_k, a.experts, a.block)
     with tempfile.TemporaryDirectory(prefix="grpo-bytes-") as tmp:
-        fill = run_mode(w, False, tmp)
-        refs = run_mode(w, True, tmp)
-    a_recs, b_recs = fill.pop("records_by_id"), refs.pop("records_by_id")
-    fill.pop("where"), refs.pop("where")
-    same = sorted(a_recs) == sorted(b_recs) and all(a_recs[k].equals(b_recs[k]) for k in a_recs)
-    complete = sum(r.complete for r in b_recs.values())
-    dtype = wire.ROW_DTYPE.name
+        runs = [run_mode(w, MODES[m][0], tmp, compact=MODES[m][1], tag=m) for m in modes]
+    recs = [r.pop("records_by_id") for r in runs]
+    for r in runs:
+        r.pop("where")
+    base = recs[0]
+    same = {r["mode"]: sorted(x) == sorted(base) and all(x[k].equals(base[k]) for k in x)
+            for r, x in zip(runs, recs)}
     print(f"workload: {w.prompts} prompts x {w.samples} samples, system {w.system} + user {w.user} prompt tokens, "
           f"{w.gen} generated, {w.layers} layers, top-{w.top_k} of {w.experts} experts, {w.block}-token blocks; "
-          f"ids {dtype}")
-    print(f"{'mode':6} {'B/gen token in':>15} {'B/gen token out':>16} {'store B/record':>15} {'pool MB':>8} "
-          f"{'RSS MB':>8} {'records':>8}")
-    for m in (fill, refs):
-        print(f"{m['mode']:6} {m['bytes_in'] / m['gen_tokens']:15.0f} {m['bytes_out'] / m['gen_tokens']:16.0f} "
-              f"{m['store_mb'] * 1e6 / m['records']:15.0f} {m['pool_mb']:8.1f} {m['rss_mb']:8.1f} {m['records']:8d}")
-    r_in = refs["bytes_in"] / fill["bytes_in"]
-    r_out = refs["bytes_out"] / fill["bytes_out"]
-    r_mem = refs["store_mb"] / fill["store_mb"] if fill["store_mb"] else float("nan")
-    r_rss = refs["rss_mb"] / fill["rss_mb"] if fill["rss_mb"] > 0 else float("nan")
-    print(f"refs/fill: wire in {r_in:.3f}, wire out {r_out:.3f}, store bytes per record {r_mem:.3f}, "
-          f"RSS growth {r_rss:.3f}; records bit-identical: {same} ({complete}/{len(b_recs)} complete); "
-          f"rows by reference {refs['prefix_ref_rows']:.0f}, compact records {refs['compact']:.0f}")
+          f"compact ids {wire.id_dtype(w.experts).name}")
+    print(f"{'mode':8} {'B/gen token in':>15} {'B/gen token out':>16} {'store B/record':>15} {'pool MB':>8} "
+          f"{'RSS MB':>8} {'records':>8} {'in/base':>8} {'mem/base':>9} {'identical':>10}")
+    b0 = runs[0]
+    for m in runs:
+        r_in = m["bytes_in"] / b0["bytes_in"]
+        r_mem = m["store_mb"] / b0["store_mb"] if b0["store_mb"] else float("nan")
+        print(f"{m['mode']:8} {m['bytes_in'] / m['gen_tokens']:15.0f} {m['bytes_out'] / m['gen_tokens']:16.0f} "
+              f"{m['store_mb'] * 1e6 / m['records']:15.0f} {m['pool_mb']:8.1f} {m['rss_mb']:8.1f} {m['records']:8d} "
+              f"{r_in:8.3f} {r_mem:9.3f} {str(same[m['mode']]):>10}")
+    for m in runs:
+        if m["prefix_ref_rows"]:
+            print(f"{m['mode']}: rows by reference {m['prefix_ref_rows']:.0f}, compact records {m['compact']:.0f}, "
+                  f"unresolved {m['unresolved']:.0f}")
     if a.json:
-        print(json.dumps(dict(fill=fill, refs=refs, identical=same, dtype=dtype)))
-    return 0 if same else 1
+        print(json.dumps(dict(runs=runs, identical=same)))
+    return 0 if all(same.values()) else 1
 
 
 if __name__ == "__main__":

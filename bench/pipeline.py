@@ -1,6 +1,7 @@
 """Benchmark producer -> broker -> 2 consumers against raw ZeroMQ and a zmq.proxy chain, in one run.
 
-Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token). Workloads (one publish_rows call each):
+Shape: Qwen3-30B-A3B (L=48 MoE layers, top-8, int16: 768 bytes per token; --num-experts 128, its own count: uint8
+ids on the wire and in the consumers, 384 bytes per token, in every chain). Workloads (one publish_rows call each):
   decode  : steps of 256 requests x 1 token (one message per step, split across the two consumers)
   prefill : steps of 4 requests x 2048 tokens (prefill:N: the step's 8192 tokens over N requests, N = 1 ... 256)
   batched : the vLLM plugin's message: 16 engine steps of 256 requests x 1 token, published as the plugin does
@@ -32,7 +33,7 @@ batch's (`--workloads "" --batches 2`: the latency run alone, in a long-running 
 --repeat N: each workload's chains N times, their order alternated, each repeat's ratios and their median printed.
 Usage: python bench/pipeline.py [--quick] [--json FILE] [--workloads decode,prefill,batched,mixed]
        [--coalesce-bytes N] [--replay-mib N] [--open-group-max N] [--batches N] [--keep-mib N] [--repeat N] [--profile DIR]
-       [--no-latency | --latency-chains ours,proxy]
+       [--num-experts N] [--no-latency | --latency-chains ours,proxy]
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ from typing import NamedTuple
 import numpy as np
 
 L, K = 48, 8
-ROW = L * K * 2
+# the rows' dtype on the wire (--num-experts; the spawned processes read it from the environment): every chain sends
+# the same frames, ours narrowing the engine's int16 rows in its producer as the plugin's producer does
+ENV_IDS = "ROUTING_REPLAY_BENCH_IDS"
+IDS = np.dtype(os.environ.get(ENV_IDS, "int16"))
+ROW = L * K * IDS.itemsize
 IDLE_S = 1.0
 
 
@@ -230,7 +235,7 @@ def raw_sender(ep, workload, n_steps, q, batches, report, got=None, rate_tokens_
     import zmq
     from routing_replay.protocol import wire
     steps, tok = _steps(workload, n_steps)
-    payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(np.int16)
+    payload = np.random.default_rng(0).integers(0, 128, (tok, L, K)).astype(IDS)
     ctx = zmq.Context()
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, 1000)
@@ -255,7 +260,8 @@ def raw_sender(ep, workload, n_steps, q, batches, report, got=None, rate_tokens_
                 while time.monotonic() < target:
                     time.sleep(max(0, target - time.monotonic() - 0.0002))
             t = time.monotonic()
-            head = wire.pack_header("delta", "raw", 0, seq, st.ids, wire.delta_body(st.starts, st.counts, L, K))
+            head = wire.pack_header("delta", "raw", 0, seq, st.ids,
+                                    wire.delta_body(st.starts, st.counts, L, K, ids=IDS))
             s.send_multipart([head, payload], copy=False)
             send_times[i] = t
             sent += len(head) + payload.nbytes
@@ -403,7 +409,7 @@ def producer_proc(ep, workload, n_steps, q, rate_tokens_s, coalesce_bytes, repla
     kw = {} if coalesce_bytes is None else {"coalesce_max_bytes": coalesce_bytes}
     if replay_bytes is not None:
         kw["replay_max_bytes"] = replay_bytes
-    p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30, **kw)
+    p = Producer(ep, num_layers=L, top_k=K, max_queue_bytes=4 << 30, id_dtype=IDS, **kw)
     # warm-up, as an engine that connected at start-up: the first step's requests are opened and acked
     # (connection, hello round trip, the consumers' first allocations) before the clock starts
     for rid, prompt_len in steps[0].opens:
@@ -712,6 +718,11 @@ def latency_summary(runs: list, chains: list) -> list:
 STEPS = {"decode": 4000, "prefill": 200, "batched": 250, "mixed": 100}     # about 1M tokens each (mixed: 1.2M)
 
 
+def wire_id_dtype(num_experts: int) -> np.dtype:
+    from routing_replay.protocol import wire
+    return wire.id_dtype(num_experts)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
@@ -737,6 +748,9 @@ def main(argv=None) -> int:
                     help="measure each workload's chains N times, alternating their order (as given, then "
                          "reversed, ...), and print each repeat's ratios with their median: one run's ratio on a "
                          "shared machine moves with its load, the median of alternated repeats much less")
+    ap.add_argument("--num-experts", type=int, default=None, metavar="N",
+                    help="the model's routed experts: rows travel as wire.id_dtype(N) in every chain (128, "
+                         "Qwen3-30B-A3B's: uint8, half the bytes); default: int16 rows")
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--latency-chains", default="ours,proxy",
                     help="the chains whose latency at 100k tokens/s is measured, --repeat times each, their order "
@@ -746,6 +760,13 @@ def main(argv=None) -> int:
                     help="run the producer, broker and consumers of 'ours' under cProfile; stats and CPU seconds "
                          "per process go to DIR (slows them; not for the ratios)")
     a = ap.parse_args(argv)
+    if a.num_experts is not None:
+        if not 128 <= a.num_experts <= 65535:
+            ap.error(f"--num-experts {a.num_experts}: the bench's ids go up to 127, so 128 ... 65535")
+        global IDS, ROW
+        IDS = wire_id_dtype(a.num_experts)
+        ROW = L * K * IDS.itemsize
+        os.environ[ENV_IDS] = IDS.str          # the spawned processes' rows
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
         PROFILE_DIR[0] = os.path.abspath(a.profile)

@@ -825,7 +825,8 @@ class Broker(ServiceThread):
         own = self.ownership
         counts_raw = h.body["count"]
         plan = ps.plan
-        if plan is None or plan.version != own.version or plan.counts != counts_raw or plan.ids != d.request_ids:
+        if (plan is None or plan.version != own.version or plan.counts != counts_raw or plan.ids != d.request_ids
+                or plan.row_bytes != d.row_bytes):
             owners = own.lookup(d.request_ids)
             if owners is None:
                 links = [self._owner_of(r, ps) for r in d.request_ids]

@@ -51,6 +51,7 @@ class Plan(NamedTuple):
     version: int
     parts: list
     gathered: int = 0             # parts whose rows are gathered (copied) rather than sliced
+    row_bytes: int = 0            # the delta's row size (its `ids` dtype's itemsize): a plan holds for that only
 
 
 def plan_split(d: wire.Delta, counts_raw: bytes, owners: list, distinct: set, version: int) -> Plan:
@@ -58,7 +59,7 @@ def plan_split(d: wire.Delta, counts_raw: bytes, owners: list, distinct: set, ve
     ids = d.request_ids
     if len(distinct) == 1:
         (o,) = distinct
-        return Plan(ids, counts_raw, version, [PlanPart(o, None, b"", None, None, 0)])
+        return Plan(ids, counts_raw, version, [PlanPart(o, None, b"", None, None, 0)], 0, d.row_bytes)
     rb = d.row_bytes
     index = {o: i for i, o in enumerate(distinct)}
     codes = np.fromiter(map(index.__getitem__, owners), dtype=np.int16, count=len(owners))
@@ -91,7 +92,7 @@ def plan_split(d: wire.Delta, counts_raw: bytes, owners: list, distinct: set, ve
             first = np.cumsum(lens) - lens
             rows = np.repeat(a_bytes // rb - first, lens) + np.arange(int(lens.sum()))
             parts.append(PlanPart(o, idx, key, None, rows, rb))
-    return Plan(ids, counts_raw, version, parts, sum(p.rows is not None for p in parts))
+    return Plan(ids, counts_raw, version, parts, sum(p.rows is not None for p in parts), rb)
 
 
 def apply_plan(h: wire.Header, d: wire.Delta, plan: Plan, payload: Sequence) -> list[Part]:
@@ -101,7 +102,8 @@ def apply_plan(h: wire.Header, d: wire.Delta, plan: Plan, payload: Sequence) -> 
     for p in plan.parts:
         if p.idx is None:
             return [Part(p.owner, None, list(payload))]
-        body = wire.delta_body(d.starts[p.idx], d.counts[p.idx], d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
+        body = wire.delta_body(d.starts[p.idx], d.counts[p.idx], d.num_layers, d.top_k, d.layer_lo, d.layer_hi,
+                               d.dtype)
         head = wire.pack_header_packed_key("delta", h.producer, h.epoch, h.seq, p.key, body)
         if views is None:
             views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in payload]

@@ -8,6 +8,10 @@ message, the others (a new request, an overwrite, a hole) one by one. Positions 
 position overwrites and a jump leaves a hole that is filled with -1 and reported as missing unless a later delta
 fills it.
 
+Rows are held in the dtype they travel in (a request's `ids`: uint8, uint16 or int16); "-1" below means that
+dtype's missing value (wire.missing_id: 255, 65535 or -1, all one-bits in each). A delta whose dtype differs from
+its request's is refused for that request (like a delta of another L or K).
+
 A message whose every entry is a new request's first rows (a prefill step's; `adopt_min_bytes`) is not copied at
 all: the rows stay in the received frames (`_Adopted`), a request that ends with them gets a record whose prompt
 rows are a view of them, and anything else that comes for the request moves them into the arena first.
@@ -152,7 +156,7 @@ class _Rows:
         return _merge(out)
 
     def copy_into(self, arr: np.ndarray, lo: int, hi: int, upto: int) -> None:
-        """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) int16)."""
+        """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) of the rows' dtype)."""
         m = min(self.n, upto)
         if m <= 0:
             return
@@ -160,7 +164,7 @@ class _Rows:
         if lo == 0 and hi == L and arr.flags.c_contiguous:       # all layers: straight into the record's rows
             self.arena.gather(self.h, m, arr.reshape(T, L * K).view(self.arena.vdt).reshape(T))
             return
-        arr[:m, lo:hi] = self.arena.gather(self.h, m).view(wire.ROW_DTYPE).reshape(m, hi - lo, K)
+        arr[:m, lo:hi] = self.arena.gather(self.h, m).view(arr.dtype).reshape(m, hi - lo, K)
 
     def release(self) -> int:
         """Give the region back; returns the bytes freed."""
@@ -178,7 +182,7 @@ class _Adopted:
     def __init__(self, buf: np.ndarray, row_bytes: int, shape: tuple):
         self.buf = buf              # (n * row_bytes,) uint8, a view of the received frame
         self.row_bytes = row_bytes
-        self.shape = shape          # (L, K, layer_lo, layer_hi)
+        self.shape = shape          # (L, K, layer_lo, layer_hi, id dtype)
         self.holes: list = []       # (none: they start at position 0)
 
     @property
@@ -239,7 +243,8 @@ _NONE_SLOW = np.zeros(0, dtype=bool)      # Accumulator._append applied every en
 
 
 class _Shape:
-    """One row shape's (L, K, layer_lo, layer_hi) arena and the handle there of each request holding rows."""
+    """One row shape's (L, K, layer_lo, layer_hi, id dtype) arena and the handle there of each request holding
+    rows."""
 
     __slots__ = ("arena", "handle")
 
@@ -253,8 +258,8 @@ class _Request:
 
     __slots__ = ("rid", "opened", "prompt_len", "num_cached", "prefix_filled", "num_layers", "top_k", "layer_ids",
                  "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "shapes",
-                 "seen_n", "key", "damaged", "lease", "refs", "resolved", "entry",
-                 "ref_rows")
+                  "seen_n", "key", "damaged", "lease", "refs", "resolved", "entry",
+                  "ref_rows", "id_dtype")
 
     def __init__(self, rid: str, now: float):
         self.rid = rid
@@ -283,6 +288,7 @@ class _Request:
         self.entry = None           # the PoolEntry of its prompt rows, once emitted (referencers in flight)
         self.ref_rows = (0, 0, 0)   # the last build's referenced rows: (resolved, of them from a live writer,
                                     # unresolved)
+        self.id_dtype = None        # its rows' dtype, from its open or first delta (None: not known yet)
 
 
 class Accumulator:
@@ -329,7 +335,7 @@ class Accumulator:
         self._remember = remember_finished
         self.bytes_held = 0
         self.stats = AccumulatorStats()
-        # per row shape (L, K, layer_lo, layer_hi): its arena and request id -> handle there
+        # per row shape (L, K, layer_lo, layer_hi, id dtype): its arena and request id -> handle there
         self._shapes: dict[tuple, _Shape] = {}
         # finished records' prompt rows that later opens reference (prefix_refs; consumer/prefix_pool.py)
         self.pool = PrefixPool(prefix_pool_bytes)
@@ -389,8 +395,8 @@ class Accumulator:
             st = self.requests[rid] = _Request(rid, now)
         return st
 
-    def _check_size(self, rid: str, positions: int, L: int, K: int, what: str) -> None:
-        nbytes = positions * L * K * wire.ROW_DTYPE.itemsize
+    def _check_size(self, rid: str, positions: int, L: int, K: int, what: str, itemsize: int = 2) -> None:
+        nbytes = positions * L * K * itemsize
         if positions > self.max_positions or nbytes > self.max_record_bytes:
             raise wire.ProtocolError("too_large", f"{what} for {rid[:64]!r} announces {positions} positions of "
                                      f"({L}, {K}) = {nbytes} bytes; limits: max_positions={self.max_positions}, "
@@ -432,7 +438,7 @@ class Accumulator:
               tokens: np.ndarray | None = None) -> bool:
         """Apply an open; False if it was a re-sent open of a request already closed (counted, ignored). `tokens`:
         its prompt token ids, taken out of an `opens` already (else they are read from `frames`)."""
-        self._check_size(o.request_id, o.prompt_len, o.num_layers, o.top_k, "open")
+        self._check_size(o.request_id, o.prompt_len, o.num_layers, o.top_k, "open", o.id_dtype.itemsize)
         if o.n_prompt_tokens and tokens is None:
             if len(frames) != 1:
                 raise wire.ProtocolError("frame_count", f"open announces {o.n_prompt_tokens} prompt tokens "
@@ -465,6 +471,9 @@ class Accumulator:
         if st.num_layers is not None and (st.num_layers, st.top_k) != (o.num_layers, o.top_k):
             raise wire.ProtocolError("shape_mismatch", f"open for {o.request_id!r} says L={o.num_layers} "
                                      f"K={o.top_k}, its rows so far are L={st.num_layers} K={st.top_k}")
+        if st.id_dtype is not None and st.id_dtype != o.id_dtype:
+            raise wire.ProtocolError("shape_mismatch", f"open for {o.request_id!r} says ids "
+                                     f"{wire.ids_code(o.id_dtype)}, its rows so far are {wire.ids_code(st.id_dtype)}")
         if tokens is not None:
             st.prompt_tokens = tokens
         if not st.opened:
@@ -472,6 +481,7 @@ class Accumulator:
         st.opened = True
         st.prompt_len, st.num_cached, st.prefix_filled = o.prompt_len, o.num_cached, o.prefix_filled
         st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
+        st.id_dtype = o.id_dtype
         self._set_refs(st, o.prefix_refs, key[0])
         st.last_seen = now
         if st.key is None or not self._older(st.key, key):
@@ -506,6 +516,7 @@ class Accumulator:
         (st.resolved: compaction leaves their rows out)."""
         st.resolved = []
         good = live = 0
+        miss = wire.missing_id(arr.dtype)
         P = st.prompt_len
         shape = arr.shape[1:]
         bad = np.zeros(P, bool)
@@ -516,18 +527,19 @@ class Accumulator:
             if type(src) is _Request and src.entry is not None:
                 src = src.entry                     # the writer finished since: its entry
             ok = np.zeros(n, bool)
-            if type(src) is PoolEntry and src.shape == shape:
+            if type(src) is PoolEntry and src.shape == shape and src.rows.dtype == arr.dtype:
                 idx, ok = src.take(wp, n)
                 arr[pos:pos + n][ok] = src.rows[idx[ok]]
                 if ok.all():
                     st.resolved.append((src, wp, pos, n))
             elif type(src) is _Request and self.requests.get(src.rid) is src and src.num_layers is not None:
                 rows = src.ranges.get((0, src.num_layers))
-                if (src.num_layers, src.top_k) == shape[:2] and type(rows) is _Rows and rows.n > wp:
-                    tmp = np.full((min(rows.n, wp + n), *shape), -1, wire.ROW_DTYPE)
+                if ((src.num_layers, src.top_k) == shape[:2] and type(rows) is _Rows and rows.n > wp
+                        and (src.id_dtype or wire.ROW_DTYPE) == arr.dtype):
+                    tmp = np.full((min(rows.n, wp + n), *shape), miss, arr.dtype)
                     rows.copy_into(tmp, 0, src.num_layers, len(tmp))
                     got = tmp[wp:]
-                    ok[:len(got)] = (got >= 0).reshape(len(got), -1).all(axis=1)
+                    ok[:len(got)] = (got != miss).reshape(len(got), -1).all(axis=1)
                     ok[:len(got)] &= ~_in_ranges(wp + len(got), rows.holes)[wp:]
                     arr[pos:pos + n][ok] = got[ok[:len(got)]]
                     live += int(ok.sum())
@@ -536,7 +548,7 @@ class Accumulator:
         st.ref_rows = (good, live, int(bad.sum()))
         unresolved = _runs(bad) if bad.any() else []
         for a, b in unresolved:
-            arr[a:b] = -1
+            arr[a:b] = miss
         return missing + unresolved, unresolved
 
     def mark(self, rid: str, note: str, now: float) -> None:
@@ -568,7 +580,7 @@ class Accumulator:
         n = len(d.request_ids)
         if not n:
             return
-        shape = (L, K, d.layer_lo, d.layer_hi)
+        shape = (L, K, d.layer_lo, d.layer_hi, d.dtype)
         sh = self._shapes.get(shape)
         if sh is None:
             sh = self._shapes[shape] = _Shape(rb, self.keep_bytes)
@@ -607,14 +619,15 @@ class Accumulator:
             if st is None:
                 if rid in finished:
                     return False
-            elif key in st.ranges or (st.num_layers is not None and (st.num_layers != L or st.top_k != K)):
+            elif key in st.ranges or (st.num_layers is not None and (st.num_layers != L or st.top_k != K)) \
+                    or (st.id_dtype is not None and st.id_dtype != d.dtype):
                 return False
         if len(set(ids)) != len(ids):
             return False
         frames = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
         if not all(f.flags.writeable for f in frames):
             return False                        # (bytes: a record must be an array its user may write)
-        shape = (L, K, d.layer_lo, d.layer_hi)
+        shape = (L, K, d.layer_lo, d.layer_hi, d.dtype)
         fi, base, end = 0, 0, len(frames[0]) // rb
         at = 0
         for rid, cnt in zip(ids, c.tolist()):
@@ -627,6 +640,8 @@ class Accumulator:
                 st = requests[rid] = _Request(rid, now)
             if st.num_layers is None:
                 st.num_layers, st.top_k = L, K
+            if st.id_dtype is None:
+                st.id_dtype = d.dtype
             st.ranges[key] = _Adopted(frames[fi][o:o + cnt * rb], rb, shape)
             st.shapes.append(shape)
             st.last_seen = now
@@ -651,7 +666,7 @@ class Accumulator:
     def _new_rows(self, rids: set, sh: "_Shape", d: wire.Delta, now: float) -> list:
         """Give the requests of `rids` that may take rows of this shape (held, or new; same L and K) their rows
         here, so that their first entries can be appended with the others. Returns those requests."""
-        shape = (d.num_layers, d.top_k, d.layer_lo, d.layer_hi)
+        shape = (d.num_layers, d.top_k, d.layer_lo, d.layer_hi, d.dtype)
         key = (d.layer_lo, d.layer_hi)
         made, moved = [], []
         for rid in rids:
@@ -660,10 +675,14 @@ class Accumulator:
                 st = self._get(rid, now)
                 if st is None:
                     continue                    # finished: the entry-by-entry path counts it late
+            if st.id_dtype is not None and st.id_dtype != d.dtype:
+                continue                        # refused there
             if st.num_layers is None:
                 st.num_layers, st.top_k = d.num_layers, d.top_k
             elif st.num_layers != d.num_layers or st.top_k != d.top_k:
                 continue                        # refused there
+            if st.id_dtype is None:
+                st.id_dtype = d.dtype
             r = st.ranges.get(key)
             if r is not None:
                 if type(r) is _Adopted:         # its rows go to the arena; this message's append to them
@@ -822,11 +841,18 @@ class Accumulator:
             if st is None:
                 self.stats.late_msgs += 1
                 return 0
+        dt = shape[4]
+        if st.id_dtype is not None and st.id_dtype != dt:
+            self._refuse(st, c, f"delta with ids {wire.ids_code(dt)} for a request of ids "
+                                f"{wire.ids_code(st.id_dtype)}")
+            return 0
         if st.num_layers is None:
             st.num_layers, st.top_k = L, K
         elif st.num_layers != L or st.top_k != K:
             self._refuse(st, c, f"delta with L={L} K={K} for a request of L={st.num_layers} K={st.top_k}")
             return 0
+        if st.id_dtype is None:
+            st.id_dtype = dt
         nb = c * rb
         if s + c > self.max_positions or self.bytes_held + nb > self.max_bytes:
             self._refuse(st, c, f"rows up to position {s + c} ({self.bytes_held + nb} bytes held) exceed "
@@ -1017,6 +1043,8 @@ class Accumulator:
         floor = 0 if st.prefix_filled else C
         L = st.num_layers or 0
         K = st.top_k or 0
+        dt = st.id_dtype or wire.ROW_DTYPE
+        miss = wire.missing_id(dt)
         total = P + G
         need_hi = P + G - 1 if G > 0 else P        # the last output token is never fed to the model
         keys = sorted(st.ranges)
@@ -1027,27 +1055,27 @@ class Accumulator:
         # where nothing was; disjoint ranges write each byte once: copy what is held, -1 only for the rest
         if in_place:
             rows = st.ranges[(0, L)]
-            lease = rows.arena.lease(rows.h, total, (total, L, K))
+            lease = rows.arena.lease(rows.h, total, (total, L, K), dt)
             st.lease = ((0, L), lease)
             arr = np.asarray(lease)
         elif disjoint:
-            arr = np.empty((total, L, K), dtype=wire.ROW_DTYPE)
+            arr = np.empty((total, L, K), dtype=dt)
         else:
-            arr = np.full((total, L, K), -1, dtype=wire.ROW_DTYPE)
+            arr = np.full((total, L, K), miss, dtype=dt)
         missing: list[list[int]] = []
         covered = np.zeros(L, dtype=bool)
         for (lo, hi), rows in st.ranges.items():
             if not in_place:
                 rows.copy_into(arr, lo, hi, total)
             if disjoint and rows.n < total:
-                arr[rows.n:, lo:hi] = -1            # never written (holes below n are -1 in the region already)
+                arr[rows.n:, lo:hi] = miss          # never written (holes below n are -1 in the region already)
             covered[lo:hi] = True
             missing += rows.missing(floor, need_hi)
         if disjoint and L and not covered.all():
-            arr[:, ~covered] = -1
-        arr[:floor] = -1
+            arr[:, ~covered] = miss
+        arr[:floor] = miss
         if G > 0:
-            arr[total - 1] = -1
+            arr[total - 1] = miss
         if L and not covered.all():
             missing.append([floor, need_hi])
         not_found: list[list[int]] = []
@@ -1056,19 +1084,20 @@ class Accumulator:
             sent = np.zeros(F, dtype=bool)
             for rows in st.ranges.values():
                 sent[:min(rows.n, F)] = True
-            bad = sent & (arr[:F] < 0).reshape(F, -1).any(axis=1)
+            sent_missing = (arr[:F] < 0) if miss < 0 else (arr[:F] == miss)
+            bad = sent & sent_missing.reshape(F, -1).any(axis=1)
             bad &= ~_in_ranges(F, missing)
             if bad.any():
                 not_found = _runs(bad)
                 missing += not_found
-                arr[:F][bad] = -1
+                arr[:F][bad] = miss
         unresolved: list = []
         if st.refs and L:
             missing, unresolved = self._resolve_refs(st, arr, missing)
         for a, b in lost:                           # the producer dropped rows here: whatever the positions hold
             if b > floor and a < need_hi:           # now may be older rows that those would have overwritten
                 missing.append([max(a, floor), min(b, need_hi)])
-                arr[max(a, floor):min(b, need_hi)] = -1
+                arr[max(a, floor):min(b, need_hi)] = miss
         missing = _merge(missing)
         notes = list(st.notes)
         if L == 0 and need_hi > floor:
@@ -1127,11 +1156,12 @@ class Accumulator:
         if not n or n > total or min(st.num_cached, P):
             return None
         L, K = st.num_layers, st.top_k
-        rows = ad.buf.view(wire.ROW_DTYPE).reshape(n, L, K)
-        gen = np.empty((G, L, K), dtype=wire.ROW_DTYPE)
+        dt = ad.shape[4]
+        rows = ad.buf.view(dt).reshape(n, L, K)
+        gen = np.empty((G, L, K), dtype=dt)
         g = min(n, total - 1 if G > 0 else total) - P      # generation rows that came (the last one never does)
         gen[:g] = rows[P:P + g]
-        gen[g:] = -1
+        gen[g:] = wire.missing_id(dt)
         self.stats.adopted_records += 1
         return wire.Record(st.rid, rows[:P], gen, 0, _layer_id_array(st.layer_ids), True, [], "", end.reason,
                            st.prompt_tokens, end.output_tokens, 0)
@@ -1153,15 +1183,17 @@ class Accumulator:
         C = min(st.num_cached, P)
         if rows.holes and rows.holes[-1][1] > C:
             return None                             # (a hole below C: the prefix-cache hits never sent)
-        lease = rows.arena.lease(rows.h, total, (total, L, st.top_k))
+        dt = st.id_dtype or wire.ROW_DTYPE
+        miss = wire.missing_id(dt)
+        lease = rows.arena.lease(rows.h, total, (total, L, st.top_k), dt)
         st.lease = ((0, L), lease)
         arr = np.asarray(lease)
         if n < total:
-            arr[n:] = -1
+            arr[n:] = miss
         if C:
-            arr[:C] = -1
+            arr[:C] = miss
         if G > 0:
-            arr[total - 1] = -1
+            arr[total - 1] = miss
         return wire.Record(st.rid, arr[:P], arr[P:], C, _layer_id_array(st.layer_ids), True, [], "", end.reason,
                            st.prompt_tokens, end.output_tokens, 0)
 

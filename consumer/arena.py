@@ -65,8 +65,9 @@ class _Lease:
 
     __slots__ = ("__array_interface__", "_space", "_freed", "_region", "armed", "__weakref__")
 
-    def __init__(self, space: _Space, freed: collections.deque, region: tuple, shape: tuple, addr: int):
-        self.__array_interface__ = {"shape": shape, "typestr": "<i2", "data": (addr, False), "version": 3}
+    def __init__(self, space: _Space, freed: collections.deque, region: tuple, shape: tuple, addr: int,
+                 typestr: str = "<i2"):
+        self.__array_interface__ = {"shape": shape, "typestr": typestr, "data": (addr, False), "version": 3}
         self._space = space                           # keeps the mapping alive while a view exists
         self._freed = freed
         self._region = region
@@ -340,14 +341,14 @@ class Arena:
             out[:m] = self.view(h, m)
         return out
 
-    def lease(self, h: int, m: int, shape: tuple) -> _Lease:
-        """Positions [0, m) of handle h (its region grown first if it is smaller) for numpy to wrap as an int16
-        array of `shape` (no copy); armed by `detach`."""
+    def lease(self, h: int, m: int, shape: tuple, dtype: np.dtype = np.dtype("<i2")) -> _Lease:
+        """Positions [0, m) of handle h (its region grown first if it is smaller) for numpy to wrap as an array of
+        `shape` and `dtype` (the rows' expert id dtype; no copy); armed by `detach`."""
         if m > self.cap[h]:
             self._grow(h, m)
         s = self.spaces[int(self.sp[h])]
         return _Lease(s, self._freed, (*self._region(h, m), m), shape,
-                      s.addr + (int(self.base[h]) - s.first) * self.row_bytes)
+                      s.addr + (int(self.base[h]) - s.first) * self.row_bytes, dtype.str)
 
     def write(self, h: int, start: int, src: np.ndarray) -> None:
         """Write void rows `src` at positions [start, start + len(src)) of handle h; n[h] becomes at least

@@ -160,6 +160,7 @@ class TrainerClient:
         self._early: dict[str, wire.Record] = {}
         self._seq = 0
         self._sub_slice: wire.Slice | None = None
+        self._sub_ids = "int16"
         self.reply_bytes = 0          # bytes of every reply frame received (what left the consumers for this client)
         self.sliced_locally = 0       # records a consumer sent whole although a slice was asked (an older one)
         self._warned_whole: set[int] = set()
@@ -287,7 +288,7 @@ class TrainerClient:
 
     def fetch(self, request_ids: Iterable[str], timeout_s: float = 60.0, *, unknown: str = "grace",
               unknown_grace_s: float = UNKNOWN_GRACE_S, layers: tuple[int, int] | None = None,
-              tokens: tuple[int, int] | None = None) -> dict[str, wire.Record]:
+              tokens: tuple[int, int] | None = None, ids: str = "int16") -> dict[str, wire.Record]:
         """Return {request_id: Record} for every id, within timeout_s.
 
         Each trainer rank fetches only its slice (only those bytes leave the consumer): `request_ids` its samples
@@ -306,7 +307,12 @@ class TrainerClient:
         unknown="grace" (the default): an id every consumer says it never saw is waited for unknown_grace_s (its
         request may not have reached a consumer yet), then RecordUnknown. unknown="raise": no grace. unknown="wait":
         waited for until the timeout (requests that may sit in an engine's queue longer than the grace).
+
+        ids="int16" (the default): rows as int16, -1 where never computed, whatever the consumer stores (Record.
+        widened()); ids="compact": as the consumer holds them and sent them (uint8/uint16 for a producer that
+        narrows: `Record.id_dtype`, `Record.missing_id`), no widening copy.
         """
+        wire.check_ids_choice(ids)
         if unknown not in ("wait", "raise", "grace"):
             raise ValueError(f"unknown must be 'grace', 'raise' or 'wait', got {unknown!r}")
         grace = {"raise": 0.0, "grace": unknown_grace_s, "wait": None}[unknown]
@@ -320,7 +326,7 @@ class TrainerClient:
                 except wire.ProtocolError:
                     rec = None                   # asked of the consumers, which answer why
                 if rec is not None:
-                    got[rid] = rec
+                    got[rid] = rec.as_ids(ids)
         failed: dict[str, str] = {}              # id -> a consumer's error reason
         unknown_at: dict[str, set] = {}          # id -> the consumers that said, since the last ask, it is unknown
         unknown_since: dict[str, float] = {}     # id -> when an ask was first answered "unknown" by every consumer
@@ -374,7 +380,7 @@ class TrainerClient:
                     if rec is None:
                         self.bad_replies += 1     # another slice than asked: dropped, asked again
                         continue
-                    got[r.value.request_id] = rec
+                    got[r.value.request_id] = rec.as_ids(ids)
                     failed.pop(r.value.request_id, None)
                 else:
                     self._early[r.value.request_id] = r.value
@@ -402,9 +408,10 @@ class TrainerClient:
         return {"subscribe": self._prefix, **(self._sub_slice.body() if self._sub_slice is not None else {})}
 
     def subscribe(self, prefix: str = "", *, layers: tuple[int, int] | None = None,
-                  tokens: tuple[int, int] | None = None) -> None:
+                  tokens: tuple[int, int] | None = None, ids: str = "int16") -> None:
         """Receive live records whose request id starts with prefix (best effort; fetch is the lossless path);
-        `layers`, `tokens`: only that slice of each record, as in `fetch`."""
+        `layers`, `tokens`: only that slice of each record, `ids`: their rows' dtype, as in `fetch`."""
+        self._sub_ids = wire.check_ids_choice(ids)
         self._sub_slice = wire.make_slice(layers, tokens)
         self._prefix = prefix
         self._subscribed = True
@@ -434,4 +441,4 @@ class TrainerClient:
                 if rec is None:
                     self.bad_replies += 1      # another slice than subscribed to (a late reply of a sliced fetch)
                     continue
-                yield rec
+                yield rec.as_ids(self._sub_ids)

@@ -2,7 +2,11 @@
 
 One-file layout: DIR/<safe id>.npz with keys prompt_routed_experts, routed_experts, num_cached_tokens,
 moe_layer_ids, complete, missing, reason, finish_reason, request_id, and prompt_token_ids / output_token_ids
-when known, num_prefix_filled when not 0 (files without it read as 0). Shard layout (--shard-size N): DIR/shard-000000.npz holds N records under keys "<i>/<name>" and
+when known, num_prefix_filled when not 0 (files without it read as 0), and, for rows that are not int16, `ids`
+(the rows' dtype code, "u1" or "u2", wire.ID_DTYPES) and `missing_id` (255 or 65535: a row never computed).
+Files without `ids` hold int16 rows with -1 (every file written before compact ids) and keep loading. Readers
+hand out int16 rows (-1) by default, as before; ids="compact" gives the rows as stored.
+Shard layout (--shard-size N): DIR/shard-000000.npz holds N records under keys "<i>/<name>" and
 DIR/index.jsonl has one line per record {"request_id", "shard", "i"}. Every file is written to a temporary
 name in DIR, fsynced, renamed, and the directory fsynced (durable=True, the default), so a reader never sees a
 partial file and a renamed file survives a power cut.
@@ -78,6 +82,13 @@ def _arrays(rec: wire.Record, prefix: str = "") -> dict:
     }
     if rec.num_prefix_filled:
         d["num_prefix_filled"] = np.int64(rec.num_prefix_filled)
+    dt = wire.as_id_dtype(rec.prompt_routed_experts.dtype)
+    if rec.routed_experts.dtype != dt:
+        raise ValueError(f"record {rec.request_id[:64]!r} has {dt.name} prompt rows and "
+                         f"{rec.routed_experts.dtype.name} generation rows")
+    if dt != wire.ROW_DTYPE:
+        d["ids"] = np.array(wire.ids_code(dt))
+        d["missing_id"] = np.int64(wire.missing_id(dt))
     if rec.prompt_token_ids is not None:
         d["prompt_token_ids"] = np.asarray(rec.prompt_token_ids, dtype=np.int32)
     if rec.output_token_ids is not None:
@@ -85,18 +96,32 @@ def _arrays(rec: wire.Record, prefix: str = "") -> dict:
     return {prefix + k: v for k, v in d.items()}
 
 
-def _record(z, prefix: str = "") -> wire.Record:
+def _record(z, prefix: str = "", ids: str = "compact") -> wire.Record:
+    """The record under `prefix` of an open npz, its rows as stored (ids="compact") or as int16 (-1)."""
     def get(k, default=None):
         return z[prefix + k] if prefix + k in z else default
 
     pt, ot = get("prompt_token_ids"), get("output_token_ids")
-    return wire.Record(
-        request_id=str(get("request_id")), prompt_routed_experts=get("prompt_routed_experts"),
-        routed_experts=get("routed_experts"), num_cached_tokens=int(get("num_cached_tokens")),
+    code = str(get("ids", "i2"))
+    if code not in wire.ID_DTYPES:
+        raise ValueError(f"ids {code[:32]!r}: expected one of {sorted(wire.ID_DTYPES)}")
+    dt = wire.ID_DTYPES[code]
+    pr, ge = get("prompt_routed_experts"), get("routed_experts")
+    for name, a in (("prompt_routed_experts", pr), ("routed_experts", ge)):
+        if a is None or a.dtype != dt or a.ndim != 3:
+            raise ValueError(f"{name} is {None if a is None else (a.dtype.name, a.shape)}, the file states "
+                             f"ids {code!r} ({dt.name}, 3-D)")
+    miss = get("missing_id")
+    if miss is not None and int(miss) != wire.missing_id(dt):
+        raise ValueError(f"missing_id {int(miss)} for ids {code!r} (expected {wire.missing_id(dt)})")
+    rec = wire.Record(
+        request_id=str(get("request_id")), prompt_routed_experts=pr,
+        routed_experts=ge, num_cached_tokens=int(get("num_cached_tokens")),
         moe_layer_ids=get("moe_layer_ids"), complete=bool(get("complete")),
         missing=[tuple(int(x) for x in m) for m in get("missing", np.zeros((0, 2), np.int64))],
         reason=str(get("reason", "")), finish_reason=str(get("finish_reason", "")),
         prompt_token_ids=pt, output_token_ids=ot, num_prefix_filled=int(get("num_prefix_filled", 0)))
+    return rec.as_ids(ids)
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -272,7 +297,7 @@ class NpzIndex:
             else:
                 if not path.is_file():
                     return None
-                rec = read_record(path)
+                rec = read_record(path, "compact")
         except FileNotFoundError:
             return None
         except UnreadableRecord:
@@ -473,7 +498,7 @@ class NpzWriter:
         while self._held_spilled:
             rid, path = next(iter(self._held_spilled.items()))
             try:
-                rec = read_record(path)
+                rec = read_record(path, "compact")
             except (OSError, UnreadableRecord) as e:
                 log.error("npz writer: unwritten %r cannot be read back from %s (%s): lost", rid[:64], path, e)
                 del self._held_spilled[rid]
@@ -535,11 +560,13 @@ def _file_request_id(path: Path) -> str:
         raise UnreadableRecord(path, e) from e
 
 
-def read_record(path: str | os.PathLike) -> wire.Record:
-    """Read one per-request npz file; UnreadableRecord naming it if it cannot be read (OSError if it is not there)."""
+def read_record(path: str | os.PathLike, ids: str = "int16") -> wire.Record:
+    """Read one per-request npz file; UnreadableRecord naming it if it cannot be read (OSError if it is not there).
+    ids="int16" (the default): int16 rows with -1, whatever the file holds; "compact": the rows as stored."""
+    wire.check_ids_choice(ids)
     try:
         with np.load(path, allow_pickle=False) as z:
-            return _record(z)
+            return _record(z, "", ids)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as e:  # noqa: BLE001 -- EOFError, BadZipFile, zlib.error, a missing key: file content is input
@@ -554,15 +581,18 @@ def record_files(directory: str | os.PathLike) -> list[Path]:
 
 
 def iter_records(directory: str | os.PathLike, errors: str = "skip",
-                 unreadable: list | None = None) -> Iterator[wire.Record]:
+                 unreadable: list | None = None, ids: str = "int16") -> Iterator[wire.Record]:
     """Yield every record under DIR, from per-request files and from shards (a torn index line skipped; records
     the index lost read from their shard files).
 
     errors="skip" (the default): an unreadable file (or shard record) is logged by name and skipped, and its
     UnreadableRecord appended to `unreadable` if given; errors="raise": UnreadableRecord naming the first one.
+    ids="int16" (the default): int16 rows with -1 (as every file before compact ids held); "compact": the rows
+    as stored (uint8/uint16 where the file says so: half the memory or less).
     """
     if errors not in ("skip", "raise"):
         raise ValueError(f"errors must be 'skip' or 'raise', got {errors!r}")
+    wire.check_ids_choice(ids)
 
     def bad(e: UnreadableRecord) -> None:
         if errors == "raise":
@@ -574,7 +604,7 @@ def iter_records(directory: str | os.PathLike, errors: str = "skip",
     d = Path(directory)
     for p in record_files(d):
         try:
-            rec = read_record(p)
+            rec = read_record(p, ids)
         except UnreadableRecord as e:
             bad(e)
             continue
@@ -603,7 +633,7 @@ def iter_records(directory: str | os.PathLike, errors: str = "skip",
         with z:
             for i, rid in sorted(idxs):
                 try:
-                    rec = _record(z, f"{i}/")
+                    rec = _record(z, f"{i}/", ids)
                 except Exception as e:  # noqa: BLE001
                     bad(UnreadableRecord(path, e, rid))
                     continue
@@ -611,10 +641,11 @@ def iter_records(directory: str | os.PathLike, errors: str = "skip",
 
 
 def load_records(directory: str | os.PathLike, errors: str = "skip",
-                 unreadable: list | None = None) -> dict[str, wire.Record]:
+                 unreadable: list | None = None, ids: str = "int16") -> dict[str, wire.Record]:
     """Read every record under DIR (both layouts) into {request_id: Record}. Unreadable files are logged by name
-    and skipped (listed in `unreadable` if given), or errors="raise": UnreadableRecord naming the first."""
-    return {r.request_id: r for r in iter_records(directory, errors, unreadable)}
+    and skipped (listed in `unreadable` if given), or errors="raise": UnreadableRecord naming the first.
+    ids="int16" (the default): int16 rows, -1 never computed; "compact": as stored (Record.id_dtype says)."""
+    return {r.request_id: r for r in iter_records(directory, errors, unreadable, ids)}
 
 
 class Progress:

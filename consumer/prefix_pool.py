@@ -113,7 +113,8 @@ class PrefixPool:
         if not P or self.max_bytes == 0:
             return None
         rows = rec.prompt_routed_experts
-        neg = (rows < 0).reshape(len(rows), -1).any(axis=1)     # a row with a -1 is no routing: never served
+        # a row holding the missing value (-1, or 255/65535 in compact rows) is no routing: never served
+        neg = (rows == wire.missing_id(rows.dtype)).reshape(len(rows), -1).any(axis=1)
         held = np.ones(P, bool) if own is None else own.copy()
         if own is None:
             held &= ~neg

@@ -148,6 +148,8 @@ class Consumer(ServiceThread):
     """Own a consumer's sockets (DEALER to the broker, optional ROUTER for trainers), its accumulator and sinks.
 
     All sockets are created and used by the thread that calls `run()` (or the one `start()` makes).
+    Records (`on_record`, npz, trainers) carry the rows in the dtype their producer sent (Record.id_dtype: uint8 or
+    uint16 from a producer told its model's expert count, else int16); `rec.widened()` gives the int16 record.
     """
 
     # the optional data kinds it tells the broker it takes (wire.CONSUMER_TAKES); without "opens" ("finishes") the

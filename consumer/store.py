@@ -83,7 +83,7 @@ class RecordStore:
             return self.pool.materialize(rec)
         path = self._spilled.get(rid)
         if path is not None:
-            return npz.read_record(path)
+            return npz.read_record(path, "compact")
         if rid in self._evicted:
             return EVICTED
         return None
@@ -109,7 +109,7 @@ class RecordStore:
             return whole
         path = self._spilled.pop(rid, None)
         if path is not None:
-            rec = npz.read_record(path)
+            rec = npz.read_record(path, "compact")
             path.unlink(missing_ok=True)
             return rec
         if rid in self._evicted:

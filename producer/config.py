@@ -41,6 +41,8 @@ class ProducerConfig:
     silence_warn_after_ms: int = 3000           # a hello/heartbeat unanswered this long logs a WARNING
     silence_warn_every_ms: int = 10_000         # ... repeated this often while the silence lasts
     coalesce_max_bytes: int = COALESCE_MAX_BYTES    # rows of steps queued together sent as one delta (0: never)
+    num_experts: int | None = None              # routed experts of the model: the rows' wire dtype (wire.id_dtype)
+    id_dtype: object = None                     # or the wire dtype itself (uint8/uint16/int16); neither: int16
 
     def __post_init__(self):
         if not 1 <= self.num_layers <= wire.MAX_LAYERS or not 1 <= self.top_k <= wire.MAX_TOP_K:
@@ -70,3 +72,10 @@ class ProducerConfig:
             raise ValueError(f"coalesce_max_bytes={self.coalesce_max_bytes} outside "
                              f"0..{wire.MAX_PAYLOAD_FRAME_BYTES} (a coalesced delta must stay under "
                              "wire.MAX_DATA_MESSAGE_BYTES)")
+        if self.num_experts is not None:
+            check_int("num_experts", self.num_experts, 1)
+        if self.id_dtype is not None:
+            wire.as_id_dtype(self.id_dtype)                 # ValueError naming a dtype that is not an id dtype
+            if self.num_experts is not None and wire.as_id_dtype(self.id_dtype) != wire.id_dtype(self.num_experts):
+                raise ValueError(f"id_dtype={self.id_dtype} disagrees with num_experts={self.num_experts} "
+                                 f"({wire.id_dtype(self.num_experts).name}): pass one of them")

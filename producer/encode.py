@@ -19,6 +19,7 @@ class Geometry(NamedTuple):
     top_k: int
     layer_lo: int
     layer_hi: int
+    id_dtype: np.dtype = wire.ROW_DTYPE     # the rows' dtype on the wire: int16 rows are narrowed to it once, here
 
 
 class Encoded(NamedTuple):
@@ -63,12 +64,13 @@ def encode_opens(items: list, producer_id: str, epoch: int, seq: int) -> Encoded
     """Several requests' open Announces (distinct ids, token ids already int32 arrays, one producer's geometry) as
     one `opens` message."""
     first = items[0].body
-    L, K, layer_ids = first["num_layers"], first["top_k"], first["layer_ids"]
+    L, K, layer_ids, id_code = first["num_layers"], first["top_k"], first["layer_ids"], first.get("ids", "i2")
     ids, P, C, NT, filled, toks, refs = [], [], [], [], [], [], []
     for it in items:
         b = it.body
-        if b["num_layers"] != L or b["top_k"] != K or b["layer_ids"] != layer_ids:
-            raise ValueError(f"opens of one message must share num_layers, top_k and layer_ids; "
+        if (b["num_layers"] != L or b["top_k"] != K or b["layer_ids"] != layer_ids
+                or b.get("ids", "i2") != id_code):
+            raise ValueError(f"opens of one message must share num_layers, top_k, layer_ids and ids; "
                              f"{escaped_id(it.request_id)} differs")
         ids.append(it.request_id)
         P.append(b["prompt_len"])
@@ -79,7 +81,7 @@ def encode_opens(items: list, producer_id: str, epoch: int, seq: int) -> Encoded
         NT.append(0 if t is None else len(t))
         if t is not None and len(t):
             toks.append(t)
-    body = wire.opens_body(P, C, L, K, layer_ids, NT if any(NT) else None, filled, refs)
+    body = wire.opens_body(P, C, L, K, layer_ids, NT if any(NT) else None, filled, refs, ids=id_code)
     head = wire.pack_header("opens", producer_id, epoch, seq, ids, body)
     extra = [memoryview(np.concatenate(toks).astype(wire.TOKEN_DTYPE, copy=False)).cast("B")] if toks else []
     return Encoded(Parts("opens", ids), [head, *extra], 0)
@@ -134,9 +136,12 @@ def encode_step(item: Step, producer_id: str, epoch: int, seq: int, g: Geometry)
     whatever happens: resolved_step)."""
     item = resolved_step(item)
     ids, starts, counts = item.request_ids, item.starts, item.counts
-    body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi)
+    rows = item.rows
+    if g.id_dtype != wire.ROW_DTYPE and rows.dtype == wire.ROW_DTYPE:
+        rows = wire.narrow_rows(rows, g.id_dtype)       # ValueError naming an id that does not fit: refused
+    body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi, rows.dtype)
     head = wire.pack_header("delta", producer_id, epoch, seq, ids, body)
-    payload = memoryview(np.ascontiguousarray(item.rows)).cast("B")
+    payload = memoryview(np.ascontiguousarray(rows)).cast("B")
     parts = Parts("delta", ids, starts, counts)        # references: read only when the broker refuses the message
     return Encoded(parts, [head, payload], len(payload))
 
@@ -233,6 +238,9 @@ def encode_steps(items: Sequence[Step], producer_id: str, epoch: int, seq: int, 
                 if rows.dtype != wire.ROW_DTYPE or rows.shape != (sum(item.counts), *row_shape):
                     raise ValueError(f"rows are {rows.shape} {rows.dtype}, expected ({sum(item.counts)}, "
                                      f"{row_shape[0]}, {row_shape[1]}) int16")
+                narrowed = g.id_dtype != wire.ROW_DTYPE
+                if narrowed:        # the one copy (out of a deferred slot too, before its release)
+                    rows = wire.narrow_rows(rows, g.id_dtype)
             except Exception as e:  # noqa: BLE001 (this step's failure; the others go on)
                 failed.append((item, e))
                 continue
@@ -240,7 +248,7 @@ def encode_steps(items: Sequence[Step], producer_id: str, epoch: int, seq: int, 
                 ids += item.request_ids
                 starts += item.starts
                 counts += item.counts
-                copied = False
+                copied = narrowed
             else:
                 rows = kept_rows(rows, item.counts, item.keep)
                 copied = True
@@ -257,6 +265,6 @@ def encode_steps(items: Sequence[Step], producer_id: str, epoch: int, seq: int, 
                 item.rows.release()
     if not ids:
         return None, failed
-    body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi)
+    body = wire.delta_body(starts, counts, g.num_layers, g.top_k, g.layer_lo, g.layer_hi, g.id_dtype)
     head = wire.pack_header("delta", producer_id, epoch, seq, ids, body)
     return Encoded(Parts("delta", ids, starts, counts), [head, *frames], sum(len(f) for f in frames)), failed

@@ -131,6 +131,11 @@ class Producer:
     and optionally `release()` (called once its bytes were copied, or when it is dropped). A deferred object with
     `dropped=True` (capture's host ring was full) is counted and reported lost the same way, never waited on.
 
+    Expert ids: the caller hands int16 rows (-1: never computed); they travel as `id_dtype` (uint8 for at most
+    255 experts, uint16 above: pass `num_experts` or `id_dtype`; neither: int16), narrowed once on the background
+    thread when the delta is encoded. A step with an id that does not fit is refused (its positions reported lost
+    and refused in the finish), as rows that fail the other checks are.
+
     Coalescing: steps that wait in the queue together when the thread takes them (it fell behind the caller)
     leave as one delta message of up to `coalesce_max_bytes` (16 MiB) of rows and 64 steps; the thread never
     waits for more, so a step that finds the queue empty goes alone (no added latency). The broker and consumers
@@ -171,9 +176,13 @@ class Producer:
                                                                                          cfg.moe_layer_ids]
         lo, hi = cfg.layer_range if cfg.layer_range is not None else (0, num_layers)
         self.layer_lo, self.layer_hi = lo, hi
-        self._geometry = Geometry(num_layers, top_k, lo, hi)
+        # rows travel as id_dtype (given, or wire.id_dtype(num_experts); neither: int16): the caller hands int16
+        # rows (-1 never computed), narrowed once on the producer's thread when a delta is encoded
+        self.id_dtype = (wire.as_id_dtype(cfg.id_dtype) if cfg.id_dtype is not None
+                         else wire.id_dtype(cfg.num_experts))
+        self._geometry = Geometry(num_layers, top_k, lo, hi, self.id_dtype)
         self.row_shape = (hi - lo, top_k)
-        self.row_bytes = (hi - lo) * top_k * 2
+        self.row_bytes = (hi - lo) * top_k * 2          # the queue counts the caller's int16 rows
         self.producer_id = cfg.producer_id or default_producer_id()
         self.epoch = time.time_ns() // 1_000_000
         self.max_queue_bytes = cfg.max_queue_bytes
@@ -348,6 +357,8 @@ class Producer:
                 raise ValueError(f"prefix_refs of {request_id[:64]!r} without prefix_filled")
             wire.parse_prefix_refs(refs, num_cached_tokens, request_id)
             body["prefix_refs"] = refs
+        if self.id_dtype != wire.ROW_DTYPE:
+            body["ids"] = wire.ids_code(self.id_dtype)
         return Announce("open", request_id, body, _token_frames(body, "n_prompt_tokens", prompt_token_ids, frozen))
 
     def publish(self, step: Iterable[tuple[str, int, np.ndarray]]) -> bool:

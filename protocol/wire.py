@@ -1,4 +1,4 @@
-"""Encode and validate routing-replay wire messages (protocol v1): the frame layout of every kind, one module.
+"""Encode and validate routing-replay wire messages (protocol v2): the frame layout of every kind, one module.
 
 Every stage imports this module and nothing else builds frames. This docstring is the layout (what is in each
 frame and field, its type and default); docs/PROTOCOL.md says what the fields mean and how delivery works.
@@ -6,7 +6,9 @@ frame and field, its type and default); docs/PROTOCOL.md says what the fields me
 A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames after it are raw payloads:
 
     frame 0   header: msgpack array [version, kind, producer, epoch, seq, key, body(, link)]
-                version   int, PROTOCOL_VERSION (1)
+                version   int, PROTOCOL_VERSION (2); a v1 header is read too (its rows are int16: a v1 peer
+                          never sends `ids`, and a v1 header that does is refused); a v1 peer refuses a v2 header
+                          (bad_version), so an older peer is refused, never misread
                 kind      str, one of KINDS
                 producer  str of at most MAX_PEER_ID_LEN characters: the id of the process that made the
                           message (producer, broker "broker", consumer or trainer-client id)
@@ -21,10 +23,17 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack header, the frames
                 link      8th element, broker -> consumer data messages only: [broker_epoch, gen, lseq]
     frame 1.. payload frames, raw little-endian bytes, sent zero-copy above COPY_THRESHOLD
 
+Routing rows are (tokens, layers, top_k) arrays of expert ids in one of three dtypes, named by the `ids` field of
+every body that carries or announces rows (open, opens, delta, record; absent = "i2"):
+    "u1"  uint8,      255 = never computed     models with num_experts <= 255 (id_dtype)
+    "u2"  uint16 LE,  65535 = never computed   num_experts <= 65535 (256 experts need it: 255 is an expert id)
+    "i2"  int16 LE,   -1 = never computed      the capture's dtype; every row of a v1 peer and of an npz without `ids`
+Every missing value is all one-bits, so a run of never-computed rows is 0xff bytes in each dtype.
+
 Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default when absent):
     open      key: request id
               {prompt_len, num_cached, num_layers, top_k[, layer_ids = range(num_layers)][, n_prompt_tokens = 0]
-               [, prefix_filled = false][, prefix_refs = []][, reassigned]}
+               [, prefix_filled = false][, prefix_refs = []][, reassigned][, ids = "i2"]}
                                                   prefix_filled: the producer sends rows [0, num_cached) too (from
                                                   its prefix store); reassigned: added by the broker only
                                                   prefix_refs (with prefix_filled only): [[writer, writer_pos, pos,
@@ -36,18 +45,18 @@ Data kinds, producer -> broker -> consumer ([x]: optional; "= v": the default wh
               what an `open` of that request would say. Sent only to a peer that takes it (FEATURE_OPENS in its
               hello/heartbeat: broker -> producer reply, consumer -> broker); a peer that does not gets `open`s
               {prompt_len: bin, num_cached: bin, num_layers, top_k[, layer_ids = range(num_layers)]
-               [, n_prompt_tokens: bin][, prefix_filled: bin][, prefix_refs: [entry refs, ...]]}
+               [, n_prompt_tokens: bin][, prefix_filled: bin][, prefix_refs: [entry refs, ...]][, ids = "i2"]}
               prompt_len, num_cached, n_prompt_tokens: int32 LE arrays, one entry per request id (n_prompt_tokens
               absent: none sent); prefix_filled: one byte per request id, 0 or 1 (absent: all 0); prefix_refs: one
               list per request id, each what that entry's `open` would carry ([] for none; absent: none at all);
-              num_layers, top_k and layer_ids are every entry's
+              num_layers, top_k, layer_ids and ids are every entry's
               frame 1 (when any n_prompt_tokens entry is > 0): the prompt token ids of every entry, in key order,
               sum(n_prompt_tokens) int32 LE
     delta     key: list of request ids
-              {start: bin, count: bin, num_layers, top_k[, layer_lo = 0, layer_hi = num_layers]}
+              {start: bin, count: bin, num_layers, top_k[, layer_lo = 0, layer_hi = num_layers][, ids = "i2"]}
               start, count: int32 LE arrays as msgpack bin, one entry per request id; layer_lo and layer_hi
               are sent together, only for a partial layer range (a pipeline-parallel stage)
-              frames 1..: the rows, (sum(count), layer_hi - layer_lo, top_k) int16 LE, requests in key order;
+              frames 1..: the rows, (sum(count), layer_hi - layer_lo, top_k) of dtype `ids`, requests in key order;
               several frames only where a frame boundary falls on a request boundary (a broker's zero-copy split,
               a producer's coalesced steps: one frame per step); the key may repeat an id (several steps batched)
     finish    key: request id
@@ -102,13 +111,14 @@ Control kinds, one frame (the header) each; key: the sender's id unless said:
     record      consumer -> trainer     key: request id (encode_record, decode_record)
                 {prompt_len, num_output, num_cached, num_layers, top_k, layer_ids, complete, missing: [[lo, hi],
                  ...], reason, finish_reason, n_prompt_tokens, n_output_tokens[, num_prefix_filled = 0]
-                 [, row_frames = [1, 1]][, layer_range: [lo, hi]][, token_range: [lo, hi, n]]} (token counts -1:
+                 [, row_frames = [1, 1]][, layer_range: [lo, hi]][, token_range: [lo, hi, n]][, ids = "i2"]}
+                 (token counts -1:
                  not sent); layer_range, token_range: sent only for a slice (slice_record): the layer range asked for
                  (layer_ids: the MoE layers kept); the positions [lo, hi) the rows cover, of the record's n = P + G
                  (clipped to n, so lo == hi == n when it lay past the end; prompt_len, num_output: the rows sent of
                  each part)
-                frame 1: prompt rows (prompt_len, num_layers, top_k) int16 LE; frame 2: generation rows
-                (num_output, num_layers, top_k) int16 LE; then, for each count >= 0, prompt and output token ids,
+                frame 1: prompt rows (prompt_len, num_layers, top_k) of dtype `ids`; frame 2: generation rows
+                (num_output, num_layers, top_k) of dtype `ids`; then, for each count >= 0, prompt and output token ids,
                 int32 LE. A part over MAX_PAYLOAD_FRAME_BYTES goes as several frames of whole rows, each at most
                 that (row_frames: how many for the prompt rows, how many for the generation rows)
 
@@ -120,15 +130,22 @@ from __future__ import annotations
 
 import array
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
-ROW_DTYPE = np.dtype("<i2")
+PROTOCOL_VERSION = 2
+ACCEPTED_VERSIONS = (1, 2)           # what decode_header takes: v1 headers carry int16 rows and no `ids` field
+ROW_DTYPE = np.dtype("<i2")          # the capture's rows (step stamps need a signed value), v1's, and "i2"
 TOKEN_DTYPE = np.dtype("<i4")
+
+# The dtypes rows travel and are stored in, by their `ids` code (module docstring). The missing value of each is
+# all one-bits (-1, 255, 65535): holes are filled with 0xff bytes whatever the dtype.
+ID_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2"), "i2": ROW_DTYPE}
+_ID_CODES = {dt: code for code, dt in ID_DTYPES.items()}
+_MISSING = {ID_DTYPES["u1"]: 255, ID_DTYPES["u2"]: 65535, ROW_DTYPE: -1}
 
 KINDS = frozenset({
     "open", "opens", "delta", "finish", "finishes", "abort", "refused",
@@ -184,11 +201,119 @@ _UNPACK_LIMITS = dict(
 
 
 class ProtocolError(ValueError):
-    """A message that breaks protocol v1. `reason` is a short stable key for counters and logs."""
+    """A message that breaks the protocol. `reason` is a short stable key for counters and logs."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# expert id dtypes
+
+
+def id_dtype(num_experts: int | None) -> np.dtype:
+    """The compact dtype of a model's expert ids: uint8 when num_experts <= 255 (255 marks a row never computed),
+    uint16 when <= 65535 (65535 marks it); None (unknown): int16 (-1). A 256-expert model gets uint16: every uint8
+    value is then an expert id, and "never computed" needs a value of its own."""
+    if num_experts is None:
+        return ROW_DTYPE
+    if type(num_experts) not in (int, np.int32, np.int64) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r}: expected a positive integer")
+    if num_experts <= 255:
+        return ID_DTYPES["u1"]
+    if num_experts <= 65535:
+        return ID_DTYPES["u2"]
+    raise ValueError(f"num_experts={num_experts}: expert ids travel as at most uint16 (65,535 experts)")
+
+
+def as_id_dtype(dtype: Any) -> np.dtype:
+    """`dtype` (a dtype, its name or its `ids` code) as one of ID_DTYPES; ValueError naming it otherwise."""
+    if isinstance(dtype, np.dtype) and dtype in _ID_CODES:     # (the hot path: a dtype already)
+        return dtype
+    if isinstance(dtype, str) and dtype in ID_DTYPES:
+        return ID_DTYPES[dtype]
+    try:
+        dt = np.dtype(dtype).newbyteorder("<")
+    except TypeError:
+        dt = None
+    if dt not in _ID_CODES:
+        raise ValueError(f"expert id dtype {str(dtype)[:32]!r}: expected uint8, uint16 or int16 "
+                         f"(codes {sorted(ID_DTYPES)})")
+    return dt
+
+
+def ids_code(dtype: Any) -> str:
+    """The `ids` code ("u1", "u2", "i2") of an expert id dtype."""
+    code = _ID_CODES.get(dtype) if isinstance(dtype, np.dtype) else None
+    return code if code is not None else _ID_CODES[as_id_dtype(dtype)]
+
+
+def missing_id(dtype: Any) -> int:
+    """The value that marks a row never computed in `dtype`: -1 for int16, the largest value for uint8/uint16."""
+    m = _MISSING.get(dtype) if isinstance(dtype, np.dtype) else None
+    return m if m is not None else _MISSING[as_id_dtype(dtype)]
+
+
+def narrow_rows(rows: np.ndarray, dtype: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """int16 rows (-1: never computed) as `dtype` (-1 -> missing_id(dtype)), a new C-contiguous array (or `out`).
+
+    ValueError naming the offending value when an id lies outside [0, missing_id(dtype)) and is not -1 (the
+    producer refuses such a step as it refuses rows that fail its other checks). int16 asked: a contiguous copy
+    after the same check for values below -1."""
+    dt = as_id_dtype(dtype)
+    rows = np.asarray(rows)
+    if rows.dtype != ROW_DTYPE:
+        raise ValueError(f"rows to narrow are {rows.dtype}, expected int16")
+    if rows.size:
+        lo, hi = int(rows.min()), int(rows.max())
+        top = missing_id(dt) - 1 if dt != ROW_DTYPE else np.iinfo(ROW_DTYPE).max
+        if lo < -1 or hi > top:
+            bad = lo if lo < -1 else hi
+            raise ValueError(f"expert id {bad} does not fit {dt.name} rows (ids 0..{top}, -1 never computed)")
+    if out is None:
+        out = np.empty(rows.shape, dt)
+    # int16 -> uint: two's complement wrap turns -1 into all one-bits (255, 65535), the missing value; every other
+    # value was checked to lie in [0, missing) above
+    np.copyto(out, rows, casting="unsafe")
+    return out
+
+
+IDS_CHOICES = ("int16", "compact")      # what a reader of records asks for (Record.as_ids)
+
+
+def check_ids_choice(ids: str) -> str:
+    """`ids` if it is one of IDS_CHOICES; ValueError naming it otherwise (checked before any work is done)."""
+    if ids not in IDS_CHOICES:
+        raise ValueError(f"ids={str(ids)[:32]!r}: expected 'int16' or 'compact'")
+    return ids
+
+
+def widen_rows(rows: np.ndarray) -> np.ndarray:
+    """Rows of any ID_DTYPES dtype as int16 with -1 for never computed (today's arrays); int16 rows as they are."""
+    rows = np.asarray(rows)
+    if rows.dtype == ROW_DTYPE:
+        return rows
+    dt = as_id_dtype(rows.dtype)
+    miss = missing_id(dt)
+    out = rows.astype(ROW_DTYPE)
+    if dt.itemsize == 2 and rows.size:
+        big = rows[(rows > np.iinfo(ROW_DTYPE).max) & (rows != miss)]
+        if big.size:
+            raise ValueError(f"expert id {int(big[0])} does not fit int16 rows (use ids=\"compact\")")
+    out[rows == miss] = -1
+    return out
+
+
+def parse_ids(h: "Header", body: dict | None = None) -> np.dtype:
+    """The row dtype a message states (`ids`, absent: int16); ProtocolError "bad_field" naming an unknown code,
+    or any code but "i2" in a v1 header (a v1 peer's rows are int16)."""
+    code = (h.body if body is None else body).get("ids", "i2")
+    if type(code) is not str or code not in ID_DTYPES:
+        raise _bad("bad_field", f"ids {str(code)[:32]!r}: expected one of {sorted(ID_DTYPES)}")
+    if code != "i2" and h.version < 2:
+        raise _bad("bad_field", f"ids {code!r} in a protocol v{h.version} header (v1 rows are int16)")
+    return ID_DTYPES[code]
 
 
 @dataclass(slots=True)
@@ -313,8 +438,9 @@ def decode_header(frame: bytes | memoryview) -> Header:
     if not isinstance(h, list) or len(h) < 7:
         raise _bad("bad_header", f"header must be an array of at least 7 fields, got {type(h).__name__}")
     version, kind, producer, epoch, seq, key, body = h[:7]
-    if version != PROTOCOL_VERSION or type(version) is not int:
-        raise _bad("bad_version", f"protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}")
+    if type(version) is not int or version not in ACCEPTED_VERSIONS:
+        raise _bad("bad_version", f"protocol version {str(version)[:32]}, this peer speaks "
+                                  f"{', '.join(map(str, ACCEPTED_VERSIONS))}")
     if type(kind) is not str or kind not in KINDS:
         raise _bad("unknown_kind", f"unknown message kind {str(kind)[:32]!r}")
     if type(producer) is not str or len(producer) > MAX_PEER_ID_LEN:
@@ -391,10 +517,11 @@ class Delta:
     layer_lo: int
     layer_hi: int
     total_rows: int
+    dtype: np.dtype = ROW_DTYPE   # the rows' dtype (`ids`)
 
     @property
     def row_bytes(self) -> int:
-        return (self.layer_hi - self.layer_lo) * self.top_k * ROW_DTYPE.itemsize
+        return (self.layer_hi - self.layer_lo) * self.top_k * self.dtype.itemsize
 
 
 _I32 = np.dtype("<i4")
@@ -424,7 +551,7 @@ def parse_delta(h: Header) -> Delta:
     K = int_field(b, "top_k", 1, MAX_TOP_K)
     lo = int_field(b, "layer_lo", 0, L - 1, 0)
     hi = int_field(b, "layer_hi", lo + 1, L, L)
-    return Delta(ids, starts, counts, L, K, lo, hi, total)
+    return Delta(ids, starts, counts, L, K, lo, hi, total, parse_ids(h))
 
 
 def check_payload(d: Delta, frames: Sequence) -> None:
@@ -434,8 +561,8 @@ def check_payload(d: Delta, frames: Sequence) -> None:
     sizes = [len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames]
     got = sum(sizes)
     if got != want:
-        raise _bad("size_mismatch", f"delta announces {d.total_rows} rows of {rb} bytes = {want} bytes, "
-                   f"payload has {got} bytes in {len(sizes)} frames")
+        raise _bad("size_mismatch", f"delta announces {d.total_rows} rows of {rb} bytes ({d.dtype.name}) = {want} "
+                   f"bytes, payload has {got} bytes in {len(sizes)} frames")
     if len(sizes) > 1:
         # every frame's end is the end of some request's rows (one searchsorted, not a loop over requests)
         bounds = np.cumsum(d.counts, dtype=np.int64) * rb
@@ -459,12 +586,20 @@ def _i32_bytes(values: Sequence[int] | np.ndarray) -> bytes:
 
 
 def delta_body(starts: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray, num_layers: int,
-               top_k: int, layer_lo: int = 0, layer_hi: int | None = None) -> dict:
+               top_k: int, layer_lo: int = 0, layer_hi: int | None = None, ids: Any = ROW_DTYPE) -> dict:
+    """A delta's body; `ids`: the rows' dtype (or its code), stated unless int16."""
     body = {"start": _i32_bytes(starts), "count": _i32_bytes(counts), "num_layers": num_layers, "top_k": top_k}
     if layer_lo != 0 or (layer_hi is not None and layer_hi != num_layers):
         body["layer_lo"] = layer_lo
         body["layer_hi"] = num_layers if layer_hi is None else layer_hi
+    _put_ids(body, ids)
     return body
+
+
+def _put_ids(body: dict, dtype: Any) -> None:
+    code = dtype if isinstance(dtype, str) and dtype in ID_DTYPES else ids_code(dtype)
+    if code != "i2":
+        body["ids"] = code
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -484,6 +619,7 @@ class Open:
     # ((writer, writer_pos, pos, count), ...): rows [pos, pos + count) of this request are `writer`'s rows
     # [writer_pos, writer_pos + count), not sent (the consumer resolves them: consumer/prefix_pool.py)
     prefix_refs: tuple = ()
+    id_dtype: np.dtype = ROW_DTYPE   # the dtype of this request's rows (`ids`)
 
 
 def parse_prefix_refs(raw: Any, num_cached: int, rid: str) -> tuple:
@@ -560,7 +696,7 @@ def parse_open(h: Header) -> Open:
         if not filled:
             raise _bad("bad_field", f"prefix_refs of {rid[:64]!r} without prefix_filled")
         refs = parse_prefix_refs(b["prefix_refs"], C, rid)
-    return Open(rid, P, C, L, K, ids, nt, filled, refs)
+    return Open(rid, P, C, L, K, ids, nt, filled, refs, parse_ids(h))
 
 
 class _EntryTokens:
@@ -608,13 +744,14 @@ class Opens(_EntryTokens):
     layer_ids: list
     offsets: np.ndarray                  # int64, len + 1 (_EntryTokens; all 0 when no token ids were sent)
     prefix_refs: list | None = None      # per entry: a tuple of (writer, writer_pos, pos, count) (None: none)
+    id_dtype: np.dtype = ROW_DTYPE       # every entry's row dtype (`ids`)
 
     def open_at(self, i: int) -> Open:
         return Open(self.request_ids[i], int(self.prompt_len[i]), int(self.num_cached[i]), self.num_layers,
                     self.top_k, self.layer_ids,
                     0 if self.n_prompt_tokens is None else int(self.n_prompt_tokens[i]),
                     False if self.prefix_filled is None else bool(self.prefix_filled[i]),
-                    () if self.prefix_refs is None else self.prefix_refs[i])
+                    () if self.prefix_refs is None else self.prefix_refs[i], self.id_dtype)
 
     def single(self, h: Header, tokens: np.ndarray | None, i: int, reassigned: bool = False) -> tuple:
         """Entry i as an `open` of its own, from the same sender and seq: (header, payload frames)."""
@@ -683,14 +820,15 @@ def parse_opens(h: Header, frames: Sequence = ()) -> tuple[Opens, np.ndarray | N
     if len(frames) != (1 if total else 0):
         raise _bad("frame_count", f"opens announces {total} prompt tokens but has {len(frames)} payload frames")
     tokens = tokens_from_frame(frames[0], total, "prompt token") if total else None
-    return Opens(ids, P, C, NT, filled, L, K, layer_ids, offsets, refs), tokens
+    return Opens(ids, P, C, NT, filled, L, K, layer_ids, offsets, refs, parse_ids(h)), tokens
 
 
 def opens_body(prompt_len: Sequence[int], num_cached: Sequence[int], num_layers: int, top_k: int,
                layer_ids: Sequence[int] | None = None, n_prompt_tokens: Sequence[int] | None = None,
-               prefix_filled: Sequence[bool] | None = None, prefix_refs: Sequence[tuple] | None = None) -> dict:
+               prefix_filled: Sequence[bool] | None = None, prefix_refs: Sequence[tuple] | None = None,
+               ids: Any = ROW_DTYPE) -> dict:
     """The body of an `opens` (entries in key order); layer_ids None: range(num_layers); prefix_refs: per entry
-    its references (() for none)."""
+    its references (() for none); ids: the rows' dtype (stated unless int16)."""
     body = {"prompt_len": _i32_bytes(prompt_len), "num_cached": _i32_bytes(num_cached), "num_layers": num_layers,
             "top_k": top_k}
     if layer_ids is not None:
@@ -701,6 +839,7 @@ def opens_body(prompt_len: Sequence[int], num_cached: Sequence[int], num_layers:
         body["prefix_filled"] = bytes(bytearray(1 if x else 0 for x in prefix_filled))
     if prefix_refs is not None and any(prefix_refs):
         body["prefix_refs"] = [_refs_body(r) for r in prefix_refs]
+    _put_ids(body, ids)
     return body
 
 
@@ -716,6 +855,7 @@ def open_body(o: Open, reassigned: bool = False) -> dict:
         body["prefix_refs"] = _refs_body(o.prefix_refs)
     if reassigned:
         body["reassigned"] = True
+    _put_ids(body, o.id_dtype)
     return body
 
 
@@ -726,7 +866,7 @@ def subset_opens(h: Header, o: Opens, tokens: np.ndarray | None, idx: Sequence[i
     nt = None if o.n_prompt_tokens is None else o.n_prompt_tokens[idx]
     body = opens_body(o.prompt_len[idx], o.num_cached[idx], o.num_layers, o.top_k, o.layer_ids, nt,
                       None if o.prefix_filled is None else o.prefix_filled[idx],
-                      None if o.prefix_refs is None else [o.prefix_refs[i] for i in idx.tolist()])
+                      None if o.prefix_refs is None else [o.prefix_refs[i] for i in idx.tolist()], ids=o.id_dtype)
     if "layer_ids" not in h.body:
         del body["layer_ids"]
     ids = idx.tolist()
@@ -1136,8 +1276,9 @@ class Record:
 
     request_id: str
     prompt_routed_experts: np.ndarray          # (P, L, K) int16, -1 where never computed (and, unless
-                                               # num_prefix_filled, where prefix-cached)
-    routed_experts: np.ndarray                 # (G, L, K) int16, row j computed when output token j was fed
+                                               # num_prefix_filled, where prefix-cached); or uint8/uint16 with
+                                               # missing_id there (id_dtype; ids="compact" readers)
+    routed_experts: np.ndarray                 # (G, L, K), row j computed when output token j was fed
     num_cached_tokens: int
     moe_layer_ids: np.ndarray                  # (L,) int32: the model's layer index of each MoE layer
     complete: bool
@@ -1157,6 +1298,33 @@ class Record:
     # None: all layers / all positions (the whole record).
     layer_range: tuple | None = None
     token_range: tuple | None = None
+
+    @property
+    def id_dtype(self) -> np.dtype:
+        """The dtype of both row arrays: int16 (-1 never computed, the default of every reader) or, fetched or
+        loaded with ids="compact", uint8 (255) / uint16 (65535) as the consumer stored them."""
+        return self.prompt_routed_experts.dtype
+
+    @property
+    def missing_id(self) -> int:
+        """The value of a row never computed in this record's rows (missing_id(id_dtype))."""
+        return missing_id(self.id_dtype)
+
+    def widened(self) -> "Record":
+        """This record with int16 rows, -1 where never computed (today's arrays); itself when they are int16."""
+        if self.prompt_routed_experts.dtype == ROW_DTYPE and self.routed_experts.dtype == ROW_DTYPE:
+            return self
+        return replace(self, prompt_routed_experts=widen_rows(self.prompt_routed_experts),
+                       routed_experts=widen_rows(self.routed_experts))
+
+    def as_ids(self, ids: str) -> "Record":
+        """The record as a reader asked for it: ids="int16" (widened(), today's arrays) or "compact" (as stored,
+        no copy); ValueError naming anything else."""
+        if ids == "int16":
+            return self.widened()
+        if ids == "compact":
+            return self
+        raise ValueError(f"ids={str(ids)[:32]!r}: expected 'int16' or 'compact'")
 
     @property
     def nbytes(self) -> int:
@@ -1206,8 +1374,13 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
         body["layer_range"] = [int(x) for x in rec.layer_range]
     if rec.token_range is not None:
         body["token_range"] = [int(x) for x in rec.token_range]
-    prompt = _row_frames(rec.prompt_routed_experts, L * K * ROW_DTYPE.itemsize)
-    gen = _row_frames(rec.routed_experts, L * K * ROW_DTYPE.itemsize)
+    dt = as_id_dtype(rec.prompt_routed_experts.dtype)
+    if rec.routed_experts.dtype != dt:
+        raise ValueError(f"record {rec.request_id[:64]!r} has {dt.name} prompt rows and "
+                         f"{rec.routed_experts.dtype.name} generation rows")
+    _put_ids(body, dt)
+    prompt = _row_frames(rec.prompt_routed_experts, L * K * dt.itemsize, dt)
+    gen = _row_frames(rec.routed_experts, L * K * dt.itemsize, dt)
     if len(prompt) > 1 or len(gen) > 1:
         # a part over MAX_PAYLOAD_FRAME_BYTES goes as several frames: the trainer's socket drops one over
         # MAX_MESSAGE_BYTES (ZMQ_MAXMSGSIZE) and, with it, its connection (the record came back every retry and
@@ -1221,10 +1394,10 @@ def encode_record(rec: Record, producer: str, seq: int) -> list:
     return frames
 
 
-def _row_frames(rows: np.ndarray, row_bytes: int) -> list:
+def _row_frames(rows: np.ndarray, row_bytes: int, dtype: np.dtype) -> list:
     """A record part's rows as frames of at most MAX_PAYLOAD_FRAME_BYTES each (one frame, as before, when it
-    fits); views of one contiguous int16 array, no copy where the rows already are one."""
-    rows = np.ascontiguousarray(rows, ROW_DTYPE)
+    fits); views of one contiguous array, no copy where the rows already are one."""
+    rows = np.ascontiguousarray(rows, dtype)
     per = MAX_PAYLOAD_FRAME_BYTES // row_bytes
     if len(rows) <= per:
         return [rows]
@@ -1248,7 +1421,8 @@ def decode_record(h: Header, frames: Sequence) -> Record:
     want = nfp + nfg + (npt >= 0) + (nout >= 0)
     if len(frames) != want:
         raise _bad("frame_count", f"record has {len(frames)} payload frames, expected {want}")
-    row_bytes = L * K * ROW_DTYPE.itemsize
+    dt = parse_ids(h)
+    row_bytes = L * K * dt.itemsize
 
     def rows(part, n, what):
         """`part`: the frames of n rows; every frame holds whole rows, all of them n rows. One copy."""
@@ -1256,12 +1430,12 @@ def decode_record(h: Header, frames: Sequence) -> Record:
         sizes = [memoryview(x).nbytes for x in bufs]
         if sum(sizes) != n * row_bytes or any(sz % row_bytes for sz in sizes) or (len(bufs) > 1 and 0 in sizes):
             raise _bad("size_mismatch", f"record {what} rows frames have {sizes[:8]} bytes for ({n}, {L}, {K}) "
-                                        f"int16")
-        out = np.empty((n, L, K), dtype=ROW_DTYPE)
+                                        f"{dt.name}")
+        out = np.empty((n, L, K), dtype=dt)
         at = 0
         for x, sz in zip(bufs, sizes):
             k = sz // row_bytes
-            out[at:at + k] = np.frombuffer(x, dtype=ROW_DTYPE).reshape(k, L, K)
+            out[at:at + k] = np.frombuffer(x, dtype=dt).reshape(k, L, K)
             at += k
         return out
 

@@ -57,6 +57,8 @@ def sample_rows(rec: wire.Record, *, layout: str = "moe", num_layers: int | None
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}, expected one of {LAYOUTS}")
     moe = np.concatenate([rec.prompt_routed_experts, rec.routed_experts]).astype(np.int32)
+    if rec.prompt_routed_experts.dtype != wire.ROW_DTYPE:    # compact rows: their missing value becomes -1
+        moe[moe == rec.missing_id] = -1
     if moe.ndim != 3:
         raise ValueError(f"record {rec.request_id!r} rows have shape {moe.shape}, expected (n, L, K)")
     if layout == "moe":

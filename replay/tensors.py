@@ -10,6 +10,8 @@ so the trainer's input position i takes row i of `concat(prompt_routed_experts, 
     routed_experts (2, L, K)                 gen[0] was computed when o0 was fed (decode step 1);
                                              gen[1] is -1: o1 was never fed to the engine.
 
+Records of either id dtype are taken (int16 with -1, or compact uint8/uint16 with `Record.missing_id`: fetched or
+loaded with ids="compact"); the tensors are the same for both.
 Rows the engine never computed are -1: prefix-cache hits (prompt rows below `num_cached_tokens`), the last
 output token's row, and (records with `complete=False`) the positions in `missing`. They, padding, and dense
 layers in the "all" layout are flagged in `no_routing`; a trainer lets its own router choose there. The last
@@ -130,6 +132,9 @@ def _fill(dst: np.ndarray, dmask: np.ndarray, rec: wire.Record, n: int, columns:
     consecutive columns (one run in the "moe" layout, one per gap between dense layers in "all")."""
     P = rec.prompt_routed_experts.shape[0]
     parts = ((slice(0, min(n, P)), rec.prompt_routed_experts[:n]), (slice(P, n), rec.routed_experts[:max(n - P, 0)]))
+    # compact rows (uint8/uint16, Record.id_dtype) mark "never computed" with missing_id: it becomes -1 here, so
+    # both kinds of record give the same tensors
+    miss = None if rec.prompt_routed_experts.dtype == wire.ROW_DTYPE else rec.missing_id
     for out_lo, out_hi, src_lo in _runs(columns):
         cols = slice(out_lo, out_hi)
         if src_lo < 0:
@@ -139,7 +144,12 @@ def _fill(dst: np.ndarray, dmask: np.ndarray, rec: wire.Record, n: int, columns:
         for rows, src in parts:
             src = src[:, src_lo:src_lo + out_hi - out_lo]
             dst[rows, cols] = src
-            _negative_rows(src, dmask[rows, cols])
+            if miss is None:
+                _negative_rows(src, dmask[rows, cols])
+            else:
+                never = src == miss
+                never.any(-1, out=dmask[rows, cols])
+                dst[rows, cols][never] = -1
 
 
 def _runs(columns: np.ndarray) -> list[tuple[int, int, int]]:

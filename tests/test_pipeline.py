@@ -154,7 +154,7 @@ def test_bad_input_never_crashes_and_never_touches_other_records(tmp_path):
             bad = [
                 [b"\x00\x01garbage"],                                                          # undecodable
                 [wire.pack_header("delta", "x", 0, 0, ["good-1"], wire.delta_body([0], [1], L, K))[:-1] + b"\x02"],
-                [msgpack_packb([2, "delta", "x", 0, 0, ["good-1"], {}])],                      # other version
+                [msgpack_packb([3, "delta", "x", 0, 0, ["good-1"], {}])],                      # other version
                 [msgpack_packb([1, "warp", "x", 0, 0, "good-1", {}])],                          # unknown kind
                 [wire.pack_header("delta", "x", 0, 0, ["good-1"], wire.delta_body([0], [2], L, K)), bytes(7)],
                 [wire.pack_header("delta", "x", 0, 0, ["good-1", "good-2"],

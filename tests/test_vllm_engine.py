@@ -198,9 +198,12 @@ def test_trainer_fetches_from_the_embedded_consumer(eng):
     ids = [o.request_id for o in outs]
     with TrainerClient(eng.serve) as client:
         fetched = client.fetch(ids, timeout_s=30)
+        compact = client.fetch(ids, timeout_s=30, ids="compact")
     on_disk = eng.records(ids)
     for i in ids:
         assert fetched[i].equals(on_disk[i]) and fetched[i].complete
+        # the plugin told its producer the model's expert count: uint8 rows on the wire and in the consumer
+        assert compact[i].id_dtype.name == "uint8" and compact[i].widened().equals(fetched[i])
 
 
 def test_n_greater_than_one_keys_each_sample(eng):

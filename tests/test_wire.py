@@ -15,7 +15,7 @@ def delta_header(ids=("a", "b"), starts=(0, 5), counts=(3, 1), L=4, K=2, **extra
 
 def test_delta_round_trip():
     h = wire.decode_header(delta_header())
-    assert (h.version, h.kind, h.producer, h.epoch, h.seq) == (1, "delta", "p1", 7, 9)
+    assert (h.version, h.kind, h.producer, h.epoch, h.seq) == (2, "delta", "p1", 7, 9)
     d = wire.parse_delta(h)
     assert d.request_ids == ["a", "b"]
     assert d.starts.tolist() == [0, 5] and d.counts.tolist() == [3, 1]
@@ -125,7 +125,7 @@ def test_a_record_part_over_the_frame_limit_is_encoded_in_frames_under_it():
     (b"\xc1\xff\x00garbage", "undecodable"),
     (msgpack.packb({"a": 1}), "bad_header"),
     (msgpack.packb([1, "delta", "p", 0, 0]), "bad_header"),
-    (msgpack.packb([2, "delta", "p", 0, 0, [], {}]), "bad_version"),
+    (msgpack.packb([3, "delta", "p", 0, 0, [], {}]), "bad_version"),
     (msgpack.packb(["1", "delta", "p", 0, 0, [], {}]), "bad_version"),
     (msgpack.packb([1, "teleport", "p", 0, 0, [], {}]), "unknown_kind"),
     (msgpack.packb([1, "delta", "p", -1, 0, [], {}]), "bad_header"),

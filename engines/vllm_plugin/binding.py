@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-MAX_EXPERT_ID = (1 << 15) - 1       # ids travel as int16
+MAX_EXPERT_ID = (1 << 15) - 1       # the capture holds ids as int16 (the wire narrows them: wire.id_dtype)
 
 
 @dataclass
@@ -210,7 +210,7 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         top_k = int(router.top_k)
         num_experts = int(getattr(router, "global_num_experts", 0) or 0)
         if num_experts - 1 > MAX_EXPERT_ID:
-            raise ValueError(f"MoE layer {name} has {num_experts} experts; int16 rows hold ids up to "
+            raise ValueError(f"MoE layer {name} has {num_experts} experts; the int16 capture holds ids up to "
                              f"{MAX_EXPERT_ID}")
         layers.append(MoELayer(int(module.layer_id), name, module, top_k, num_experts))
     layers.sort(key=lambda m: m.layer_id)

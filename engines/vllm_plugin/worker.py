@@ -141,7 +141,8 @@ def build(worker, settings: Settings) -> "WorkerCapture | None":
     binding.bind()
     cap.connect(Sink(settings, single_publisher=plan.single_publisher, in_flight=cap.in_flight,
                      on_restart=cap.requests.helper_restarted, num_layers=len(plan.global_layer_ids), top_k=top_k,
-                     moe_layer_ids=list(plan.global_layer_ids), layer_range=plan.layer_range))
+                     moe_layer_ids=list(plan.global_layer_ids), layer_range=plan.layer_range,
+                     num_experts=max(m.num_experts for m in layers) or None))
     log.info("routing-replay: bound %d MoE layers %s (of %s), top_k=%d, cache %d tokens (%.1f MiB on %s), "
              "host ring %.1f MiB, requests=%s, prefix_rows=%s, model runner %s", len(layers), local_ids,
              list(plan.global_layer_ids), top_k, plan.max_tokens, (cache.nbytes + copier.device_bytes) / 2**20,
