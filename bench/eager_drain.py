@@ -1,5 +1,5 @@
 """Time CaptureBinding's drain, which checks every MoE layer's top-k tensor and hands the step to the worker
-(CaptureBinding's drain -> WorkerCapture._take_step), after the last layer's hook, plus a second drain of the then
+(CaptureBinding's drain -> HostPath.take_step), after the last layer's hook, plus a second drain of the then
 empty list: µs per step with warm caches, median of --reps. The hooks (C calls) run untimed. The
 CPU build's post_step hands a step of C hooks over without this check (HostRows checks the tensors on the
 producer's thread); the drain measured here is the path of a Python last hook (a foreign hook chained on the last
@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from routing_replay.capture import RoutingCache  # noqa: E402
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding  # noqa: E402
 from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
-from routing_replay.engines.vllm_plugin.worker import WorkerCapture  # noqa: E402
+from routing_replay.engines.vllm_plugin.plan import make_plan  # noqa: E402
+from routing_replay.engines.vllm_plugin.worker import WorkerCapture, make_cache  # noqa: E402
 
 
 class _Router:
@@ -38,12 +38,14 @@ class _Router:
 
 
 def run(layers: int, tokens: int, top_k: int, steps: int, reps: int) -> dict:
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap._init_state(SimpleNamespace(), "v1", Settings(broker="ipc://unused"))
-    cap.cache = RoutingCache(tokens, layers, top_k)
-    cap.active = True
+    settings = Settings(broker="ipc://unused")
+    plan = make_plan(settings, kind="v1", device_type="cpu", enforce_eager=True, layer_ids=list(range(layers)),
+                     top_k=top_k, max_num_batched_tokens=tokens)
+    cache, copier = make_cache(plan, "cpu")
     b = CaptureBinding([SimpleNamespace(layer_id=i, router=_Router(), top_k=top_k) for i in range(layers)],
-                       cap.cache.record, gate=True, take_step=cap._take_step, c_hooks=True)
+                       cache.record, gate=True, c_hooks=True)
+    cap = WorkerCapture(SimpleNamespace(), settings, plan, cache=cache, copier=copier, binding=b)   # take_step
+    cap.active = True
     b.bind()
     hooks = b.hooks
     last = hooks[-1]
@@ -61,9 +63,10 @@ def run(layers: int, tokens: int, top_k: int, steps: int, reps: int) -> dict:
             b.drain()               # the check, the hand-over
             b.drain()               # nothing held
             total += pc() - t0
-            if b.calls != layers or cap._host_step is None:
-                raise RuntimeError(f"{b.calls} of {layers} layers counted; step taken: {cap._host_step is not None}")
-            cap._host_step = None
+            if b.calls != layers or cap.path.host_step is None:
+                raise RuntimeError(f"{b.calls} of {layers} layers counted; step taken: "
+                                   f"{cap.path.host_step is not None}")
+            cap.path.host_step = None
         per_rep.append(total / steps / 1e3)
     return {"layers": layers, "tokens": tokens, "top_k": top_k, "steps": steps,
             "us_per_step": round(statistics.median(per_rep), 2), "reps_us": [round(x, 2) for x in per_rep]}

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         t3 = time.thread_time_ns()
         batch.append(pending)
         if len(batch) == 16:
-            copier.mark_batch(batch)          # the worker's _flush: one event for the batch
+            copier.mark_batch(batch)          # the worker's flush: one event for the batch
             q.put(batch)
             batch = []
         t4 = time.thread_time_ns()

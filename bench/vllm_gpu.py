@@ -187,11 +187,16 @@ def _rpc_line_profile(worker, on: bool):
         # what pre_step and post_step call, line by line too (profiled only while inside one of them)
         import inspect as _inspect
 
-        from routing_replay.engines.vllm_plugin import worker as _worker
+        from routing_replay.engines.vllm_plugin import runners as _runners
+        from routing_replay.engines.vllm_plugin import step_batch as _step_batch
         for name, fn in _inspect.getmembers(cls, _inspect.isfunction):
             if name.startswith("_") and not name.startswith("__"):
                 lp.add_function(fn)
-        for fn in (_worker.step_layout, *(f for n, f in _inspect.getmembers(_worker._StepBatch, _inspect.isfunction)
+        for part in (cap.path, cap.path.reader, cap.requests, cap.prefix):     # its collaborators, whole
+            for name, fn in _inspect.getmembers(type(part), _inspect.isfunction):
+                if not name.startswith("__"):
+                    lp.add_function(fn)
+        for fn in (_runners.step_layout, *(f for n, f in _inspect.getmembers(_step_batch.StepBatch, _inspect.isfunction)
                                            if not n.startswith("__"))):
             lp.add_function(fn)
         for obj, names in ((cap.producer, ("open_many", "end_many", "publish_steps", "_publish_parts")),
@@ -214,7 +219,7 @@ def _rpc_line_profile(worker, on: bool):
 def _rpc_step_trace(worker, on: bool):
     """--step-trace: each step's engine-thread time, wall, without the clocks' own cost (WorkerStats.host_wall_ns
     minus clock_wall_ns, read around pre_step and post_step), with what the step did: requests opened, finished,
-    tokens, whether it went raw (_ring_step: the step ring, or copied whole). on=True starts it; on=False stops it
+    tokens, whether it went raw (RingPath.ring_step: the step ring, or copied whole). on=True starts it; on=False stops it
     and returns the rows."""
     from routing_replay.engines.vllm_plugin import capture_of
 

@@ -37,11 +37,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from routing_replay.capture import AsyncCopier, RoutingCache  # noqa: E402
 from routing_replay.engines.vllm_plugin import scheduler_hooks  # noqa: E402
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding, MoELayer  # noqa: E402
 from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
-from routing_replay.engines.vllm_plugin.worker import MAX_BATCH_STEPS, WorkerCapture, _StepBatch  # noqa: E402
+from routing_replay.engines.vllm_plugin.plan import make_plan  # noqa: E402
+from routing_replay.engines.vllm_plugin.worker import WorkerCapture, make_cache  # noqa: E402
 from routing_replay.producer import Producer  # noqa: E402
 
 MODES = ("on", "optout", "optout-fill", "fill")
@@ -142,52 +142,46 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
     max_tokens = max(8192, n * prompt_len, n + churn * churn_prompt)
-    settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode in ("optout-fill", "fill") else "sentinel")
-    runner = _Runner(n, max_tokens, dev)
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap._init_state(runner, "v1", settings)
-    cap.device = dev
     stamp = stamp and not eager                     # as the worker decides with ROUTING_REPLAY_STEP_STAMP=on
     ring = ring and stamp                           # ROUTING_REPLAY_STEP_STAMP=ring: stamps and the step ring
-    kw = {"stamp": True} if stamp else {}
-    if ring:
-        from routing_replay.engines.vllm_plugin.worker import STEP_RING_SLOTS
-        kw.update(slots=STEP_RING_SLOTS, slot_rows=512)     # vLLM's default largest CUDA graph
-    cap.cache = RoutingCache(max_tokens, layers, top_k, device=dev, **kw)
-    cap.copier = AsyncCopier(cap.cache, num_slots=4 if cap.fill else 2)
-    cap.batch = _StepBatch(top_k, stamped=stamp)
-    cap.max_batch_steps, cap.max_batch_rows = MAX_BATCH_STEPS, max(1, max_tokens // 2)
+    settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode in ("optout-fill", "fill") else "sentinel",
+                        step_stamp=stamp, step_ring=ring, ring_needs_kernels=False)
+    runner = _Runner(n, max_tokens, dev)
+    # the plan of a Model Runner V1 worker: eager (hooks in Python every step, enforce_eager) on this device, or
+    # a graph engine's (hooks replayed from CUDA graphs: the loop writes the cache as the replay does, on `dev`);
+    # the step ring's slots hold vLLM's default largest CUDA graph (512 rows)
+    plan = make_plan(settings, kind="v1", device_type=dev.type if eager else "cuda", enforce_eager=eager,
+                     layer_ids=list(range(layers)), top_k=top_k, max_num_batched_tokens=max_tokens)
+    cache, copier = make_cache(plan, dev)
     if eager:       # the real hooks on stand-in routers: the loop calls them as the routers do, timed (hooks_us)
-        cap.binding = CaptureBinding([MoELayer(i, f"model.layers.{i}.mlp", SimpleNamespace(router=_Router()), top_k,
-                                               128) for i in range(layers)], cap.cache.record, gate=True,
-                                     c_hooks=True)     # (as the worker's under enforce_eager)
-        if dev.type == "cpu":       # as the worker binds an eager CPU engine: captured steps' tensors by reference
-            cap.binding.take_step = cap._take_step
-        cap.binding.bind()
+        binding = CaptureBinding([MoELayer(i, f"model.layers.{i}.mlp", SimpleNamespace(router=_Router()), top_k,
+                                           128) for i in range(layers)], cache.record, gate=True,
+                                 c_hooks=True)     # (as the worker's under enforce_eager)
     else:           # graph mode: the forward's replay writes the cache without Python (the loop calls record)
-        cap.binding = SimpleNamespace(gate=False, active=False, calls=0, min_rows=0, layers=[None] * layers)
-    cap.layer_ids, cap.randomized = list(range(layers)), False
+        binding = SimpleNamespace(gate=False, active=False, calls=0, min_rows=0, layers=[None] * layers)
     where = tempfile.mkdtemp(prefix="rr-probe-")
-    cap.producer = Producer(f"ipc://{where}/nobody", num_layers=layers, top_k=top_k, max_queue_bytes=1 << 30,
-                            replay_max_bytes=1 << 30)
+    producer = Producer(f"ipc://{where}/nobody", num_layers=layers, top_k=top_k, max_queue_bytes=1 << 30,
+                        replay_max_bytes=1 << 30)
+    cap = WorkerCapture(runner, settings, plan, cache=cache, copier=copier, binding=binding, producer=producer,
+                        randomized=False)
+    if eager:
+        binding.bind()
     if on_producer is not None:
         on_producer(cap.producer)
     if cap.fill:                                    # a store as a fill engine has one (graph mode: written inside
         from routing_replay.capture.prefix_store import PrefixStore          # the forward, nothing on the host)
-        cap.store = PrefixStore(4 * max_tokens, layers, top_k, device=dev)
-        cap._slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu
-        cap._owner = cap._slot_owner()
-        cap._block_size = 16
+        cap.adopt_store(PrefixStore(4 * max_tokens, layers, top_k, device=dev), block_size=16)
     cap.stamp_baseline()                            # as after vLLM's warm-up (stamps only)
     parts: dict = {}
     if pieces:                                      # the calls pre_step/post_step make, timed one by one (wall)
-        import routing_replay.engines.vllm_plugin.worker as wmod
+        import routing_replay.engines.vllm_plugin.runners as wmod       # (the step paths read the layout here)
         cap.cache.fill_step = _timed(parts, "fill_step", cap.cache.fill_step)
         cap.cache.flush = _timed(parts, "cache_flush", cap.cache.flush)
         cap.copier.submit = _timed(parts, "copier_submit", cap.copier.submit)
         cap.copier.mark_batch = _timed(parts, "mark_batch", cap.copier.mark_batch)
         cap.producer.publish_rows = _timed(parts, "publish_rows", cap.producer.publish_rows)
-        cap._flush = _timed(parts, "flush_total", cap._flush)         # mark_batch + take + publish_rows
+        cap.flush = cap.path.flush = cap.requests.flush = cap.prefix.flush = _timed(parts, "flush_total",
+                                                                               cap.flush)
         cap.producer.open_many = _timed(parts, "producer_open", cap.producer.open_many)
         cap.producer.end_many = _timed(parts, "producer_finish", cap.producer.end_many)
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
@@ -296,7 +290,7 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             big += 1.0
             for d in junk[::3]:
                 d.get("a")
-    cap._flush()
+    cap.flush()
     deadline = time.monotonic() + 60               # the producer's thread took (copied, encoded) every delta
     while cap.producer.queued_msgs and time.monotonic() < deadline and cap.producer.healthy:
         time.sleep(0.01)

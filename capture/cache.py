@@ -51,7 +51,7 @@ import torch
 
 from routing_replay.capture import cudriver, ring_kernels
 
-_ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)
+ID_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8)     # top-k id dtypes a router may hand record()
 _compiling = torch.compiler.is_compiling
 
 
@@ -156,6 +156,11 @@ class RoutingCache:
         self._driver = cudriver.check(self.device) if self.device.type == "cuda" else None
         self._dev_index = self.device.index if self.device.type == "cuda" else None
         self._row_bytes = top_k * self.buffer.element_size()
+
+    @property
+    def uses_ring_kernels(self) -> bool:
+        """The step ring's slot write runs as its two Triton kernels (capture/ring_kernels.py), else as torch ops."""
+        return self._kernels is not None
 
     @property
     def nbytes(self) -> int:
@@ -263,7 +268,7 @@ class RoutingCache:
         if topk_ids.dim() != 2 or topk_ids.shape[1] != self.top_k or topk_ids.shape[0] > self.max_tokens:
             raise ValueError(f"layer {layer}: top-k ids of shape {tuple(topk_ids.shape)}, the cache takes "
                              f"(n <= {self.max_tokens}, {self.top_k})")
-        if topk_ids.dtype not in _ID_DTYPES:
+        if topk_ids.dtype not in ID_DTYPES:
             raise ValueError(f"layer {layer}: top-k ids must be an integer tensor, got {topk_ids.dtype}")
         if topk_ids.device != self.device:
             raise ValueError(f"layer {layer}: top-k ids on {topk_ids.device}, the cache is on {self.device}")
@@ -273,7 +278,7 @@ class RoutingCache:
         layers). Graph-safe; with fused=True the write happens when the last layer records (or at flush())."""
         shape = topk_ids.shape
         if not (0 <= layer < self.num_layers and len(shape) == 2 and shape[1] == self.top_k
-                and shape[0] <= self.max_tokens and topk_ids.dtype in _ID_DTYPES and topk_ids.device == self.device):
+                and shape[0] <= self.max_tokens and topk_ids.dtype in ID_DTYPES and topk_ids.device == self.device):
             self._check(layer, topk_ids)            # raises, naming what is wrong
         n = shape[0]
         self._step_n = n

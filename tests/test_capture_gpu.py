@@ -473,7 +473,8 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     count against the forwards launched passes every step of 6 batches x 16 (rows exact, no -1 fill launched, no
     host sync). Then a "forward" with no replay at all, and a graph captured while one layer's hook was lost (its
     flush adds nothing), each after an unchecked replay that did stamp: both refused as stale."""
-    from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
+    from routing_replay.engines.vllm_plugin.stamps import LostHookError
+    from routing_replay.engines.vllm_plugin.step_batch import StepBatch
 
     max_tokens = max(SIZES)
     cache = RoutingCache(max_tokens, L, K, device="cuda", stamp=True)
@@ -484,7 +485,7 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     assert cache.stamp_value() == len(SIZES) - 1
     rng = np.random.default_rng(12)
     gen = torch.Generator(device="cuda").manual_seed(13)
-    batch = _StepBatch(K, stamped=True)
+    batch = StepBatch(K, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)        # as the worker does after vLLM's warm-up
     forwards = 0
 
@@ -537,7 +538,7 @@ def test_step_stamps_under_graph_replay_prove_each_step_and_catch_a_graph_withou
     assert cache.incomplete_flushes >= 1
     # the refusal took the device's count: no baseline needed for the next check
     assert batch.stamps.resyncs == 1
-    assert batch.stamps.offset == (cache.stamp_value() - forwards) & batch.stamps._mask
+    assert batch.stamps.offset == (cache.stamp_value() - forwards) & batch.stamps.mask
     step(graph_for(64), 64, checked=False)
     step(lost, 64)
     with pytest.raises(LostHookError, match="1 complete flush"):
@@ -565,7 +566,8 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
     reference, as the worker adds them (host-ring rows taken on the reading thread: take_slot). kernels: the
     flush's slot write as the two Triton kernels (capture/ring_kernels.py) or the torch ones."""
     import threading
-    from routing_replay.engines.vllm_plugin.worker import LostHookError, RingReadLost, _StepBatch
+    from routing_replay.engines.vllm_plugin.stamps import LostHookError, RingReadLost
+    from routing_replay.engines.vllm_plugin.step_batch import StepBatch
 
     max_tokens = max(SIZES)
     S = 32                          # more slots than a batch's forwards (16 checked + 4 unchecked) before its read
@@ -577,7 +579,7 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
     copier = AsyncCopier(cache, num_slots=64)
     routers = ToyRouters(cache, max_tokens, seed=21)
     x_static, graphs = _capture(routers, max_tokens)
-    batch = _StepBatch(K, stamped=True)
+    batch = StepBatch(K, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
     rng = np.random.default_rng(22)
     gen = torch.Generator(device="cuda").manual_seed(23)
@@ -591,7 +593,7 @@ def test_step_ring_under_graph_replay_reads_every_step_without_a_launch_on_the_e
     copier.submit = counted_submit
 
     def slot_of(f):
-        return ((f + batch.stamps.offset) & batch.stamps._mask) % S
+        return ((f + batch.stamps.offset) & batch.stamps.mask) % S
 
     big = [0]                                           # checked steps larger than a slot
 

@@ -47,7 +47,7 @@ from routing_replay.engines.vllm_plugin.binding import (  # noqa: E402
     find_moe_layers,
     local_rows,
 )
-from routing_replay.engines.vllm_plugin.worker import runner_kind, step_layout  # noqa: E402
+from routing_replay.engines.vllm_plugin.runners import runner_kind, step_layout  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 V1_MODULE = "vllm.v1.worker.gpu_model_runner"

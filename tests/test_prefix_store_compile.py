@@ -72,21 +72,23 @@ def test_flush_traced_with_the_store_writes_it():
 
 
 def test_graph_engine_with_a_flush_traced_without_the_store_refuses_naming_the_mode():
-    """WorkerCapture.check_captured_store, after vLLM's warm-up (CUDA graph modes cannot run here: the worker's
+    """PrefixRows.check_captured (WorkerCapture.check_captured_store), after vLLM's warm-up (CUDA graph modes cannot run here: the worker's
     state is set as a graph engine's would be)."""
-    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+    from routing_replay.engines.vllm_plugin.prefix_rows import PrefixRows
 
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap.store = PrefixStore(SLOTS, L, K)
-    cap.binding = types.SimpleNamespace(gate=False, bound=lambda: True)
-    cap.cache = types.SimpleNamespace(traced=True, traced_store=False, store_writes=0, incomplete_flushes=0)
+    cache = types.SimpleNamespace(traced=True, traced_store=False, store_writes=0, incomplete_flushes=0,
+                                  device=torch.device("cpu"))
     cc = types.SimpleNamespace(mode="CompilationMode.VLLM_COMPILE", cudagraph_mode="CUDAGraphMode.FULL_AND_PIECEWISE")
-    cap.runner = types.SimpleNamespace(vllm_config=types.SimpleNamespace(compilation_config=cc))
+    runner = types.SimpleNamespace(vllm_config=types.SimpleNamespace(compilation_config=cc))
+    prefix = PrefixRows(runner, "v1", cache, None, None, None, fill=True, max_batch_steps=16, max_batch_rows=1,
+                        flush=lambda: None)
+    prefix.store = PrefixStore(SLOTS, L, K)
+    binding = types.SimpleNamespace(gate=False, bound=lambda: True)
     with pytest.raises(NotImplementedError, match=r"ROUTING_REPLAY_PREFIX_ROWS=fill cannot run under this execution "
                                                   r"mode \(compilation mode CompilationMode.VLLM_COMPILE, "
                                                   r"cudagraph_mode CUDAGraphMode.FULL_AND_PIECEWISE\)"):
-        cap.check_captured_store()
-    cap.cache.traced_store = True                   # traced with the store: the graphs write it
-    cap.check_captured_store()
-    cap.cache.traced = False                        # the hooks ran in Python (vLLM's opaque MoE op on CUDA)
-    cap.check_captured_store()
+        prefix.check_captured(binding)
+    cache.traced_store = True                       # traced with the store: the graphs write it
+    prefix.check_captured(binding)
+    cache.traced = False                            # the hooks ran in Python (vLLM's opaque MoE op on CUDA)
+    prefix.check_captured(binding)

@@ -25,7 +25,7 @@ from vllm import SamplingParams  # noqa: E402
 
 from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.engines.vllm_plugin import capture_of, record_key  # noqa: E402
-from routing_replay.engines.vllm_plugin.worker import _batch_refs  # noqa: E402
+from routing_replay.engines.vllm_plugin.runners import batch_refs  # noqa: E402
 from routing_replay.apps.vllm_harness import (inprocess_llm, shutdown, tiny_model, wait_records,  # noqa: E402
                                                 worker_of)
 
@@ -133,28 +133,29 @@ def test_many_concurrent_requests(eng):
 @pytest.mark.parametrize("direct", [True, False])
 def test_the_runners_batch_read_directly_or_through_its_properties_gives_the_same_records(eng, direct):
     """An eager CPU step reads V1's InputBatch `_req_ids` and `req_id_to_index` itself where vLLM's `req_ids` and
-    `num_reqs` hand out just those (_batch_refs), else the two properties; under churn (requests of different
+    `num_reqs` hand out just those (batch_refs), else the two properties; under churn (requests of different
     lengths finishing, the batch condensed and reordered) both ways give every record exact."""
     rnd = random.Random(21)
     cap = eng.cap
     ib = worker_of(eng.llm).model_runner.input_batch
-    assert _batch_refs(ib) == (ib, True)            # vLLM 0.27-0.32: the properties hand out those two
-    cap._ib_refs = (ib, direct)                     # (the same InputBatch: kept as it is, not checked again)
+    assert batch_refs(ib) == (ib, True)            # vLLM 0.27-0.32: the properties hand out those two
+    reader = cap.path.reader                        # (runners.V1BatchReader: what the step paths read)
+    reader.ib_refs = (ib, direct)                   # (the same InputBatch: kept as it is, not checked again)
     lens = [rnd.randrange(3, 40) for _ in range(12)]
     h0 = cap.stats.host_steps
     try:
         outs = eng.generate([_tokens(rnd, rnd.randrange(10, 90)) for _ in lens],
                             [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens])
-        assert cap._ib_refs == (ib, direct)
+        assert reader.ib_refs == (ib, direct)
     finally:
-        cap._ib_refs = (None, False)
+        reader.ib_refs = (None, False)
     eng.check(outs)
     assert cap.stats.host_steps - h0 >= max(lens)   # (a prefill step, then a decode step per token but the last)
 
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_steps_of_the_running_batch_enter_the_plugin_once_with_the_same_records(eng, skip):
-    """After an eager CPU step of the running batch (its router tensors handed over, _host_raw), a step that opens,
+    """After an eager CPU step of the running batch (its router tensors handed over, HostPath), a step that opens,
     ends and preempts nothing skips pre_step: post_step does its work (_late_pre_step). Under churn (requests of
     different lengths finishing, so pre_step runs again at each finish; new requests joining mid-way) every record
     is exact either way; with the skip disarmed before every step (as if no step were of the running batch), none
@@ -172,7 +173,7 @@ def test_steps_of_the_running_batch_enter_the_plugin_once_with_the_same_records(
     outs, steps = {}, 0
     while e.has_unfinished_requests():
         if not skip:
-            cap._host_next = False      # (the engine runs in this process: its next execute_model runs pre_step)
+            cap.host_next = False      # (the engine runs in this process: its next execute_model runs pre_step)
         for out in e.step():
             if out.finished:
                 outs[out.request_id] = out

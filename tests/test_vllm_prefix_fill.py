@@ -270,7 +270,7 @@ def test_mixtral_shared_prefix_and_n(tmp_path):
         # rows leave it, not every step: a request that hits after the buffer was replaced (here: the worker's
         # record of it no longer matches) drops the whole store first, and opens as in sentinel mode.
         store = eng.cap.store
-        eng.cap._owner = object()
+        eng.cap.prefix._owner = object()
         outs = eng.generate([prefix + _tokens(rnd, 7)], SamplingParams(max_tokens=3, temperature=0))
         assert eng.cap.store is None and not eng.cap.fill and store.invalidations == 1
         (r, o, c), = eng.records(outs).values()

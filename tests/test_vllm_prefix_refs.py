@@ -28,7 +28,7 @@ def test_grpo_batch_records_are_identical_with_references_on_and_off(tmp_path):
         for mode in ("on", "off"):
             assert eng.llm.reset_prefix_cache()
             if mode == "off":
-                eng.cap.writers = None
+                eng.cap.prefix.set_writers(None)
             assert (eng.cap.writers is not None) == (mode == "on")
             before = eng.cap.stats.prefix_ref_rows
             recs = {}

@@ -233,7 +233,7 @@ def _runner_class(module: str):
 def test_runner_kind_from_the_class_module():
     """V1 and V2 runners share the class name GPUModelRunner; the kind comes from the module of a class in the MRO
     (a subclass such as V2's CPUModelRunner counts as V2), anything else is refused by name."""
-    from routing_replay.engines.vllm_plugin.worker import runner_kind
+    from routing_replay.engines.vllm_plugin.runners import runner_kind
 
     v1, v2 = _runner_class("vllm.v1.worker.gpu_model_runner"), _runner_class("vllm.v1.worker.gpu.model_runner")
     assert runner_kind(v1()) == "v1"
@@ -260,7 +260,7 @@ def test_v2_step_layout_reads_the_steps_input_batch():
     """V2 keeps no persistent batch: the layout comes from execute_model_state.input_batch (None: no forward)."""
     import numpy as np
 
-    from routing_replay.engines.vllm_plugin.worker import step_layout
+    from routing_replay.engines.vllm_plugin.runners import step_layout
 
     runner = _Buf(execute_model_state=None)
     assert step_layout(runner, "v2") is None

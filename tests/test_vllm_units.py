@@ -16,7 +16,8 @@ import torch
 from routing_replay.protocol import wire
 from routing_replay.engines.vllm_plugin import keys, plugin, scheduler_hooks, settings
 from routing_replay.engines.vllm_plugin.binding import CaptureBinding
-from routing_replay.engines.vllm_plugin.worker import LostHookError, _StepBatch
+from routing_replay.engines.vllm_plugin.stamps import LostHookError
+from routing_replay.engines.vllm_plugin.step_batch import StepBatch
 
 
 @pytest.fixture
@@ -117,14 +118,14 @@ def test_settings_step_stamp(env):
 _RING_SLOTS_SCRIPT = r'''
 import os, torch
 from routing_replay.engines.vllm_plugin import settings
-from routing_replay.engines.vllm_plugin.worker import ring_slots
-cpu = torch.device("cpu")
+from routing_replay.engines.vllm_plugin.plan import kernels_on, ring_slots
+run = kernels_on(torch.device("cpu"))
 out = []
 for kernels in ("1", "0"):
     os.environ["ROUTING_REPLAY_RING_KERNELS"] = kernels
     for mode in ("auto", "ring", "on"):
         s = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp=mode)
-        out.append(f"{kernels}:{mode}:{ring_slots(s, cpu, 1)}:{ring_slots(s, cpu, 2)}")
+        out.append(f"{kernels}:{mode}:{ring_slots(s, 'cpu', 1, run)}:{ring_slots(s, 'cpu', 2, run)}")
 print(" ".join(out))
 '''
 
@@ -134,15 +135,16 @@ def test_ring_slots_auto_takes_the_ring_only_where_its_triton_kernels_run(env):
     their bit-for-bit check on the device (here: the CPU under Triton's interpreter, in a fresh process), `ring`
     gives it with either kernels, and neither with more than one data-parallel rank; on a plain CPU (no
     interpreter) `auto` means stamps alone."""
-    from routing_replay.engines.vllm_plugin.worker import STEP_RING_SLOTS, ring_slots
-    cpu = torch.device("cpu")
+    from routing_replay.engines.vllm_plugin.plan import STEP_RING_SLOTS, kernels_on, ring_slots
+    run = kernels_on(torch.device("cpu"))
     auto = settings._validate("tcp://127.0.0.1:1", None, None, "all")
     assert (auto.step_stamp, auto.step_ring, auto.ring_needs_kernels) == (True, True, True)
     ring = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="ring")
     on = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="on")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        assert ring_slots(auto, cpu, 1) == 0                    # no CUDA, no interpreter: no kernels, no ring
-    assert (ring_slots(ring, cpu, 1), ring_slots(ring, cpu, 2), ring_slots(on, cpu, 1)) == (STEP_RING_SLOTS, 0, 0)
+        assert ring_slots(auto, "cpu", 1, run) == 0            # no CUDA, no interpreter: no kernels, no ring
+    assert (ring_slots(ring, "cpu", 1, run), ring_slots(ring, "cpu", 2, run), ring_slots(on, "cpu", 1, run)) == \
+        (STEP_RING_SLOTS, 0, 0)
     pytest.importorskip("triton")
     e = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", _RING_SLOTS_SCRIPT], env=e, capture_output=True, text=True,
@@ -456,7 +458,7 @@ def test_the_eager_drain_bench_runs_the_real_hooks_and_counts_every_layer(tmp_pa
 
 
 def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_those_attributes():
-    """_batch_refs: vLLM's own InputBatch hands out `_req_ids` through `req_ids` and counts `req_id_to_index` in
+    """batch_refs: vLLM's own InputBatch hands out `_req_ids` through `req_ids` and counts `req_id_to_index` in
     `num_reqs`, so the engine thread may read those two; a batch whose `req_ids` makes a new list, or that counts
     otherwise, or lacks them, is read through its properties."""
     import inspect
@@ -464,7 +466,7 @@ def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_t
     import torch
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
-    from routing_replay.engines.vllm_plugin.worker import _batch_refs
+    from routing_replay.engines.vllm_plugin.runners import batch_refs
 
     kw = dict(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
               vocab_size=100, block_sizes=[16], max_num_blocks_per_req=[4])
@@ -485,52 +487,49 @@ def test_the_runners_batch_is_read_directly_only_where_its_properties_hand_out_t
         req_ids, num_reqs = ["a"], 1
 
     ib = InputBatch(**kw)
-    assert _batch_refs(ib) == (ib, True)
+    assert batch_refs(ib) == (ib, True)
     for b in (Copying(**kw), Counting(**kw), Other()):
-        assert _batch_refs(b) == (b, False)
+        assert batch_refs(b) == (b, False)
 
 
 def test_an_eager_cpu_step_goes_by_reference_only_when_uniform_and_captured():
-    """WorkerCapture._take_step (binding.drain's target on an eager CPU engine): a captured step whose layers all
+    """HostPath.take_step (step_paths.py; binding.drain's target on an eager CPU engine): a captured step whose layers all
     hold tensors of one shape and integer dtype is kept as it is (HostRows later), nothing written to the cache;
     with a prefix store (fill) such a step is kept as it is and also written to the cache (the store's rows come
     from there); mixed dtypes, a step that only writes the prefix store or one not captured go into the cache layer
     by layer, and a tensor of the wrong shape is refused there, named."""
-    from types import SimpleNamespace
-
     from routing_replay.capture import RoutingCache
-    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+    from tests.standins import worker_capture
 
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap._init_state(SimpleNamespace(), "v1", settings.Settings(broker="ipc://unused"))
-    cap.cache = RoutingCache(16, 3, 2)
+    cap = worker_capture(settings.Settings(broker="ipc://unused"))
     cap.active = True
     uniform = [torch.full((4, 2), layer, dtype=torch.int64) for layer in range(3)]
     held = list(uniform)
-    cap._take_step(held)
-    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step[0], uniform))
-    assert cap._host_step[1] == 4 * 2 * 8                           # the bytes of one layer's tensor
-    assert (cap.cache.step_rows(4) == -1).all()                     # nothing copied
+    cap.path.take_step(held)
+    assert held == [None] * 3 and all(a is b for a, b in zip(cap.path.host_step[0], uniform))
+    assert cap.path.host_step[1] == 4 * 2 * 8                       # the bytes of one layer's tensor
+    assert (cap.path.cache.step_rows(4) == -1).all()                # nothing copied
     for case in ("mixed", "fill", "store only", "not captured"):
-        cap._host_step, cap.cache = None, RoutingCache(16, 3, 2)
+        cap.path.host_step, cap.path.cache = None, RoutingCache(16, 3, 2)
         cap.fill, cap.active = case in ("fill", "store only"), case in ("mixed", "fill")
         held = [uniform[0], uniform[1].to(torch.int32), uniform[2]] if case == "mixed" else list(uniform)
-        cap._take_step(held)
+        cap.path.take_step(held)
         assert held == [None] * 3, case
         if case == "fill":
-            assert all(a is b for a, b in zip(cap._host_step[0], uniform)) and cap._host_step[1] == 4 * 2 * 8
+            host = cap.path.host_step
+            assert all(a is b for a, b in zip(host[0], uniform)) and host[1] == 4 * 2 * 8
         else:
-            assert cap._host_step is None, case
-        assert cap.cache.step_rows(4).tolist() == [[[layer] * 2] * 4 for layer in range(3)], case
-    cap.fill, cap.active, cap.cache = False, True, RoutingCache(16, 3, 2)
-    cap._host_step = None
+            assert cap.path.host_step is None, case
+        assert cap.path.cache.step_rows(4).tolist() == [[[layer] * 2] * 4 for layer in range(3)], case
+    cap.fill, cap.active, cap.path.cache = False, True, RoutingCache(16, 3, 2)
+    cap.path.host_step = None
     held = list(uniform)
-    cap._take_step(held, (torch.Size([4, 2]), torch.int64))        # the binding checked the shapes already
-    assert held == [None] * 3 and all(a is b for a, b in zip(cap._host_step[0], uniform))
-    assert cap._host_step[1] == 4 * 2 * 8 and (cap.cache.step_rows(4) == -1).all()
-    cap._host_step = None
+    cap.path.take_step(held, (torch.Size([4, 2]), torch.int64))        # the binding checked the shapes already
+    assert held == [None] * 3 and all(a is b for a, b in zip(cap.path.host_step[0], uniform))
+    assert cap.path.host_step[1] == 4 * 2 * 8 and (cap.path.cache.step_rows(4) == -1).all()
+    cap.path.host_step = None
     with pytest.raises(ValueError, match=r"layer 0: top-k ids of shape \(4, 3\)"):
-        cap._take_step([torch.zeros(4, 3, dtype=torch.int64)] * 3)
+        cap.path.take_step([torch.zeros(4, 3, dtype=torch.int64)] * 3)
 
 
 def test_a_queue_bound_counts_the_router_tensors_an_eager_cpu_batch_holds(tmp_path):
@@ -547,7 +546,7 @@ def test_a_queue_bound_counts_the_router_tensors_an_eager_cpu_batch_holds(tmp_pa
     copier = AsyncCopier(RoutingCache(64, L, K), num_slots=2, max_rows=32)
 
     def batch_of(steps: int) -> tuple:
-        b = _StepBatch(K)
+        b = StepBatch(K)
         want = []
         for s in range(steps):
             tensors = [torch.arange(N * K, dtype=torch.int32).reshape(N, K) + 100 * layer + 1000 * s
@@ -732,7 +731,7 @@ class FakePending:
 def test_step_batch_concatenates_in_order_and_releases_all():
     a = FakePending(np.arange(2 * 3 * 2, dtype=np.int16).reshape(2, 3, 2))
     b = FakePending(np.arange(100, 100 + 3 * 3 * 2, dtype=np.int16).reshape(3, 3, 2))
-    batch = _StepBatch()
+    batch = StepBatch()
     batch.add(a, ["x", "y"], [10, 20], [1, 1])
     batch.add(b, ["x", "y"], [11, 21], [1, 2])
     ks, starts, counts, rows = batch.take()
@@ -748,7 +747,7 @@ def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
     """Decode steps hand the same key list and their positions as arrays; take() gives flat lists of ints."""
     keys = ["x", "y", "z"]
     parts = [FakePending(np.full((3, 3, 2), i, dtype=np.int16)) for i in range(3)]
-    batch = _StepBatch()
+    batch = StepBatch()
     batch.add(parts[0], keys, np.array([5, 9, 0], np.int32), np.array([1, 1, 1], np.int32))
     batch.add(parts[1], keys, np.array([6, 10, 1], np.int32), np.array([1, 1, 1], np.int32))
     batch.add(parts[2], ["w"], [0], [3], strict=False)            # a prefix gather: lists
@@ -757,7 +756,7 @@ def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
     assert (ks, starts, counts) == (["x", "y", "z", "x", "y", "z", "w"], [5, 9, 0, 6, 10, 1, 0], [1] * 6 + [3])
     assert all(type(v) is int for v in starts + counts)
     assert np.array_equal(rows.result(), np.concatenate([p.rows for p in parts]))
-    one = _StepBatch()
+    one = StepBatch()
     one.add(parts[0], keys, np.array([5, 9, 0], np.int32), np.array([1, 1, 1], np.int32))
     ks, starts, counts, _ = one.take()
     assert ks == keys and ks is not keys and (starts, counts) == ([5, 9, 0], [1, 1, 1])
@@ -767,7 +766,7 @@ def test_step_batch_keeps_references_per_step_and_flattens_arrays_once():
 def test_step_batch_refuses_unwritten_rows():
     r = np.zeros((2, 3, 2), np.int16)
     r[1, 2] = -1
-    batch = _StepBatch()
+    batch = StepBatch()
     batch.add(FakePending(r), ["x"], [0], [2])
     _, _, _, rows = batch.take()
     with pytest.raises(LostHookError, match="never written by a router .*row 1 of 2, local MoE layer 2"):
@@ -792,8 +791,8 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
     from routing_replay.capture import AsyncCopier, RoutingCache
     cache = RoutingCache(64, 3, K, stamp=True)
     copier = AsyncCopier(cache, num_slots=4, max_rows=32)
-    batch = _StepBatch(K, stamped=True)
-    assert _StepBatch(K).stamps is None
+    batch = StepBatch(K, stamped=True)
+    assert StepBatch(K).stamps is None
     batch.stamps.baseline(cache.stamp_value(), 0)          # after warm-up: counter -1, no forward yet
     forward = 0
     for b in range(3):
@@ -805,7 +804,7 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
         _, _, _, rows = batch.take_parts()
         assert rows.result().shape == (sum(8 + i for i in range(4)), 3, K)
         rows.release()
-    assert batch.stamps.steps == 12 and batch.stamps.offset == (-1) & batch.stamps._mask
+    assert batch.stamps.steps == 12 and batch.stamps.offset == (-1) & batch.stamps.mask
     # a forward whose hooks did not run at all (a graph replayed without them), right after an unchecked forward
     # whose hooks did: the stamp moved on, but one flush fewer than forwards
     forward += 2
@@ -816,7 +815,7 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
         rows.result()
     rows.release()
     # the refusal took the device's count: the next forward is checked against it (no baseline needed)
-    mask = batch.stamps._mask
+    mask = batch.stamps.mask
     assert batch.stamps.resyncs == 1 and batch.stamps.offset == (cache.stamp_value() - forward) & mask
     # a forward that missed one layer: its flush adds nothing (the rows of the missed layer would be stale)
     forward += 1
@@ -848,7 +847,7 @@ def test_step_stamps_pass_steps_written_by_their_forward_and_refuse_stale_ones(K
 
 @pytest.mark.parametrize("K,bits", [(2, 32), (8, 64)])
 def test_step_stamps_wrap_around_their_width(K, bits):
-    check = _StepBatch(K, stamped=True).stamps
+    check = StepBatch(K, stamped=True).stamps
     lane = np.uint32 if bits == 32 else np.uint64
     top = (1 << bits) - 1
 
@@ -945,7 +944,7 @@ def test_pipeline_process_that_cannot_start_raises(tmp_path):
 
 
 def test_batched_steps_hand_out_request_major_rows_in_one_copy():
-    """_BatchedRows of consecutive decode steps: result_request_major(steps) is result() reordered request-major
+    """BatchedRows of consecutive decode steps: result_request_major(steps) is result() reordered request-major
     (request i's rows of every step together), still stamp-checked; a batch of several steps owns its result (a
     new array: the producer need not copy it out of the host ring), a batch of one does not; steps of different
     sizes are refused."""
@@ -953,7 +952,7 @@ def test_batched_steps_hand_out_request_major_rows_in_one_copy():
     from routing_replay.producer.coalesce import RequestMajor, StepParts
     cache = RoutingCache(64, 3, 8, stamp=True)
     copier = AsyncCopier(cache, num_slots=4, max_rows=32)
-    batch = _StepBatch(8, stamped=True)
+    batch = StepBatch(8, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
     keys_ = ["a", "b", "c", "d"]
     for s in range(3):
@@ -1013,16 +1012,16 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     batch's checkpoint), lose the batch (RingReadLost) and never hand out another step's rows; a forward whose
     hooks did not run is a LostHookError; a step larger than a slot is not written to the ring."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.engines.vllm_plugin.worker import RingReadLost
+    from routing_replay.engines.vllm_plugin.stamps import RingReadLost
     S = 4
     cache = RoutingCache(64, 3, K, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
-    batch = _StepBatch(K, stamped=True)
+    batch = StepBatch(K, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
     state = {"forward": 0}
 
     def slot_of(forward):
-        return ((forward + batch.stamps.offset) & batch.stamps._mask) % S
+        return ((forward + batch.stamps.offset) & batch.stamps.mask) % S
 
     def step(seed, n=8, a=1, m=5, layers=None, count=True):
         if count:
@@ -1066,7 +1065,7 @@ def test_step_ring_reads_each_step_from_its_slot_and_never_publishes_another_ste
     rows.release()
     # the refusal took the device's count from the batch's checkpoint: later batches read the slots it writes
     assert batch.stamps.resyncs == 1
-    assert batch.stamps.offset == (cache.stamp_value() - state["forward"]) & batch.stamps._mask
+    assert batch.stamps.offset == (cache.stamp_value() - state["forward"]) & batch.stamps.mask
     want = step(51)
     rows = hand_over()
     assert np.array_equal(rows.result(), want)
@@ -1129,7 +1128,7 @@ def _producer_to_fake(tmp_path, layers: int, top_k: int, **kw):
 
 @pytest.mark.parametrize("as_bytes", [False, True])
 def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_captured_stays_out(tmp_path, as_bytes):
-    """A step-ring step goes to the producer as the runner laid it out (_StepBatch.add_raw): engine ids,
+    """A step-ring step goes to the producer as the runner laid it out (StepBatch.add_raw): engine ids,
     computed positions, query start locations (arrays, or their bytes as the worker hands them over, whose rows are
     those the locations span). The producer's thread maps the ids to record keys through the worker's table and
     leaves out a request that is not captured, one captured only from a later forward on, and one with no rows in
@@ -1142,11 +1141,11 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
-    batch = _StepBatch(Kr, stamped=True)
+    batch = StepBatch(Kr, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
 
     def slot_of(forward):
-        return ((forward + batch.stamps.offset) & batch.stamps._mask) % S
+        return ((forward + batch.stamps.offset) & batch.stamps.mask) % S
 
     def add_raw(first, n, slot, ids, computed, qsl, forward):
         if not as_bytes:
@@ -1206,7 +1205,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
 
 
 def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_producers_thread(tmp_path):
-    """An eager CPU step goes to the producer as the runner laid it out (_StepBatch.add_host): the routers' tensors
+    """An eager CPU step goes to the producer as the runner laid it out (StepBatch.add_host): the routers' tensors
     unchecked, the engine ids, and the bytes of the computed positions and query start locations. On the
     producer's thread the ids become keys through the worker's table; a request not captured, one captured only
     from a later forward on, and one with no rows in the step stay out with their rows. Decode steps of one id list
@@ -1215,7 +1214,7 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
     query start locations span, whatever the worker counted; a step whose tensors hold fewer is refused there
     (encode_errors) and the next delta still goes out; a batch released unread lets its tensors go."""
     from routing_replay.capture import AsyncCopier, RoutingCache
-    from routing_replay.engines.vllm_plugin.worker import host_layouts, resolve_raw_steps
+    from routing_replay.engines.vllm_plugin.step_batch import host_layouts, resolve_raw_steps
     from tests.test_producer_faults import wait_for
     Lr, Kr = 3, 2
     copier = AsyncCopier(RoutingCache(64, Lr, Kr), num_slots=4, max_rows=32)
@@ -1232,7 +1231,7 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
                        np.asarray(qsl, np.int32).tobytes(), (np.dtype(np.int32), np.dtype(np.int32)), forward)
 
     table = {"r0": ("k0", 1), "r2": ("k2", 1), "r3": ("k3", 2), "r4": ("k4", 1)}     # r1: not captured
-    batch = _StepBatch(Kr)
+    batch = StepBatch(Kr)
     # forward 1: r0 3 rows, r1 1 (not captured), r2 none, r3 2 (captured from forward 2 on), r4 1; int32 ids with
     # 9 rows (the tensors may hold more than the step reads)
     t1 = tensors(9, np.int32)
@@ -1312,9 +1311,9 @@ def test_raw_ring_steps_refused_by_the_queue_bound_report_the_captured_positions
     S, Lr, Kr = 4, 3, 8
     cache = RoutingCache(64, Lr, Kr, stamp=True, slots=S, slot_rows=16)
     copier = AsyncCopier(cache, num_slots=8, max_rows=32)
-    batch = _StepBatch(Kr, stamped=True)
+    batch = StepBatch(Kr, stamped=True)
     batch.stamps.baseline(cache.stamp_value(), 0)
-    slot = ((1 + batch.stamps.offset) & batch.stamps._mask) % S
+    slot = ((1 + batch.stamps.offset) & batch.stamps.mask) % S
     _ring_step(cache, 1, 5)
     computed, qsl = np.array([0, 10, 6], np.int32), np.array([0, 3, 4, 5], np.int32)
     if as_bytes:
@@ -1367,7 +1366,7 @@ def test_pipeline_process_killed_is_started_again_and_names_the_requests_in_flig
             assert time.monotonic() < deadline, "helper not started again"
             time.sleep(0.02)
         assert pipe.proc.pid != old.pid and pipe.lost_in_flight == 1 and restarted == [pipe.proc.pid]
-        # what the worker does then (WorkerCapture._reopen): the open of each request in flight again
+        # what the worker does then (RequestTracker.reopen): the open of each request in flight again
         prod.open("victim", prompt_len=4, num_cached_tokens=0, prompt_token_ids=[1, 2, 3, 4])
         prod.publish_rows(["victim"], [6], [3], rows[6:9])
         prod.finish("victim", num_output_tokens=6, finish_reason="length", output_token_ids=[5, 6, 7, 8, 9, 10])
@@ -1392,47 +1391,3 @@ def test_pipeline_process_killed_is_started_again_and_names_the_requests_in_flig
     assert len(died) == 1 and f"embedded helper process {old.pid} died (exit status -9)" in died[0]
     assert "1 requests in flight" in died[0] and "['victim']" in died[0] and "restarts=1" in died[0], died
     assert len([r for r in caplog.records if "started again: pid" in r.getMessage()]) == 1
-
-
-def test_worker_keys_are_unique_among_live_requests_and_restart_resends_the_live_opens():
-    """The worker's own bookkeeping (no engine): a request whose key a live request holds (tracked, or ended with
-    its finish not yet sent) is captured as key#n, the smallest free; a key is free again once its request ended.
-    After a helper restart the opens of the requests captured then, and still captured, are queued again."""
-    from types import SimpleNamespace
-
-    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
-
-    cap = WorkerCapture.__new__(WorkerCapture)
-    cap._init_state(SimpleNamespace(), "v1", settings.Settings(broker="embedded"))
-    cap.randomized = True
-    cap.sink = SimpleNamespace(pipeline=object())
-
-    def new(rid, n=3):
-        return SimpleNamespace(req_id=rid, sampling_params=SP(), prompt_token_ids=list(range(n)),
-                               num_computed_tokens=0, block_ids=[[]])
-
-    def end(rid):                                   # as pre_step ends a request
-        cap.tracked.pop(rid)
-        cap._tracked_gen += 1
-
-    for i, rid in enumerate(["dupid-0000000a", "dupid-0000000b", "dupid-0000000c", "other-0000000d"]):
-        cap._open_request(new(rid))
-    assert list(cap.tracked.values()) == ["dupid", "dupid#1", "dupid#2", "other"]
-    end("dupid-0000000b")
-    cap._open_request(new("dupid-0000000e"))        # the smallest free number again
-    end("dupid-0000000a")
-    cap._open_request(new("dupid-0000000f"))        # the plain key is free once its request ended
-    cap._closing["late"] = ("late-00000001", None)  # ended, finish not yet handed over: still live
-    cap._open_request(new("late-00000002"))
-    assert [cap.tracked[r] for r in ("dupid-0000000e", "dupid-0000000f", "late-00000002")] == \
-        ["dupid#1", "dupid", "late#1"]
-    assert cap.stats.duplicate_keys == 4 and [it[0] for _, it in cap._opens] == \
-        ["dupid", "dupid#1", "dupid#2", "other", "dupid#1", "dupid", "late#1"]
-    # the helper died and came back: the opens of what is captured then go again, once
-    cap._opens = []
-    cap.helper_restarted()
-    end("other-0000000d")
-    cap._open_request(new("new-00000003"))          # opened after the restart: its own open is queued
-    cap._reopen()
-    assert sorted(it[0] for _, it in cap._opens) == ["dupid", "dupid#1", "dupid#2", "late#1", "new"]
-    assert not cap._reopen_due and cap._reopen_rids == set()

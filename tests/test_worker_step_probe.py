@@ -87,7 +87,7 @@ def _watch(events: list, entries: list | None = None):
     """on_producer for run(): the worker's calls into its real producer, in order (each call goes on to it); the
     delta entries (key, start, count) in `entries`. Steps added raw are resolved as the producer's thread will
     (their table only gains ids no step of theirs holds before that thread reads them)."""
-    from routing_replay.engines.vllm_plugin.worker import host_layouts, resolve_raw_steps
+    from routing_replay.engines.vllm_plugin.step_batch import host_layouts, resolve_raw_steps
 
     def attach(p):
         steps, ends, opens = p.publish_steps, p.end_many, p.open_many
@@ -199,7 +199,7 @@ def test_churn_with_requests_not_captured_publishes_what_the_engine_thread_mappi
     same_ids a captured and an uncaptured request take turns on one id). Exactly the same delta entries, in the
     same order, as the engine thread's own mapping (stamps without the ring), and no request's rows outside its
     open .. finish. With 600-token prefills every step after the first is larger than a ring slot: copied whole
-    and handed over raw the same way (_StepBatch.add_copied)."""
+    and handed over raw the same way (StepBatch.add_copied)."""
     n, steps, prompt_len = 8, 40, 16
     runs = {}
     for ring in (True, False):
@@ -283,16 +283,16 @@ def test_a_weight_reload_gathers_the_queued_prefix_rows_before_the_store_is_inva
     def on_step(step, cap):
         if step != 20:
             return
-        queued = {f.key for f in cap._fill_queue}
+        queued = {f.key for f in cap.prefix.queue}
         invalidate = cap.store.invalidate
 
         def watched():
             gathered = {k for part, strict, keys in zip(cap.batch.parts, cap.batch.strict, cap.batch.keys)
                         if not strict for k in keys}
-            seen.update(queued=queued, left=len(cap._fill_queue), gathered=gathered)
+            seen.update(queued=queued, left=len(cap.prefix.queue), gathered=gathered)
             invalidate()
         cap.store.invalidate = watched
-        cap._invalidate_store()
+        cap.prefix.invalidate()
         cap.store.invalidate = invalidate
 
     r = _probe().run("fill", 32, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
@@ -311,21 +311,21 @@ def test_a_preempted_requests_queued_prefix_rows_are_gathered_before_its_blocks_
     def on_step(step, cap):
         if step != 20:
             return
-        queued = [f.rid for f in cap._fill_queue]
-        victim, key = queued[0], cap._fill_queue[0].key
+        queued = [f.rid for f in cap.prefix.queue]
+        victim, key = queued[0], cap.prefix.queue[0].key
         gathered = []
-        gather = cap._gather
+        gather = cap.prefix.gather
 
         def watched(q, chunk, may_drop):
             gathered.append([f.key for f in q])
             return gather(q, chunk, may_drop)
-        cap._gather = watched
+        cap.prefix.gather = watched
         so = probe._so([], {}, 0)
         so.preempted_req_ids = {victim, "cmpl-not-captured"}
         cap.pre_step(so)
-        del cap._gather
+        del cap.prefix.gather
         seen.update(queued=len(queued), victim=victim, key=key, gathered=gathered,
-                    left=[f.rid for f in cap._fill_queue], rids=set(cap._fill_rids))
+                    left=[f.rid for f in cap.prefix.queue], rids=set(cap.prefix.rids))
 
     r = probe.run("fill", 32, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True, churn=1,
                   churn_prompt=12, churn_output=5, churn_hits=32, on_step=on_step)
@@ -430,7 +430,7 @@ def test_an_open_refused_at_the_hand_over_loses_that_request_alone(ring):
     # what the batches still held of it is dropped by the producer (and its finish: the scheduler's note came
     # before the refusal); nothing of it is left in the worker's tables
     assert cap.producer.stats.dropped_parts == len(mine) + 1 and cap0.producer.stats.dropped_parts == 0
-    assert key not in cap.tracked.values() and all(v[0] != key for v in cap._seen.values())
+    assert key not in cap.tracked.values() and all(v[0] != key for v in cap.requests.seen.values())
 
 
 def test_keys_refused_at_a_hand_over_leave_the_steps_not_added_raw_too():
@@ -438,7 +438,7 @@ def test_keys_refused_at_a_hand_over_leave_the_steps_not_added_raw_too():
     of a request whose open was refused may have taken the refusal back; so the steps added with their keys (an
     unchanged batch, prefix rows) leave that key's entries and rows out there, exactly, like a raw step whose
     table no longer holds the id."""
-    from routing_replay.engines.vllm_plugin.worker import resolve_raw_steps
+    from routing_replay.engines.vllm_plugin.step_batch import resolve_raw_steps
     table = {"e1": ("a", 0), "e2": ("b", 0), "e3": ("c", 0)}          # "b" is gone: no longer in the table
     del table["e2"]
     ids = [["e1", "e2", "e3"], ["a", "b", "c"], ["b"], ["a", "c"]]
@@ -470,11 +470,12 @@ def test_a_request_that_ends_before_any_hand_over_is_opened_first():
         if step != 5:
             return
         for rid, info in (("late-a", SimpleNamespace(num_output_tokens=2, reason="stop", output_token_ids=[7, 8])),
-                          ("late-b", object())):    # a note without its fields: _end_of raises, the end is an abort
-            cap._open_request(new(rid))
+                          ("late-b", object())):    # a note without its fields: end_of raises, the end is an abort
+            requests = cap.requests
+            requests.open(new(rid), cap.forwards + 1, False)
             key = cap.tracked.pop(rid)
-            cap._close_request(rid, key, info)
-            cap._send_ends()
+            requests.close_request(rid, key, info)
+            requests.send_ends()
 
     def attach(p):
         _watch(events)(p)
@@ -498,7 +499,7 @@ def test_a_step_of_the_running_batch_lets_go_of_tensors_a_failed_forward_left():
     publishing the earlier forward's routing (a step of the running batch: the left tensor has its shape)."""
     import torch
 
-    from routing_replay.engines.vllm_plugin.worker import LostHookError
+    from routing_replay.engines.vllm_plugin.stamps import LostHookError
 
     stale = torch.zeros(8, 2, dtype=torch.int32)
     bad = 12
@@ -556,7 +557,7 @@ def test_an_eager_step_whose_layer_handed_over_another_shape_or_dtype_is_refused
 
 def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_aborts_only_its_request():
     """Finishes that pre_step keeps for the next hand-over (a batch holds rows) become end items in one pass at
-    _flush: each as its note says (a finish; an abort before any output stays an abort). A note without its
+    flush: each as its note says (a finish; an abort before any output stays an abort). A note without its
     fields aborts its own request (capture_error), and every other finish of that hand-over still goes out."""
     from types import SimpleNamespace
 
@@ -598,7 +599,7 @@ def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_a
         sent = len(items)
         cap.pre_step(so)
         cap.post_step(so)
-        assert not cap._closing and not cap._ends and not cap.batch.parts and not set(ids) & set(cap.tracked)
+        assert not cap.requests.closing and not cap.requests.ends and not cap.batch.parts and not set(ids) & set(cap.tracked)
         assert len(items) - sent == (3 if step == 5 else 2)
 
     r = _probe().run("on", 8, 4, 2, 40, 1, "cpu", eager=False, prompt_len=16, stamp=True, ring=True,
@@ -617,7 +618,7 @@ def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_a
 
 def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_mapping_publishes():
     """A graph engine's step of the running batch after a ring step takes pre_step's first branch and post_step's
-    ring path in one frame (_ring_step). Steps that change the batch without opening or finishing anything take
+    ring path in one frame (RingPath.ring_step). Steps that change the batch without opening or finishing anything take
     it too: the runner reorders its batch, leaves requests out of a step, schedules only requests that are not
     captured (no captured request runs: the general path), or a chunk larger than a ring slot (the copier). Each
     gives exactly the delta entries of the engine thread's own mapping (stamps without the ring), in order, and
@@ -640,7 +641,7 @@ def test_steps_of_the_running_batch_on_the_ring_publish_what_the_engine_thread_m
         entries, steady = [], []
         r = _probe().run("on", n, 4, 2, steps, 1, "cpu", eager=False, prompt_len=prompt_len, stamp=True, ring=ring,
                          layout=layout, optout_first=out, on_producer=_watch([], entries),
-                         on_step=lambda step, cap: steady.append(cap._steady))
+                         on_step=lambda step, cap: steady.append(cap.steady))
         assert r["producer_drained"] and r["encode_errors"] == 0
         runs[ring] = (r, entries, steady)
     (r, entries, steady), (r0, entries0, steady0) = runs[True], runs[False]
@@ -682,7 +683,7 @@ def test_a_step_copied_whole_into_a_full_host_ring_is_published_lost_and_no_othe
         if not full:
             return
         if step == 19:                      # the batch goes, the producer's thread takes it, then the ring fills
-            cap._flush()
+            cap.flush()
             while cap.producer.queued_msgs:
                 time.sleep(0.001)
             for rows in (cap.copier.max_rows, 1):
@@ -715,25 +716,26 @@ def test_a_step_copied_whole_into_a_full_host_ring_is_published_lost_and_no_othe
 def _watch_batches(monkeypatch):
     """The producer's thread, per batch it reads: each step's rows (by the engine's forward) as published, and the
     forwards of the batches refused (LostHookError) or lost (RingReadLost)."""
-    from routing_replay.engines.vllm_plugin import worker as wmod
+    from routing_replay.engines.vllm_plugin import stamps
+    from routing_replay.engines.vllm_plugin import step_batch as wmod
 
     published, refused, behind = {}, [], []
-    checked = wmod._BatchedRows._checked
+    checked = wmod.BatchedRows._checked
 
     def watched(self):
         forwards = list(self._forwards)
         try:
             arrays = checked(self)
-        except wmod.LostHookError:
+        except stamps.LostHookError:
             refused.append(forwards)
             raise
-        except wmod.RingReadLost:
+        except stamps.RingReadLost:
             behind.append(forwards)
             raise
         for f, a in zip(forwards, arrays):
             published[f] = a.copy()
         return arrays
-    monkeypatch.setattr(wmod._BatchedRows, "_checked", watched)
+    monkeypatch.setattr(wmod.BatchedRows, "_checked", watched)
     return published, refused, behind
 
 
@@ -752,7 +754,7 @@ def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published
     device's count, so every later step is published, each step's rows exactly the ids its forward wrote (they
     differ per step and per layer). A hook lost for good (every step from `bad` on) is refused at every later
     delta and publishes nothing stale."""
-    from routing_replay.engines.vllm_plugin import worker as wmod
+    from routing_replay.engines.vllm_plugin import step_batch as wmod
 
     n, layers, steps, bad = 8, 4, 40, 20
     published, refused, behind = _watch_batches(monkeypatch)
@@ -789,12 +791,12 @@ def test_a_lost_flush_under_graphs_loses_its_batch_and_later_steps_are_published
 @pytest.mark.parametrize("eager", [False, True], ids=["ring", "eager-cpu"])
 def test_a_batch_whose_raw_steps_do_not_resolve_is_dropped_and_the_producer_goes_on(eager, monkeypatch):
     """The producer's thread maps a batch's raw steps (engine ids, the runner's layout: step-ring steps under
-    graphs, an eager CPU engine's host steps) to record keys before it encodes them (_BatchedRows.resolve). One
+    graphs, an eager CPU engine's host steps) to record keys before it encodes them (BatchedRows.resolve). One
     batch whose mapping fails (here: resolve_raw_steps raises for the batch that holds forward `bad`) is dropped:
     its rows released, its bytes out of the queue's count, one encode error, and the thread goes on: every other
     step is published, exactly as its forward wrote it. (Before, the failure ended the producer's thread, and with
     it the engine at its next step.)"""
-    from routing_replay.engines.vllm_plugin import worker as wmod
+    from routing_replay.engines.vllm_plugin import step_batch as wmod
 
     n, layers, steps, bad = 8, 4, 40, 21
     published, refused, behind = _watch_batches(monkeypatch)

@@ -249,7 +249,7 @@ def local_rows(topk_ids: torch.Tensor, dp_rank: int) -> torch.Tensor:
 # each held tensor's (shape, dtype), at C speed (map); AttributeError where a layer holds None
 _SIG = operator.attrgetter("shape", "dtype")
 # True for each layer that holds a tensor, at C speed (map): no tensor's __eq__ is called, as list.count(None) would
-_HOLDS = functools.partial(operator.is_not, None)
+HOLDS = functools.partial(operator.is_not, None)
 
 
 def record_held(held: list, record: Callable[[int, torch.Tensor], None]) -> None:
@@ -309,7 +309,7 @@ class CaptureBinding:
         """gate=True: hand the held top-k tensors over in layer order, counting in `calls` those that cover
         min_rows rows; the list is emptied first, so a tensor that is refused is not held again. A no-op when
         nothing is held (post_step's drain after a step whose Python last hook drained, or that post_step took)."""
-        if any(map(_HOLDS, self.held)):
+        if any(map(HOLDS, self.held)):
             self._drain()
 
     def _drain(self) -> None:

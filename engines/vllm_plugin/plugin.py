@@ -166,7 +166,7 @@ def _wrap_warm_up(cls) -> None:
 def _install_worker_hooks(cls) -> None:
     if getattr(cls, "_routing_replay_hooked", False):
         return
-    from routing_replay.engines.vllm_plugin.worker import WorkerCapture
+    from routing_replay.engines.vllm_plugin.worker import build
 
     def after(name, fn):
         orig = getattr(cls, name)
@@ -190,8 +190,7 @@ def _install_worker_hooks(cls) -> None:
             if klass is cls:
                 break
             _wrap_warm_up(klass)
-        cap = WorkerCapture(worker, s) if s.enabled else None
-        setattr(worker, _ATTR, cap if cap is not None and cap.publisher else None)
+        setattr(worker, _ATTR, build(worker, s) if s.enabled else None)     # (None on ranks that do not publish)
 
     def rebinder(reason):
         def fn(worker) -> None:
@@ -237,10 +236,10 @@ def _install_worker_hooks(cls) -> None:
         if cap is None:
             return orig_execute(self, scheduler_output, *args, **kwargs)
         so = scheduler_output
-        # pre_step is left out after an eager CPU step of the running batch (_host_next) for a step that opens,
+        # pre_step is left out after an eager CPU step of the running batch (host_next) for a step that opens,
         # ends, preempts and speculates nothing: post_step does its work (WorkerCapture._late_pre_step). Checked
         # here, not in a method: entering the plugin is what this saves
-        if not cap._host_next or (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids
+        if not cap.host_next or (so.scheduled_new_reqs or so.finished_req_ids or so.preempted_req_ids
                                   or so.scheduled_spec_decode_tokens):
             cap.pre_step(so)
         out = orig_execute(self, scheduler_output, *args, **kwargs)
