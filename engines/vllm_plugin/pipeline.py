@@ -10,8 +10,8 @@ too: as threads they cost several times more engine throughput than the same wor
 Parent side: `PipelineProcess(npz_dir, serve)` starts `python -m routing_replay.engines.vllm_plugin.pipeline`, waits for
 its "ready" line, and exposes `frontend` (an ipc:// endpoint in a private temp dir). `close()` (after the
 producer has sent everything) sends SIGTERM; the child lets its consumer go idle, closes, and exits 0.
-Child side: a Broker (frontend ipc://, backend inproc://) and a Consumer in one process, as
-routing_replay.apps.embedded wires them. It also exits if its parent disappears.
+Child side: routing_replay.engines.embedded.EmbeddedPipeline (a Broker and a Consumer joined by inproc://) with an
+ipc:// frontend. It also exits if its parent disappears.
 
 A helper that dies (killed, out of memory, a crash) is noticed by a watch thread in the parent within
 `watch_interval_s`, named in one WARNING line (its pid, exit status, the restart count, and the record keys of the
@@ -36,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from typing import Callable
 
 log = logging.getLogger("vllm.routing_replay")
@@ -188,20 +187,6 @@ def _stop_proc(proc: subprocess.Popen, timeout_s: float) -> None:
         proc.stdout.close()
 
 
-def _wait_idle(consumer, timeout_s: float, quiet_s: float = 0.3) -> bool:
-    """Until no request is in flight and no message arrived for quiet_s (as EmbeddedPipeline.wait_idle)."""
-    deadline = time.monotonic() + timeout_s
-    last, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        n = consumer.msgs_in
-        if n != last:
-            last, since = n, time.monotonic()
-        elif consumer.acc.in_flight == 0 and not consumer.acc.pending_finish and time.monotonic() - since >= quiet_s:
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m routing_replay.engines.vllm_plugin.pipeline",
                                  description=__doc__.splitlines()[0])
@@ -215,26 +200,23 @@ def main(argv=None) -> int:
 
     import zmq
 
-    from routing_replay.broker import Broker
-    from routing_replay.consumer import Consumer
+    from routing_replay.engines.embedded import EmbeddedPipeline
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     ctx = zmq.Context()
-    backend = f"inproc://routing-replay-{uuid.uuid4().hex[:12]}-backend"
-    broker = Broker(a.frontend, backend, context=ctx, stats_interval_s=60.0).start()
-    consumer = Consumer(backend, npz_dir=a.npz_dir, serve=a.serve, context=ctx, stats_interval_s=60.0).start()
+    # the serve address was checked by the plugin's settings (ROUTING_REPLAY_SERVE_INSECURE included)
+    pipe = EmbeddedPipeline(a.npz_dir, a.serve, frontend=a.frontend, context=ctx, insecure=True)
     print(READY, flush=True)
     while not stop.wait(0.5):
         if os.getppid() != a.parent:
             logging.warning("parent %d is gone; draining and exiting", a.parent)
             break
-    if not _wait_idle(consumer, a.drain_timeout_s):
+    if not pipe.wait_idle(a.drain_timeout_s, quiet_s=0.3):
         logging.warning("consumer not idle after %.0fs (requests that never finished stay unwritten): %d in flight",
-                        a.drain_timeout_s, consumer.acc.in_flight)
-    consumer.close()
-    broker.close()
+                        a.drain_timeout_s, pipe.consumer.acc.in_flight)
+    pipe.close()
     ctx.destroy(linger=0)
     return 0
 
