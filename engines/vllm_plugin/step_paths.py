@@ -20,6 +20,7 @@ import numpy as np
 
 from routing_replay.capture import HostRows
 from routing_replay.capture.cache import ID_DTYPES
+from routing_replay.engines.vllm_plugin import runners
 from routing_replay.engines.vllm_plugin.binding import record_held
 from routing_replay.engines.vllm_plugin.plan import HANDOVER_HOST, HANDOVER_RING
 from routing_replay.engines.vllm_plugin.step_batch import StepBatch, resolve_raw_steps
@@ -29,10 +30,9 @@ class StepPath:
     """Hand a captured step's rows to the worker's StepBatch (the general path, any engine). Holds the worker's
     long-lived parts; reads what changes per step (forwards, fill, producer) from the worker itself."""
 
-    fast = None         # RingPath: a step of the running batch by reference (post_step's first choice)
-    host_raw = None     # HostPath: an eager CPU step's routers' tensors as they are
-
     def __init__(self, worker, reader):
+        self.fast = None        # RingPath: a step of the running batch by reference (post_step's first choice)
+        self.host_raw = None    # HostPath: an eager CPU step's routers' tensors as they are
         self.worker = worker
         self.reader = reader                # runners.BatchReader: the runner's layout after the forward
         self.batch: StepBatch = worker.batch
@@ -40,6 +40,8 @@ class StepPath:
         self.requests, self.tracked = worker.requests, worker.tracked
         self.max_batch_steps, self.max_batch_rows = worker.max_batch_steps, worker.max_batch_rows
         self.flush, self.count_host = worker.flush, worker.count_host
+        # the runner's layout read as runners.step_layout reads it, in this frame (no BatchReader frame a step)
+        self._layout_args = (reader.runner, reader.kind, getattr(reader, "_views", None))
         self.host_step = None           # CPU, eager: (the step's top-k tensors by layer, bytes of one, checked)
         self._last_keys = (None, -1, None, True)    # (request ids, requests.gen, their keys, any None): last step
         self._last_layout = (None, None, None, None, None, None)    # layout_step's per-layout results (see there)
@@ -49,7 +51,7 @@ class StepPath:
         rows query_start_loc[i]..[i+1], the first at position num_computed_tokens[i]), their rows to the batch.
         `host`: the routers' tensors of an eager CPU step (host_step), else None."""
         w = self.worker
-        layout = self.reader.layout()
+        layout = runners.step_layout(*self._layout_args)
         if layout is None:
             if t0:
                 self.count_host(t0, w0)
@@ -160,6 +162,7 @@ class RingPath(StepPath):
     def __init__(self, worker, reader):
         super().__init__(worker, reader)
         self.fast = self.ring_step
+        self.read_batch = reader.read_batch     # (V1 only: the plan chooses the ring for Model Runner V1)
 
     def ring_step(self, so, t0: int, w0: int) -> bool:
         """post_step of a captured step that writes nothing to the prefix store: the general path's work (flush,
@@ -177,7 +180,7 @@ class RingPath(StepPath):
         if off is None:
             return False
         big = nt > cache.slot_rows      # (a prefill chunk beyond the largest CUDA graph: copied whole, below)
-        last, rv = self.reader.read_batch()
+        last, rv = self.read_batch()
         st = self.stats
         forwards = w.forwards
         if big:
