@@ -1184,7 +1184,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
         payload = b"".join(bytes(f) for f in got[3][1])
         assert payload == want.tobytes()
         wait_for(lambda: p.queued_msgs == 0)
-        assert p.queued_bytes == 0 and p.stats.encode_errors == 0 and p._failure is None
+        assert p.queued_bytes == 0 and p.stats.encode_errors == 0 and p.healthy
         assert rows.shape[0] == 4 + 3 + 2 and batch.stamps.steps == 3
         # a batch of which nothing is captured: no message at all, its host-ring rows given back
         _ring_step(cache, 4, 3)
@@ -1296,7 +1296,7 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
         h, _ = fake.recv()
         assert (h.kind, h.key) == ("delta", ["k0"])
         wait_for(lambda: p.queued_msgs == 0)
-        assert p.queued_bytes == 0 and p._failure is None and p.stats.encode_errors == 1
+        assert p.queued_bytes == 0 and p.healthy and p.stats.encode_errors == 1
     # a batch released before the producer's thread read it (a producer closing): nothing to give back, no error
     add(batch, tensors(3, np.int32), 3, decode, [6, 8, 11], [0, 1, 2, 3], 5)
     batch.hand_over(copier, 5, table)[3].release()

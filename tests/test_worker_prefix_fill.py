@@ -29,7 +29,7 @@ def test_prefix_rows_of_requests_opened_with_hits_are_gathered_once_per_batch_an
         steps_ = p.publish_steps
 
         def publish_steps(ids, starts, counts, rows, **kw):
-            for i, strict in enumerate(rows._strict):
+            for i, strict in enumerate(rows.strict):
                 if not strict:                      # a gather of prefix rows
                     fills.append(list(zip(ids[i], np.asarray(starts[i]).tolist(), np.asarray(counts[i]).tolist())))
                     events.append(("fill", {k for k in ids[i]}))
