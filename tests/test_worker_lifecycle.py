@@ -162,10 +162,13 @@ def test_an_open_refused_at_the_hand_over_loses_that_request_alone(ring):
 
             def open_many(items, **kw):
                 calls[0] += 1
-                if refuse and calls[0] == 3:         # the third hand-over's first open (a request 8 steps old)
-                    failed.append(items[0][0])
-                    p._book.refuse(items[0][0])
-                    return [(0, ValueError("refused"))] + [(i + 1, e) for i, e in inner(items[1:], **kw)]
+                if refuse and calls[0] == 3:         # the third hand-over's first open (a request 8 steps old):
+                    rid, prompt_len, _, *rest = items[0]        # more cached tokens than its prompt, which the
+                    failed.append(rid)                          # producer refuses
+                    items = [(rid, prompt_len, prompt_len + 1, *rest)] + list(items[1:])
+                    refused = inner(items, **kw)
+                    assert [i for i, _ in refused] == [0]
+                    return refused
                 return inner(items, **kw)
             p.open_many = open_many
 
