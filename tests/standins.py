@@ -99,7 +99,6 @@ def run_engine(mode: str, n: int, layers: int, top_k: int, steps: int, *, eager:
     the ring): wait, after a step, while more than one batch queues (an engine's forward gives the producer's
     thread that time; this loop's does not)."""
     import tempfile
-    import time
 
     import numpy as np
     import torch
@@ -141,98 +140,100 @@ def run_engine(mode: str, n: int, layers: int, top_k: int, steps: int, *, eager:
     cap.timing = timing
     if on_worker is not None:
         on_worker(cap)
-    pace = ring if pace is None else pace
-    captured = mode in ("on", "fill")
-    sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
-    sp_out = SimpleNamespace(extra_args={"return_routed_experts": False})
-    ids = [engine_id(i) for i in range(n)]
-    new = [SimpleNamespace(req_id=r, sampling_params=sp_out if i in optout_first else sp,
-                           prompt_token_ids=list(range(prompt_len)), prompt_embeds=None, num_computed_tokens=0,
-                           block_ids=([i],)) for i, r in enumerate(ids)]
-    qs = np.full(n, prompt_len, dtype=np.int64)
-    done = np.zeros(n, dtype=np.int64)              # tokens computed before the step, per place
-    serial = n
-    out_ids = list(range(churn_output))
-    hit_blocks = list(range(n, n - (-churn_hits // 16)))        # shared by every new request (16-token blocks)
-    topk = torch.randint(0, 128, (max_tokens, top_k), dtype=torch.int32)
-    ib, qsl = runner.input_batch, runner.query_start_loc.np
-    hooks = cap.binding.hooks if eager else None
-    records = [functools.partial(cap.cache.record, layer) for layer in range(layers)]
-    pos: dict = {}                                  # layout: tokens computed per request
-    for step in range(steps):
-        first = step == 0
-        if layout is not None and not first and not churn:
-            sched = layout(step, ids)
-            if not pos:
-                pos.update((r, prompt_len) for r in ids)
-            so = sched_out([], dict(sched), sum(t for _, t in sched))
-        elif first or not churn:
-            q = prompt_len if first else 1
-            so = sched_out(new if first else [], {r: q for r in ids}, n * q)
-        else:
-            qs[:] = 1
-            fresh, gone = [], set()
-            for t in range(churn):
-                j = (step * churn + t) % n
-                gone.add(ids[j])
-                ids = ids[:j] + [ids[j] if churn_same_ids else engine_id(serial)] + ids[j + 1:]
-                serial += 1
-                out = churn_optout and serial % churn_optout == 0
-                fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp_out if out else sp,
-                                             prompt_token_ids=list(range(churn_hits + churn_prompt)),
-                                             prompt_embeds=None, num_computed_tokens=churn_hits,
-                                             block_ids=(hit_blocks + [j + len(hit_blocks)],) if churn_hits
-                                             else ([j],)))
-                qs[j], done[j] = churn_prompt, churn_hits
-            so = sched_out(fresh, dict(zip(ids, qs.tolist())), int(qs.sum()))
-            so.finished_req_ids = gone
-            setattr(so, scheduler_hooks.ATTR, {r: scheduler_hooks.Finished(churn_output, "stop", out_ids)
-                                               for r in gone})
-        cap.pre_step(so)
-        ib.num_reqs, ib.req_ids = n, ids            # the runner's batch for this step, then the forward
-        if layout is not None and not first and not churn:
-            ib.num_reqs, ib.req_ids = len(sched), [r for r, _ in sched]
-            ib.num_computed_tokens_cpu[:len(sched)] = [pos[r] for r, _ in sched]
-            qsl[0] = 0
-            np.cumsum([t for _, t in sched], out=qsl[1:len(sched) + 1])
-            rows = so.total_num_scheduled_tokens
-            for r, t in sched:
-                pos[r] += t
-        elif churn:
-            ib.num_computed_tokens_cpu[:n] = done
-            qsl[0] = 0
-            np.cumsum(qs, out=qsl[1:n + 1])
-            rows = int(qs.sum())
-            done += qs
-        else:
-            ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
-            qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
-            rows = n * q
-        if forward is not None:
-            forward(step, hooks if hooks is not None else records, topk[:rows])
-        elif hooks is not None:
-            for hook in hooks:
-                hook(topk[:rows])
-        else:
-            for record in records:
-                record(topk[:rows])
-        cap.post_step(so)
-        if on_step is not None:
-            on_step(step, cap)
-        if pace:
-            wait_for(lambda: cap.producer.queued_msgs <= 1 or not cap.producer.healthy)
-            assert cap.producer.healthy, "the producer's thread failed"
-    cap.flush()
-    wait_for(lambda: not cap.producer.queued_msgs or not cap.producer.healthy)
-    assert cap.producer.healthy, "the producer's thread failed"
-    drained = cap.producer.queued_msgs == 0
-    st = cap.stats
-    res = {"steps": st.steps, "producer_drained": drained, "active_steps": st.active_steps, "rows": st.rows,
-           "prefix_rows": st.prefix_rows, "opened": st.opened, "finished": st.finished,
-           "ring_steps": st.ring_steps, "copied_steps": st.copied_steps, "host_steps": st.host_steps,
-           "encode_errors": cap.producer.stats.encode_errors, "step_stamp": stamp, "step_ring": ring,
-           "stamps_checked": cap.batch.stamps.steps if stamp else 0, "stats": st, "worker": cap}
-    cap.producer.close(0.1)                         # nobody listens: what it holds goes with it
+    try:
+        pace = ring if pace is None else pace
+        captured = mode in ("on", "fill")
+        sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
+        sp_out = SimpleNamespace(extra_args={"return_routed_experts": False})
+        ids = [engine_id(i) for i in range(n)]
+        new = [SimpleNamespace(req_id=r, sampling_params=sp_out if i in optout_first else sp,
+                               prompt_token_ids=list(range(prompt_len)), prompt_embeds=None, num_computed_tokens=0,
+                               block_ids=([i],)) for i, r in enumerate(ids)]
+        qs = np.full(n, prompt_len, dtype=np.int64)
+        done = np.zeros(n, dtype=np.int64)              # tokens computed before the step, per place
+        serial = n
+        out_ids = list(range(churn_output))
+        hit_blocks = list(range(n, n - (-churn_hits // 16)))        # shared by every new request (16-token blocks)
+        topk = torch.randint(0, 128, (max_tokens, top_k), dtype=torch.int32)
+        ib, qsl = runner.input_batch, runner.query_start_loc.np
+        hooks = cap.binding.hooks if eager else None
+        records = [functools.partial(cap.cache.record, layer) for layer in range(layers)]
+        pos: dict = {}                                  # layout: tokens computed per request
+        for step in range(steps):
+            first = step == 0
+            if layout is not None and not first and not churn:
+                sched = layout(step, ids)
+                if not pos:
+                    pos.update((r, prompt_len) for r in ids)
+                so = sched_out([], dict(sched), sum(t for _, t in sched))
+            elif first or not churn:
+                q = prompt_len if first else 1
+                so = sched_out(new if first else [], {r: q for r in ids}, n * q)
+            else:
+                qs[:] = 1
+                fresh, gone = [], set()
+                for t in range(churn):
+                    j = (step * churn + t) % n
+                    gone.add(ids[j])
+                    ids = ids[:j] + [ids[j] if churn_same_ids else engine_id(serial)] + ids[j + 1:]
+                    serial += 1
+                    out = churn_optout and serial % churn_optout == 0
+                    fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp_out if out else sp,
+                                                 prompt_token_ids=list(range(churn_hits + churn_prompt)),
+                                                 prompt_embeds=None, num_computed_tokens=churn_hits,
+                                                 block_ids=(hit_blocks + [j + len(hit_blocks)],) if churn_hits
+                                                 else ([j],)))
+                    qs[j], done[j] = churn_prompt, churn_hits
+                so = sched_out(fresh, dict(zip(ids, qs.tolist())), int(qs.sum()))
+                so.finished_req_ids = gone
+                setattr(so, scheduler_hooks.ATTR, {r: scheduler_hooks.Finished(churn_output, "stop", out_ids)
+                                                   for r in gone})
+            cap.pre_step(so)
+            ib.num_reqs, ib.req_ids = n, ids            # the runner's batch for this step, then the forward
+            if layout is not None and not first and not churn:
+                ib.num_reqs, ib.req_ids = len(sched), [r for r, _ in sched]
+                ib.num_computed_tokens_cpu[:len(sched)] = [pos[r] for r, _ in sched]
+                qsl[0] = 0
+                np.cumsum([t for _, t in sched], out=qsl[1:len(sched) + 1])
+                rows = so.total_num_scheduled_tokens
+                for r, t in sched:
+                    pos[r] += t
+            elif churn:
+                ib.num_computed_tokens_cpu[:n] = done
+                qsl[0] = 0
+                np.cumsum(qs, out=qsl[1:n + 1])
+                rows = int(qs.sum())
+                done += qs
+            else:
+                ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
+                qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
+                rows = n * q
+            if forward is not None:
+                forward(step, hooks if hooks is not None else records, topk[:rows])
+            elif hooks is not None:
+                for hook in hooks:
+                    hook(topk[:rows])
+            else:
+                for record in records:
+                    record(topk[:rows])
+            cap.post_step(so)
+            if on_step is not None:
+                on_step(step, cap)
+            if pace:
+                wait_for(lambda: cap.producer.queued_msgs <= 1 or not cap.producer.healthy)
+                assert cap.producer.healthy, "the producer's thread failed"
+        cap.flush()
+        wait_for(lambda: not cap.producer.queued_msgs or not cap.producer.healthy)
+        assert cap.producer.healthy, "the producer's thread failed"
+        drained = cap.producer.queued_msgs == 0
+        st = cap.stats
+        res = {"steps": st.steps, "producer_drained": drained, "active_steps": st.active_steps, "rows": st.rows,
+               "prefix_rows": st.prefix_rows, "opened": st.opened, "finished": st.finished,
+               "ring_steps": st.ring_steps, "copied_steps": st.copied_steps, "host_steps": st.host_steps,
+               "encode_errors": cap.producer.stats.encode_errors, "step_stamp": stamp, "step_ring": ring,
+               "stamps_checked": cap.batch.stamps.steps if stamp else 0, "stats": st, "worker": cap}
+    finally:
+        cap.producer.close(0.1)                     # nobody listens: what it holds goes with it
     return res
 
 

@@ -273,7 +273,8 @@ def test_finishes_that_wait_for_a_batch_go_out_with_their_notes_and_a_bad_note_a
     assert r["producer_drained"] and r["encode_errors"] == 0
     a, b, c = picked[5]
     first = [it for it in items if it[1] in (a, b, c)]
-    assert sorted(first, key=lambda it: it[1]) == sorted([("finish", a, 2, "stop", [7, 8]), ("abort", b, 0, "abort", None),
+    assert sorted(first, key=lambda it: it[1]) == sorted([("finish", a, 2, "stop", [7, 8]),
+                                                          ("abort", b, 0, "abort", None),
                                                           ("finish", c, 1, "length", [9])], key=lambda it: it[1])
     a, b, c = picked[9]
     second = [it for it in items if it[1] in (a, b, c)]

@@ -66,10 +66,12 @@ def test_steps_where_nothing_is_captured_still_count_their_forwards_and_leave_th
     still counts its forward (step stamps and the step ring predict a step's stamp and slot from that count), the
     worker stays inactive, and the router hooks run only where they are replayed from graphs (not eager)."""
     seen = []
-    r = run_engine("optout", N, LAYERS, TOP_K, STEPS, eager=eager, stamp=True, ring=True,
-                   on_step=lambda step, cap: seen.append((cap.forwards, cap.active, cap.storing, cap.binding.active,
-                                                          cap.stats.steps,
-                                                          sum(t is not None for t in getattr(cap.binding, "held", ())))))
+
+    def on_step(step, cap):
+        held = sum(t is not None for t in getattr(cap.binding, "held", ()))
+        seen.append((cap.forwards, cap.active, cap.storing, cap.binding.active, cap.stats.steps, held))
+
+    r = run_engine("optout", N, LAYERS, TOP_K, STEPS, eager=eager, stamp=True, ring=True, on_step=on_step)
     assert [s[0] for s in seen] == list(range(1, STEPS + 1))          # one forward per step, none missed
     assert [s[4] for s in seen] == list(range(1, STEPS + 1))
     # eager: every layer's hook but the last is C (it stores whether or not the step is captured); post_step lets
