@@ -121,10 +121,12 @@ from routing_replay.engines.vllm_plugin import settings
 from routing_replay.engines.vllm_plugin.plan import kernels_on, ring_slots
 run = kernels_on(torch.device("cpu"))
 out = []
+os.environ[settings.ENV_BROKER] = "tcp://127.0.0.1:1"
 for kernels in ("1", "0"):
     os.environ["ROUTING_REPLAY_RING_KERNELS"] = kernels
     for mode in ("auto", "ring", "on"):
-        s = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp=mode)
+        os.environ[settings.ENV_STEP_STAMP] = mode
+        s = settings.current()
         out.append(f"{kernels}:{mode}:{ring_slots(s, 'cpu', 1, run)}:{ring_slots(s, 'cpu', 2, run)}")
 print(" ".join(out))
 '''
@@ -137,10 +139,14 @@ def test_ring_slots_auto_takes_the_ring_only_where_its_triton_kernels_run(env):
     interpreter) `auto` means stamps alone."""
     from routing_replay.engines.vllm_plugin.plan import STEP_RING_SLOTS, kernels_on, ring_slots
     run = kernels_on(torch.device("cpu"))
-    auto = settings._validate("tcp://127.0.0.1:1", None, None, "all")
+    env.setenv(settings.ENV_BROKER, "tcp://127.0.0.1:1")
+
+    def read(mode):
+        env.setenv(settings.ENV_STEP_STAMP, mode)
+        return settings.current()
+    auto = read("auto")
     assert (auto.step_stamp, auto.step_ring, auto.ring_needs_kernels) == (True, True, True)
-    ring = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="ring")
-    on = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="on")
+    ring, on = read("ring"), read("on")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         assert ring_slots(auto, "cpu", 1, run) == 0            # no CUDA, no interpreter: no kernels, no ring
     assert (ring_slots(ring, "cpu", 1, run), ring_slots(ring, "cpu", 2, run), ring_slots(on, "cpu", 1, run)) == \
