@@ -121,10 +121,12 @@ from routing_replay.engines.vllm_plugin import settings
 from routing_replay.engines.vllm_plugin.plan import kernels_on, ring_slots
 run = kernels_on(torch.device("cpu"))
 out = []
+os.environ[settings.ENV_BROKER] = "tcp://127.0.0.1:1"
 for kernels in ("1", "0"):
     os.environ["ROUTING_REPLAY_RING_KERNELS"] = kernels
     for mode in ("auto", "ring", "on"):
-        s = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp=mode)
+        os.environ[settings.ENV_STEP_STAMP] = mode
+        s = settings.current()
         out.append(f"{kernels}:{mode}:{ring_slots(s, 'cpu', 1, run)}:{ring_slots(s, 'cpu', 2, run)}")
 print(" ".join(out))
 '''
@@ -137,10 +139,14 @@ def test_ring_slots_auto_takes_the_ring_only_where_its_triton_kernels_run(env):
     interpreter) `auto` means stamps alone."""
     from routing_replay.engines.vllm_plugin.plan import STEP_RING_SLOTS, kernels_on, ring_slots
     run = kernels_on(torch.device("cpu"))
-    auto = settings._validate("tcp://127.0.0.1:1", None, None, "all")
+    env.setenv(settings.ENV_BROKER, "tcp://127.0.0.1:1")
+
+    def read(mode):
+        env.setenv(settings.ENV_STEP_STAMP, mode)
+        return settings.current()
+    auto = read("auto")
     assert (auto.step_stamp, auto.step_ring, auto.ring_needs_kernels) == (True, True, True)
-    ring = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="ring")
-    on = settings._validate("tcp://127.0.0.1:1", None, None, "all", step_stamp="on")
+    ring, on = read("ring"), read("on")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         assert ring_slots(auto, "cpu", 1, run) == 0            # no CUDA, no interpreter: no kernels, no ring
     assert (ring_slots(ring, "cpu", 1, run), ring_slots(ring, "cpu", 2, run), ring_slots(on, "cpu", 1, run)) == \
@@ -1184,7 +1190,7 @@ def test_raw_ring_steps_are_resolved_on_the_producers_thread_and_what_is_not_cap
         payload = b"".join(bytes(f) for f in got[3][1])
         assert payload == want.tobytes()
         wait_for(lambda: p.queued_msgs == 0)
-        assert p.queued_bytes == 0 and p.stats.encode_errors == 0 and p._failure is None
+        assert p.queued_bytes == 0 and p.stats.encode_errors == 0 and p.healthy
         assert rows.shape[0] == 4 + 3 + 2 and batch.stamps.steps == 3
         # a batch of which nothing is captured: no message at all, its host-ring rows given back
         _ring_step(cache, 4, 3)
@@ -1296,7 +1302,7 @@ def test_eager_host_steps_added_raw_are_keyed_laid_out_and_checked_on_the_produc
         h, _ = fake.recv()
         assert (h.kind, h.key) == ("delta", ["k0"])
         wait_for(lambda: p.queued_msgs == 0)
-        assert p.queued_bytes == 0 and p._failure is None and p.stats.encode_errors == 1
+        assert p.queued_bytes == 0 and p.healthy and p.stats.encode_errors == 1
     # a batch released before the producer's thread read it (a producer closing): nothing to give back, no error
     add(batch, tensors(3, np.int32), 3, decode, [6, 8, 11], [0, 1, 2, 3], 5)
     batch.hand_over(copier, 5, table)[3].release()

@@ -15,14 +15,14 @@ from tests.standins import worker_capture
 
 def test_each_plan_gets_its_step_path_and_post_step_checks_only_what_it_chose():
     host = worker_capture(Settings(broker="ipc://unused"))                  # CPU, enforce_eager
-    assert type(host.path) is HostPath and host._fast is None
-    assert host._host_raw == host.path.host_step_raw and host.binding.take_step == host.path.take_step
+    assert type(host.path) is HostPath and host.path.fast is None
+    assert host.path.host_raw == host.path.host_step_raw and host.binding.take_step == host.path.take_step
     ring = worker_capture(Settings(broker="ipc://unused", ring_needs_kernels=False), eager=False,
                           device_type="cuda", max_tokens=64)
-    assert type(ring.path) is RingPath and ring._fast == ring.path.ring_step and ring._host_raw is None
+    assert type(ring.path) is RingPath and ring.path.fast == ring.path.ring_step and ring.path.host_raw is None
     assert (ring.cache.slots, ring.cache.slot_rows, ring.batch.stamps is not None) == (64, 64, True)
     plain = worker_capture(Settings(broker="ipc://unused", step_stamp=False), eager=False, device_type="cuda")
-    assert type(plain.path) is StepPath and (plain._fast, plain._host_raw) == (None, None)
+    assert type(plain.path) is StepPath and (plain.path.fast, plain.path.host_raw) == (None, None)
     assert not hasattr(plain.binding, "take_step") and plain.batch.stamps is None and plain.cache.slots == 0
 
 

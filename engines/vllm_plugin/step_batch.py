@@ -93,6 +93,12 @@ class BatchedRows(RowsBase):        # implements producer.handover.DeferredRows
         return len(self._parts) > 1 or (self._select is not None and self._select[0] is not None)
 
     @property
+    def strict(self) -> tuple:
+        """Per step (part): True where -1 rows are a lost hook (computed rows), False for prefix rows gathered from
+        the prefix store (-1 there means "not found" and travels as it is)."""
+        return tuple(self._strict)
+
+    @property
     def deferred(self) -> bool:
         """Some steps were added raw: their id lists are engine ids until resolve() runs (producer's thread)."""
         return self._raw is not None
