@@ -599,7 +599,8 @@ def test_trainer_and_npz_records_agree_bit_for_bit(deployment):
     from routing_replay.consumer import load_records
     d = deployment
     per_consumer = [load_records(p) for p in d["npz_dirs"]]
-    assert all(per_consumer), f"a consumer got no record: {[len(r) for r in per_consumer]}"
+    # which consumer a record lands on is the broker's placement: a step's opens go to one consumer together, so
+    # with a few rounds both shards may land on one consumer; every record must be on exactly one of them
     union = {k: r for recs in per_consumer for k, r in recs.items()}
     assert sum(map(len, per_consumer)) == len(union), "a record was written by both consumers"
     rollouts = [json.loads(x) for x in (d["trainer_out"] / "rollouts.jsonl").read_text().splitlines()]
