@@ -21,6 +21,9 @@ suffix of that order, so re-applying deltas leaves the newest write of every pos
 messages are made idempotent here: a finished request remembers the (producer, epoch, seq) that closed it, so
 a re-sent open, delta, finish or abort for it is counted as late and never resurrects or duplicates the record,
 and a re-sent open of a request in flight keeps its rows.
+
+Collaborators: consumer/request_state.py holds each request's state (`_Request`, its `_Rows` / `_Adopted`, how it
+ended); consumer/prefix_refs.py's `PrefixRefs` resolves prefix references and hands finished records to the pool.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from routing_replay.consumer.arena import Arena, void_rows
-from routing_replay.consumer.prefix_pool import PREFIX_POOL_BYTES, PoolEntry, PrefixPool
+from routing_replay.consumer.prefix_pool import PREFIX_POOL_BYTES, PrefixPool
+from routing_replay.consumer.prefix_refs import PrefixRefs
+from routing_replay.consumer.request_state import _Adopted, _Ending, _in_ranges, _merge, _Request, _Rows, _runs
 from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
@@ -82,18 +86,6 @@ class EntriesRefused(wire.ProtocolError):
         self.request_ids = [rid for rid, _ in failed]
 
 
-class _Ending(NamedTuple):
-    """How a request ended, as its finish, abort or timeout said: what `_build` turns into a Record."""
-
-    num_output: int
-    reason: str               # the engine's finish reason ("stop", "length", ...), or the abort's / "timeout"
-    lost: list                # [[lo, hi], ...] positions the producer dropped (finish only)
-    output_tokens: object     # np.ndarray of output token ids, or None
-    aborted: bool             # an abort or a timeout: the record is incomplete whatever it holds
-    refused: list | tuple = ()  # of `lost`: ranges the producer refused to send (their rows failed its checks)
-    broker_refused: list | tuple = ()   # of `lost`: ranges of deltas the broker accepted and dropped
-
-
 def _overlap(ranges, missing: list) -> bool:
     """Whether any [lo, hi) of `ranges` overlaps any of `missing`."""
     return any(a < m[1] and m[0] < b for a, b in ranges for m in missing)
@@ -112,132 +104,6 @@ def _layer_id_array(ids: list) -> np.ndarray:
     return arr.copy()
 
 
-class _Rows:
-    """Own one request's rows for one layer range: positions [0, n) under a handle of the shape's Arena, and the
-    holes below n (positions never written, held as -1 rows)."""
-
-    __slots__ = ("arena", "h", "holes", "row_bytes")
-
-    def __init__(self, arena: Arena, h: int | None = None):
-        self.arena = arena
-        self.h = arena.new_handle() if h is None else h
-        self.holes: list[list[int]] = []
-        self.row_bytes = arena.row_bytes
-
-    @property
-    def n(self) -> int:
-        """Positions [0, n) are held."""
-        return int(self.arena.n[self.h])
-
-    @property
-    def allocated(self) -> int:
-        return self.arena.allocated(self.h)
-
-    def write(self, start: int, count: int, chunk) -> None:
-        """Write `count` rows (bytes-like `chunk`) at `start` (the arena counts the positions it holds)."""
-        if count == 0:                                  # an entry with no rows says nothing (found by atheris)
-            return
-        a, h = self.arena, self.h
-        end = start + count
-        n = int(a.n[h])
-        if start > n:                                   # a hole: -1 rows, remembered as missing
-            a.write(h, n, np.frombuffer(b"\xff" * ((start - n) * self.row_bytes), dtype=a.vdt))
-            self.holes.append([n, start])
-        elif start < n and self.holes:
-            self.holes = _subtract(self.holes, start, end)
-        a.write(h, start, void_rows(chunk, self.row_bytes))
-
-    def missing(self, lo: int, hi: int) -> list[list[int]]:
-        """Positions in [lo, hi) that were never written."""
-        n = self.n
-        out = [[max(a, lo), min(b, hi)] for a, b in self.holes if b > lo and a < hi]
-        if n < hi:
-            out.append([max(n, lo), hi])
-        return _merge(out)
-
-    def copy_into(self, arr: np.ndarray, lo: int, hi: int, upto: int) -> None:
-        """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) of the rows' dtype)."""
-        m = min(self.n, upto)
-        if m <= 0:
-            return
-        T, L, K = arr.shape
-        if lo == 0 and hi == L and arr.flags.c_contiguous:       # all layers: straight into the record's rows
-            self.arena.gather(self.h, m, arr.reshape(T, L * K).view(self.arena.vdt).reshape(T))
-            return
-        arr[:m, lo:hi] = self.arena.gather(self.h, m).view(arr.dtype).reshape(m, hi - lo, K)
-
-    def release(self) -> int:
-        """Give the region back; returns the bytes freed."""
-        return self.arena.release(self.h)
-
-
-class _Adopted:
-    """One request's first rows for one layer range, positions [0, n), kept as the bytes of the message they
-    arrived in: no copy. They stay so until another message touches the request (then they move to the arena,
-    `Accumulator._materialize`: the copy that was saved is made then) or its record is built (its prompt rows a
-    view of them, `Accumulator._build_adopted`). Every view holds the received frame."""
-
-    __slots__ = ("buf", "row_bytes", "shape", "holes")
-
-    def __init__(self, buf: np.ndarray, row_bytes: int, shape: tuple):
-        self.buf = buf              # (n * row_bytes,) uint8, a view of the received frame
-        self.row_bytes = row_bytes
-        self.shape = shape          # (L, K, layer_lo, layer_hi, id dtype)
-        self.holes: list = []       # (none: they start at position 0)
-
-    @property
-    def n(self) -> int:
-        return len(self.buf) // self.row_bytes
-
-    @property
-    def allocated(self) -> int:
-        return len(self.buf)
-
-    def release(self) -> int:
-        """Let go of the rows (views handed out keep the frame); returns the bytes no longer held."""
-        nbytes = len(self.buf)
-        self.buf = self.buf[:0]
-        return nbytes
-
-
-def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
-    out = []
-    for a, b in holes:
-        if b <= lo or a >= hi:
-            out.append([a, b])
-            continue
-        if a < lo:
-            out.append([a, lo])
-        if b > hi:
-            out.append([hi, b])
-    return out
-
-
-def _in_ranges(n: int, ranges: list[list[int]]) -> np.ndarray:
-    """(n,) bool: positions [0, n) that fall in any [lo, hi) of `ranges`."""
-    m = np.zeros(n, dtype=bool)
-    for a, b in ranges:
-        if a < n and b > a:
-            m[max(a, 0):min(b, n)] = True
-    return m
-
-
-def _runs(mask: np.ndarray) -> list[list[int]]:
-    """The [lo, hi) runs of True in a bool vector."""
-    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
-    return [[int(a), int(b)] for a, b in zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1))]
-
-
-def _merge(ranges: list[list[int]]) -> list[list[int]]:
-    ranges = sorted(r for r in ranges if r[1] > r[0])
-    out: list[list[int]] = []
-    for a, b in ranges:
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
 
 _NONE_SLOW = np.zeros(0, dtype=bool)      # Accumulator._append applied every entry
 
@@ -253,42 +119,6 @@ class _Shape:
         self.handle: dict[str, int] = {}
 
 
-class _Request:
-    """Own everything known about one in-flight request until its record is emitted."""
-
-    __slots__ = ("rid", "opened", "prompt_len", "num_cached", "prefix_filled", "num_layers", "top_k", "layer_ids",
-                 "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "shapes",
-                  "seen_n", "key", "damaged", "lease", "refs", "resolved", "entry",
-                  "ref_rows", "id_dtype")
-
-    def __init__(self, rid: str, now: float):
-        self.rid = rid
-        self.opened = False
-        self.prompt_len = None
-        self.num_cached = 0
-        self.prefix_filled = False  # the producer sends rows [0, num_cached) too (its prefix store)
-        self.num_layers = None
-        self.top_k = None
-        self.layer_ids = None
-        self.ranges: dict[tuple[int, int], _Rows] = {}
-        self.last_seen = now
-        self.prompt_tokens = None
-        self.finish: _Ending | None = None
-        self.finish_at = 0.0
-        self.notes: list[str] = []  # reasons gathered on the way (reassigned, refused, ...)
-        self.refused = False
-        self.shapes: list = []      # the row shapes it holds rows of (see Accumulator._delta)
-        self.seen_n = 0
-        self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
-        self.damaged = False        # a message for it could not be read: its record can never be complete
-        self.lease = None           # (layer range, lease) when the last build's arrays are a view of its rows
-        self.refs: list = []        # [(source, writer_pos, pos, count)] of its open's prefix_refs; source: the
-                                    # writer's _Request (in flight at the open), its PoolEntry (pinned), or None
-        self.resolved: list = []    # the last build's refs served whole by a PoolEntry (what compaction drops)
-        self.entry = None           # the PoolEntry of its prompt rows, once emitted (referencers in flight)
-        self.ref_rows = (0, 0, 0)   # the last build's referenced rows: (resolved, of them from a live writer,
-                                    # unresolved)
-        self.id_dtype = None        # its rows' dtype, from its open or first delta (None: not known yet)
 
 
 class Accumulator:
@@ -337,8 +167,9 @@ class Accumulator:
         self.stats = AccumulatorStats()
         # per row shape (L, K, layer_lo, layer_hi, id dtype): its arena and request id -> handle there
         self._shapes: dict[tuple, _Shape] = {}
-        # finished records' prompt rows that later opens reference (prefix_refs; consumer/prefix_pool.py)
-        self.pool = PrefixPool(prefix_pool_bytes)
+        # prefix_refs' sources, pins and the hand-over of finished records to the pool (consumer/prefix_refs.py) of
+        # finished records' prompt rows that later opens reference (consumer/prefix_pool.py)
+        self.prefix = PrefixRefs(PrefixPool(prefix_pool_bytes), self.requests, self.stats)
 
     # ---- input --------------------------------------------------------------------------------------------------
 
@@ -482,74 +313,12 @@ class Accumulator:
         st.prompt_len, st.num_cached, st.prefix_filled = o.prompt_len, o.num_cached, o.prefix_filled
         st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
         st.id_dtype = o.id_dtype
-        self._set_refs(st, o.prefix_refs, key[0])
+        self.prefix.set_refs(st, o.prefix_refs, key[0])
         st.last_seen = now
         if st.key is None or not self._older(st.key, key):
             st.key = key
         return True
 
-    def _set_refs(self, st: _Request, refs: tuple, producer: str) -> None:
-        """The sources of an open's prefix_refs, found now: the writer in flight here, else its pool entry
-        (pinned until the record is emitted), else none (its rows come out unresolved). Found at the open, not at
-        the build: the writer's id may be opened again by a later request meanwhile. Only the same producer's
-        requests are writers (one engine's KV cache; another engine's request of that id is another request)."""
-        self._unpin_refs(st)
-        out = []
-        for w, wp, pos, n in refs:
-            src = self.requests.get(w)
-            if src is None or not src.opened or src is st or src.key is None or src.key[0] != producer:
-                src = self.pool.get((producer, w))
-                if src is not None:
-                    self.pool.pin(src)
-            out.append((src, wp, pos, n))
-        st.refs = out
-
-    def _unpin_refs(self, st: _Request) -> None:
-        for src, *_ in st.refs:
-            if type(src) is PoolEntry:
-                self.pool.unpin(src)
-        st.refs = []
-
-    def _resolve_refs(self, st: _Request, arr: np.ndarray, missing: list) -> tuple[list, list]:
-        """Write each reference's rows into `arr` (P + G, L, K) from its source: (missing without the rows that
-        resolved, the [lo, hi) runs that did not). Records which references a pool entry served whole
-        (st.resolved: compaction leaves their rows out)."""
-        st.resolved = []
-        good = live = 0
-        miss = wire.missing_id(arr.dtype)
-        P = st.prompt_len
-        shape = arr.shape[1:]
-        bad = np.zeros(P, bool)
-        for src, wp, pos, n in st.refs:
-            if pos + n > P:
-                continue                            # (checked against num_cached at the open)
-            missing = _subtract(missing, pos, pos + n)
-            if type(src) is _Request and src.entry is not None:
-                src = src.entry                     # the writer finished since: its entry
-            ok = np.zeros(n, bool)
-            if type(src) is PoolEntry and src.shape == shape and src.rows.dtype == arr.dtype:
-                idx, ok = src.take(wp, n)
-                arr[pos:pos + n][ok] = src.rows[idx[ok]]
-                if ok.all():
-                    st.resolved.append((src, wp, pos, n))
-            elif type(src) is _Request and self.requests.get(src.rid) is src and src.num_layers is not None:
-                rows = src.ranges.get((0, src.num_layers))
-                if ((src.num_layers, src.top_k) == shape[:2] and type(rows) is _Rows and rows.n > wp
-                        and (src.id_dtype or wire.ROW_DTYPE) == arr.dtype):
-                    tmp = np.full((min(rows.n, wp + n), *shape), miss, arr.dtype)
-                    rows.copy_into(tmp, 0, src.num_layers, len(tmp))
-                    got = tmp[wp:]
-                    ok[:len(got)] = (got != miss).reshape(len(got), -1).all(axis=1)
-                    ok[:len(got)] &= ~_in_ranges(wp + len(got), rows.holes)[wp:]
-                    arr[pos:pos + n][ok] = got[ok[:len(got)]]
-                    live += int(ok.sum())
-            bad[pos:pos + n] |= ~ok
-            good += int(ok.sum())
-        st.ref_rows = (good, live, int(bad.sum()))
-        unresolved = _runs(bad) if bad.any() else []
-        for a, b in unresolved:
-            arr[a:b] = miss
-        return missing + unresolved, unresolved
 
     def mark(self, rid: str, note: str, now: float) -> None:
         """Attach a reason (e.g. 'consumer_lost') that explains rows this consumer could not have seen."""
@@ -976,25 +745,12 @@ class Accumulator:
 
     def _emit_done(self, st: _Request, rec: wire.Record) -> wire.Record:
         """The request is done: its state goes, its record is counted and returned (compact where pool entries
-        serve some of its prompt rows; consumer/prefix_pool.py), and, with prefix rows, its prompt rows become the
-        pool's entry of its id."""
+        serve some of its prompt rows), and, with prefix rows, its prompt rows become the pool's entry of its id
+        (both through self.prefix: consumer/prefix_refs.py)."""
         if st.refs:
-            rec = self.pool.compact(rec, st.resolved)
-            self._unpin_refs(st)
-            good, live, bad = st.ref_rows
-            self.stats.prefix_ref_rows += good
-            self.stats.prefix_live_rows += live
-            self.stats.prefix_unresolved_rows += bad
-            self.stats.prefix_unresolved += bad > 0
-        if st.prefix_filled and self.pool.max_bytes:
-            own = getattr(rec, "refs", None)
-            keep = None
-            if own:
-                keep = np.ones(rec.prompt_len, bool)
-                for _, _, pos, n in own:
-                    keep[pos:pos + n] = False
-            st.entry = self.pool.put(rec, keep, view=not own and st.lease is not None,
-                                     key=(st.key[0] if st.key is not None else "", st.rid))
+            rec = self.prefix.compact(st, rec)
+        if st.prefix_filled and self.prefix.pool.max_bytes:
+            self.prefix.keep(st, rec)
         if st.lease is not None:            # the record is a view of its rows: their region goes with it
             key, lease = st.lease
             st.lease = None
@@ -1093,7 +849,7 @@ class Accumulator:
                 arr[:F][bad] = miss
         unresolved: list = []
         if st.refs and L:
-            missing, unresolved = self._resolve_refs(st, arr, missing)
+            missing, unresolved = self.prefix.resolve(st, arr, missing)
         for a, b in lost:                           # the producer dropped rows here: whatever the positions hold
             if b > floor and a < need_hi:           # now may be older rows that those would have overwritten
                 missing.append([max(a, floor), min(b, need_hi)])
@@ -1196,6 +952,15 @@ class Accumulator:
             arr[total - 1] = miss
         return wire.Record(st.rid, arr[:P], arr[P:], C, _layer_id_array(st.layer_ids), True, [], "", end.reason,
                            st.prompt_tokens, end.output_tokens, 0)
+
+    @property
+    def pool(self) -> PrefixPool:
+        """Finished records' prompt rows that later opens reference (held by self.prefix)."""
+        return self.prefix.pool
+
+    @pool.setter
+    def pool(self, pool: PrefixPool) -> None:
+        self.prefix.pool = pool
 
     @property
     def in_flight(self) -> int:
