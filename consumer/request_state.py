@@ -1,6 +1,7 @@
 """Hold what the Accumulator knows of one in-flight request: how it ended (`_Ending`), its rows for each layer
 range (`_Rows` in an arena region, or `_Adopted`: still the received frame's bytes), everything else (`_Request`),
-and the [lo, hi) range helpers these and the Accumulator's collaborators (consumer/prefix_refs.py) share.
+and the [lo, hi) range helpers these and the Accumulator's collaborators (consumer/prefix_refs.py,
+consumer/records.py) share.
 
 No logic of its own beyond the rows' bookkeeping: the Accumulator (consumer/accumulator.py) moves the state.
 """
@@ -15,7 +16,7 @@ from routing_replay.consumer.arena import Arena, void_rows
 
 
 class _Ending(NamedTuple):
-    """How a request ended, as its finish, abort or timeout said: what `_build` turns into a Record."""
+    """How a request ended, as its finish, abort or timeout said: what consumer/records.py turns into a Record."""
 
     num_output: int
     reason: str               # the engine's finish reason ("stop", "length", ...), or the abort's / "timeout"
@@ -89,7 +90,7 @@ class _Adopted:
     """One request's first rows for one layer range, positions [0, n), kept as the bytes of the message they
     arrived in: no copy. They stay so until another message touches the request (then they move to the arena,
     `Accumulator._materialize`: the copy that was saved is made then) or its record is built (its prompt rows a
-    view of them, `Accumulator._build_adopted`). Every view holds the received frame."""
+    view of them, `records.build_adopted`). Every view holds the received frame."""
 
     __slots__ = ("buf", "row_bytes", "shape", "holes")
 
@@ -115,6 +116,7 @@ class _Adopted:
 
 
 def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+    """`holes` without the positions [lo, hi) (a write there filled them)."""
     out = []
     for a, b in holes:
         if b <= lo or a >= hi:
@@ -143,6 +145,7 @@ def _runs(mask: np.ndarray) -> list[list[int]]:
 
 
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
+    """`ranges` sorted, the empty ones dropped, the overlapping or touching ones joined."""
     ranges = sorted(r for r in ranges if r[1] > r[0])
     out: list[list[int]] = []
     for a, b in ranges:
