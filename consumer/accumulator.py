@@ -21,6 +21,11 @@ suffix of that order, so re-applying deltas leaves the newest write of every pos
 messages are made idempotent here: a finished request remembers the (producer, epoch, seq) that closed it, so
 a re-sent open, delta, finish or abort for it is counted as late and never resurrects or duplicates the record,
 and a re-sent open of a request in flight keeps its rows.
+
+Collaborators: consumer/request_state.py holds each request's state (`_Request`, its `_Rows` / `_Adopted`, how it
+ended); consumer/prefix_refs.py's `PrefixRefs` resolves prefix references and hands finished records to the pool;
+consumer/records.py builds a finished request's Record from its state (`build_adopted`, `build_whole`,
+`build_record`).
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from routing_replay.consumer.arena import Arena, void_rows
-from routing_replay.consumer.prefix_pool import PREFIX_POOL_BYTES, PoolEntry, PrefixPool
+from routing_replay.consumer.prefix_pool import PREFIX_POOL_BYTES, PrefixPool
+from routing_replay.consumer.prefix_refs import PrefixRefs
+from routing_replay.consumer.records import build_adopted, build_record, build_whole
+from routing_replay.consumer.request_state import _Adopted, _Ending, _Request, _Rows
 from routing_replay.protocol import wire
 
 log = logging.getLogger("routing_replay.consumer")
@@ -82,163 +89,6 @@ class EntriesRefused(wire.ProtocolError):
         self.request_ids = [rid for rid, _ in failed]
 
 
-class _Ending(NamedTuple):
-    """How a request ended, as its finish, abort or timeout said: what `_build` turns into a Record."""
-
-    num_output: int
-    reason: str               # the engine's finish reason ("stop", "length", ...), or the abort's / "timeout"
-    lost: list                # [[lo, hi], ...] positions the producer dropped (finish only)
-    output_tokens: object     # np.ndarray of output token ids, or None
-    aborted: bool             # an abort or a timeout: the record is incomplete whatever it holds
-    refused: list | tuple = ()  # of `lost`: ranges the producer refused to send (their rows failed its checks)
-    broker_refused: list | tuple = ()   # of `lost`: ranges of deltas the broker accepted and dropped
-
-
-def _overlap(ranges, missing: list) -> bool:
-    """Whether any [lo, hi) of `ranges` overlaps any of `missing`."""
-    return any(a < m[1] and m[0] < b for a, b in ranges for m in missing)
-
-
-_last_layer_id_array: tuple = (None, None)    # (list, int32 array of it): the opens of one model share one list
-
-
-def _layer_id_array(ids: list) -> np.ndarray:
-    """A record's own int32 copy of its layer ids (wire.parse_open hands the opens of one model the same list)."""
-    global _last_layer_id_array
-    last, arr = _last_layer_id_array
-    if ids is not last:
-        arr = np.asarray(ids, dtype=np.int32)
-        _last_layer_id_array = (ids, arr)
-    return arr.copy()
-
-
-class _Rows:
-    """Own one request's rows for one layer range: positions [0, n) under a handle of the shape's Arena, and the
-    holes below n (positions never written, held as -1 rows)."""
-
-    __slots__ = ("arena", "h", "holes", "row_bytes")
-
-    def __init__(self, arena: Arena, h: int | None = None):
-        self.arena = arena
-        self.h = arena.new_handle() if h is None else h
-        self.holes: list[list[int]] = []
-        self.row_bytes = arena.row_bytes
-
-    @property
-    def n(self) -> int:
-        """Positions [0, n) are held."""
-        return int(self.arena.n[self.h])
-
-    @property
-    def allocated(self) -> int:
-        return self.arena.allocated(self.h)
-
-    def write(self, start: int, count: int, chunk) -> None:
-        """Write `count` rows (bytes-like `chunk`) at `start` (the arena counts the positions it holds)."""
-        if count == 0:                                  # an entry with no rows says nothing (found by atheris)
-            return
-        a, h = self.arena, self.h
-        end = start + count
-        n = int(a.n[h])
-        if start > n:                                   # a hole: -1 rows, remembered as missing
-            a.write(h, n, np.frombuffer(b"\xff" * ((start - n) * self.row_bytes), dtype=a.vdt))
-            self.holes.append([n, start])
-        elif start < n and self.holes:
-            self.holes = _subtract(self.holes, start, end)
-        a.write(h, start, void_rows(chunk, self.row_bytes))
-
-    def missing(self, lo: int, hi: int) -> list[list[int]]:
-        """Positions in [lo, hi) that were never written."""
-        n = self.n
-        out = [[max(a, lo), min(b, hi)] for a, b in self.holes if b > lo and a < hi]
-        if n < hi:
-            out.append([max(n, lo), hi])
-        return _merge(out)
-
-    def copy_into(self, arr: np.ndarray, lo: int, hi: int, upto: int) -> None:
-        """Copy positions [0, min(n, upto)) into arr[:, lo:hi] (arr is (T, L, K) of the rows' dtype)."""
-        m = min(self.n, upto)
-        if m <= 0:
-            return
-        T, L, K = arr.shape
-        if lo == 0 and hi == L and arr.flags.c_contiguous:       # all layers: straight into the record's rows
-            self.arena.gather(self.h, m, arr.reshape(T, L * K).view(self.arena.vdt).reshape(T))
-            return
-        arr[:m, lo:hi] = self.arena.gather(self.h, m).view(arr.dtype).reshape(m, hi - lo, K)
-
-    def release(self) -> int:
-        """Give the region back; returns the bytes freed."""
-        return self.arena.release(self.h)
-
-
-class _Adopted:
-    """One request's first rows for one layer range, positions [0, n), kept as the bytes of the message they
-    arrived in: no copy. They stay so until another message touches the request (then they move to the arena,
-    `Accumulator._materialize`: the copy that was saved is made then) or its record is built (its prompt rows a
-    view of them, `Accumulator._build_adopted`). Every view holds the received frame."""
-
-    __slots__ = ("buf", "row_bytes", "shape", "holes")
-
-    def __init__(self, buf: np.ndarray, row_bytes: int, shape: tuple):
-        self.buf = buf              # (n * row_bytes,) uint8, a view of the received frame
-        self.row_bytes = row_bytes
-        self.shape = shape          # (L, K, layer_lo, layer_hi, id dtype)
-        self.holes: list = []       # (none: they start at position 0)
-
-    @property
-    def n(self) -> int:
-        return len(self.buf) // self.row_bytes
-
-    @property
-    def allocated(self) -> int:
-        return len(self.buf)
-
-    def release(self) -> int:
-        """Let go of the rows (views handed out keep the frame); returns the bytes no longer held."""
-        nbytes = len(self.buf)
-        self.buf = self.buf[:0]
-        return nbytes
-
-
-def _subtract(holes: list[list[int]], lo: int, hi: int) -> list[list[int]]:
-    out = []
-    for a, b in holes:
-        if b <= lo or a >= hi:
-            out.append([a, b])
-            continue
-        if a < lo:
-            out.append([a, lo])
-        if b > hi:
-            out.append([hi, b])
-    return out
-
-
-def _in_ranges(n: int, ranges: list[list[int]]) -> np.ndarray:
-    """(n,) bool: positions [0, n) that fall in any [lo, hi) of `ranges`."""
-    m = np.zeros(n, dtype=bool)
-    for a, b in ranges:
-        if a < n and b > a:
-            m[max(a, 0):min(b, n)] = True
-    return m
-
-
-def _runs(mask: np.ndarray) -> list[list[int]]:
-    """The [lo, hi) runs of True in a bool vector."""
-    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
-    return [[int(a), int(b)] for a, b in zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1))]
-
-
-def _merge(ranges: list[list[int]]) -> list[list[int]]:
-    ranges = sorted(r for r in ranges if r[1] > r[0])
-    out: list[list[int]] = []
-    for a, b in ranges:
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
 _NONE_SLOW = np.zeros(0, dtype=bool)      # Accumulator._append applied every entry
 
 
@@ -253,42 +103,6 @@ class _Shape:
         self.handle: dict[str, int] = {}
 
 
-class _Request:
-    """Own everything known about one in-flight request until its record is emitted."""
-
-    __slots__ = ("rid", "opened", "prompt_len", "num_cached", "prefix_filled", "num_layers", "top_k", "layer_ids",
-                 "ranges", "last_seen", "prompt_tokens", "finish", "finish_at", "notes", "refused", "shapes",
-                  "seen_n", "key", "damaged", "lease", "refs", "resolved", "entry",
-                  "ref_rows", "id_dtype")
-
-    def __init__(self, rid: str, now: float):
-        self.rid = rid
-        self.opened = False
-        self.prompt_len = None
-        self.num_cached = 0
-        self.prefix_filled = False  # the producer sends rows [0, num_cached) too (its prefix store)
-        self.num_layers = None
-        self.top_k = None
-        self.layer_ids = None
-        self.ranges: dict[tuple[int, int], _Rows] = {}
-        self.last_seen = now
-        self.prompt_tokens = None
-        self.finish: _Ending | None = None
-        self.finish_at = 0.0
-        self.notes: list[str] = []  # reasons gathered on the way (reassigned, refused, ...)
-        self.refused = False
-        self.shapes: list = []      # the row shapes it holds rows of (see Accumulator._delta)
-        self.seen_n = 0
-        self.key = None             # (producer, epoch, seq): the newest open/finish/abort applied to it
-        self.damaged = False        # a message for it could not be read: its record can never be complete
-        self.lease = None           # (layer range, lease) when the last build's arrays are a view of its rows
-        self.refs: list = []        # [(source, writer_pos, pos, count)] of its open's prefix_refs; source: the
-                                    # writer's _Request (in flight at the open), its PoolEntry (pinned), or None
-        self.resolved: list = []    # the last build's refs served whole by a PoolEntry (what compaction drops)
-        self.entry = None           # the PoolEntry of its prompt rows, once emitted (referencers in flight)
-        self.ref_rows = (0, 0, 0)   # the last build's referenced rows: (resolved, of them from a live writer,
-                                    # unresolved)
-        self.id_dtype = None        # its rows' dtype, from its open or first delta (None: not known yet)
 
 
 class Accumulator:
@@ -337,8 +151,9 @@ class Accumulator:
         self.stats = AccumulatorStats()
         # per row shape (L, K, layer_lo, layer_hi, id dtype): its arena and request id -> handle there
         self._shapes: dict[tuple, _Shape] = {}
-        # finished records' prompt rows that later opens reference (prefix_refs; consumer/prefix_pool.py)
-        self.pool = PrefixPool(prefix_pool_bytes)
+        # prefix_refs' sources, pins and the hand-over of finished records to the pool (consumer/prefix_refs.py) of
+        # finished records' prompt rows that later opens reference (consumer/prefix_pool.py)
+        self.prefix = PrefixRefs(PrefixPool(prefix_pool_bytes), self.requests, self.stats)
 
     # ---- input --------------------------------------------------------------------------------------------------
 
@@ -482,74 +297,12 @@ class Accumulator:
         st.prompt_len, st.num_cached, st.prefix_filled = o.prompt_len, o.num_cached, o.prefix_filled
         st.num_layers, st.top_k, st.layer_ids = o.num_layers, o.top_k, o.layer_ids
         st.id_dtype = o.id_dtype
-        self._set_refs(st, o.prefix_refs, key[0])
+        self.prefix.set_refs(st, o.prefix_refs, key[0])
         st.last_seen = now
         if st.key is None or not self._older(st.key, key):
             st.key = key
         return True
 
-    def _set_refs(self, st: _Request, refs: tuple, producer: str) -> None:
-        """The sources of an open's prefix_refs, found now: the writer in flight here, else its pool entry
-        (pinned until the record is emitted), else none (its rows come out unresolved). Found at the open, not at
-        the build: the writer's id may be opened again by a later request meanwhile. Only the same producer's
-        requests are writers (one engine's KV cache; another engine's request of that id is another request)."""
-        self._unpin_refs(st)
-        out = []
-        for w, wp, pos, n in refs:
-            src = self.requests.get(w)
-            if src is None or not src.opened or src is st or src.key is None or src.key[0] != producer:
-                src = self.pool.get((producer, w))
-                if src is not None:
-                    self.pool.pin(src)
-            out.append((src, wp, pos, n))
-        st.refs = out
-
-    def _unpin_refs(self, st: _Request) -> None:
-        for src, *_ in st.refs:
-            if type(src) is PoolEntry:
-                self.pool.unpin(src)
-        st.refs = []
-
-    def _resolve_refs(self, st: _Request, arr: np.ndarray, missing: list) -> tuple[list, list]:
-        """Write each reference's rows into `arr` (P + G, L, K) from its source: (missing without the rows that
-        resolved, the [lo, hi) runs that did not). Records which references a pool entry served whole
-        (st.resolved: compaction leaves their rows out)."""
-        st.resolved = []
-        good = live = 0
-        miss = wire.missing_id(arr.dtype)
-        P = st.prompt_len
-        shape = arr.shape[1:]
-        bad = np.zeros(P, bool)
-        for src, wp, pos, n in st.refs:
-            if pos + n > P:
-                continue                            # (checked against num_cached at the open)
-            missing = _subtract(missing, pos, pos + n)
-            if type(src) is _Request and src.entry is not None:
-                src = src.entry                     # the writer finished since: its entry
-            ok = np.zeros(n, bool)
-            if type(src) is PoolEntry and src.shape == shape and src.rows.dtype == arr.dtype:
-                idx, ok = src.take(wp, n)
-                arr[pos:pos + n][ok] = src.rows[idx[ok]]
-                if ok.all():
-                    st.resolved.append((src, wp, pos, n))
-            elif type(src) is _Request and self.requests.get(src.rid) is src and src.num_layers is not None:
-                rows = src.ranges.get((0, src.num_layers))
-                if ((src.num_layers, src.top_k) == shape[:2] and type(rows) is _Rows and rows.n > wp
-                        and (src.id_dtype or wire.ROW_DTYPE) == arr.dtype):
-                    tmp = np.full((min(rows.n, wp + n), *shape), miss, arr.dtype)
-                    rows.copy_into(tmp, 0, src.num_layers, len(tmp))
-                    got = tmp[wp:]
-                    ok[:len(got)] = (got != miss).reshape(len(got), -1).all(axis=1)
-                    ok[:len(got)] &= ~_in_ranges(wp + len(got), rows.holes)[wp:]
-                    arr[pos:pos + n][ok] = got[ok[:len(got)]]
-                    live += int(ok.sum())
-            bad[pos:pos + n] |= ~ok
-            good += int(ok.sum())
-        st.ref_rows = (good, live, int(bad.sum()))
-        unresolved = _runs(bad) if bad.any() else []
-        for a, b in unresolved:
-            arr[a:b] = miss
-        return missing + unresolved, unresolved
 
     def mark(self, rid: str, note: str, now: float) -> None:
         """Attach a reason (e.g. 'consumer_lost') that explains rows this consumer could not have seen."""
@@ -976,25 +729,12 @@ class Accumulator:
 
     def _emit_done(self, st: _Request, rec: wire.Record) -> wire.Record:
         """The request is done: its state goes, its record is counted and returned (compact where pool entries
-        serve some of its prompt rows; consumer/prefix_pool.py), and, with prefix rows, its prompt rows become the
-        pool's entry of its id."""
+        serve some of its prompt rows), and, with prefix rows, its prompt rows become the pool's entry of its id
+        (both through self.prefix: consumer/prefix_refs.py)."""
         if st.refs:
-            rec = self.pool.compact(rec, st.resolved)
-            self._unpin_refs(st)
-            good, live, bad = st.ref_rows
-            self.stats.prefix_ref_rows += good
-            self.stats.prefix_live_rows += live
-            self.stats.prefix_unresolved_rows += bad
-            self.stats.prefix_unresolved += bad > 0
-        if st.prefix_filled and self.pool.max_bytes:
-            own = getattr(rec, "refs", None)
-            keep = None
-            if own:
-                keep = np.ones(rec.prompt_len, bool)
-                for _, _, pos, n in own:
-                    keep[pos:pos + n] = False
-            st.entry = self.pool.put(rec, keep, view=not own and st.lease is not None,
-                                     key=(st.key[0] if st.key is not None else "", st.rid))
+            rec = self.prefix.compact(st, rec)
+        if st.prefix_filled and self.prefix.pool.max_bytes:
+            self.prefix.keep(st, rec)
         if st.lease is not None:            # the record is a view of its rows: their region goes with it
             key, lease = st.lease
             st.lease = None
@@ -1021,181 +761,33 @@ class Accumulator:
         st.shapes = []
 
     def _build(self, st: _Request) -> wire.Record:
+        """`st`'s record as it stands (consumer/records.py builds it): a view of the received frame where its rows
+        all still are (build_adopted), else from the arena: the usual end's view (build_whole) or the general
+        path (build_record)."""
         adopted = [k for k, r in st.ranges.items() if type(r) is _Adopted]
         if adopted:
-            rec = self._build_adopted(st)
+            rec = build_adopted(st)
             if rec is not None:
+                self.stats.adopted_records += 1
                 return rec
             for k in adopted:               # every other way to end: from the arena, as any request
                 a = self._shapes[st.ranges[k].shape].arena
                 before = a.live_blocks
                 self._materialize(st, k)
                 self.bytes_held += (a.live_blocks - before) * a.block_bytes
-        rec = self._build_whole(st)
+        rec = build_whole(st)
         if rec is not None:
             return rec
-        end = st.finish
-        G, finish_reason, lost, aborted = end.num_output, end.reason, end.lost, end.aborted
-        P, C = st.prompt_len, min(st.num_cached, st.prompt_len)
-        # rows below `floor` carry no routing by design (prefix-cache hits, sentinel mode); with prefix_filled the
-        # producer sent them too, and every row below need_hi must be there
-        F = C if st.prefix_filled else 0
-        floor = 0 if st.prefix_filled else C
-        L = st.num_layers or 0
-        K = st.top_k or 0
-        dt = st.id_dtype or wire.ROW_DTYPE
-        miss = wire.missing_id(dt)
-        total = P + G
-        need_hi = P + G - 1 if G > 0 else P        # the last output token is never fed to the model
-        keys = sorted(st.ranges)
-        disjoint = all(a[1] <= b[0] for a, b in zip(keys, keys[1:]))
-        st.lease = None
-        in_place = L and total and keys == [(0, L)]
-        # one range of every layer (the normal case): the record is a view of the request's rows, -1 written
-        # where nothing was; disjoint ranges write each byte once: copy what is held, -1 only for the rest
-        if in_place:
-            rows = st.ranges[(0, L)]
-            lease = rows.arena.lease(rows.h, total, (total, L, K), dt)
-            st.lease = ((0, L), lease)
-            arr = np.asarray(lease)
-        elif disjoint:
-            arr = np.empty((total, L, K), dtype=dt)
-        else:
-            arr = np.full((total, L, K), miss, dtype=dt)
-        missing: list[list[int]] = []
-        covered = np.zeros(L, dtype=bool)
-        for (lo, hi), rows in st.ranges.items():
-            if not in_place:
-                rows.copy_into(arr, lo, hi, total)
-            if disjoint and rows.n < total:
-                arr[rows.n:, lo:hi] = miss          # never written (holes below n are -1 in the region already)
-            covered[lo:hi] = True
-            missing += rows.missing(floor, need_hi)
-        if disjoint and L and not covered.all():
-            arr[:, ~covered] = miss
-        arr[:floor] = miss
-        if G > 0:
-            arr[total - 1] = miss
-        if L and not covered.all():
-            missing.append([floor, need_hi])
-        not_found: list[list[int]] = []
-        if F and L:
-            # prefix rows the producer sent as -1: their source was gone from its store (evicted, invalidated)
-            sent = np.zeros(F, dtype=bool)
-            for rows in st.ranges.values():
-                sent[:min(rows.n, F)] = True
-            sent_missing = (arr[:F] < 0) if miss < 0 else (arr[:F] == miss)
-            bad = sent & sent_missing.reshape(F, -1).any(axis=1)
-            bad &= ~_in_ranges(F, missing)
-            if bad.any():
-                not_found = _runs(bad)
-                missing += not_found
-                arr[:F][bad] = miss
-        unresolved: list = []
-        if st.refs and L:
-            missing, unresolved = self._resolve_refs(st, arr, missing)
-        for a, b in lost:                           # the producer dropped rows here: whatever the positions hold
-            if b > floor and a < need_hi:           # now may be older rows that those would have overwritten
-                missing.append([max(a, floor), min(b, need_hi)])
-                arr[max(a, floor):min(b, need_hi)] = miss
-        missing = _merge(missing)
-        notes = list(st.notes)
-        if L == 0 and need_hi > floor:
-            missing = [[floor, need_hi]]
-        reason = ""
-        complete = not missing and not aborted and "no_open" not in notes and not st.damaged
-        if not complete:
-            if aborted:
-                reason = finish_reason if finish_reason else "abort"
-            elif _overlap(end.refused, missing):
-                reason = "producer_refused"
-            elif _overlap(end.broker_refused, missing):
-                reason = "broker_refused"
-            elif _overlap(lost, missing):
-                reason = "producer_queue_full"
-            elif notes:
-                reason = notes[0]
-            elif unresolved:
-                reason = "prefix_unresolved"
-            elif L and not covered.all():
-                reason = "layers_missing"
-            elif not_found:
-                reason = "prefix_not_found"
-            else:
-                reason = "rows_not_delivered"
-            if aborted:
-                finish_reason = "abort" if finish_reason in ("", "timeout") and not notes else finish_reason
-        layer_ids = np.asarray(st.layer_ids if st.layer_ids is not None else range(L), dtype=np.int32)
-        return wire.Record(st.rid, arr[:P], arr[P:], C, layer_ids, complete, [tuple(m) for m in missing],
-                           reason, finish_reason, st.prompt_tokens, end.output_tokens, F)
+        return build_record(st, self.prefix)
 
-    @staticmethod
-    def _usual_end(st: _Request):
-        """The one range of all layers of a request that ended the usual way (finished, not aborted, nothing lost,
-        noted or damaged, no prefix rows sent, rows up to its last fed token), or None: what _build_adopted and
-        _build_whole start from."""
-        end = st.finish
-        if (end.aborted or end.lost or st.notes or st.damaged or st.prefix_filled or len(st.ranges) != 1
-                or st.layer_ids is None):
-            return None
-        rows = st.ranges.get((0, st.num_layers))
-        P, G = st.prompt_len, end.num_output
-        if rows is None or not P + G or rows.n < (P + G - 1 if G > 0 else P):
-            return None
-        return rows
+    @property
+    def pool(self) -> PrefixPool:
+        """Finished records' prompt rows that later opens reference (held by self.prefix)."""
+        return self.prefix.pool
 
-    def _build_adopted(self, st: _Request) -> wire.Record | None:
-        """_build_whole's record for a request whose rows are all still as received (_Adopted), or None: its prompt
-        rows are a view of the received frame, its generation rows (at most the few that came with the prompt,
-        then -1) a small array of their own. Only where no row needs -1 in the prompt (no prefix-cache hits)."""
-        ad = self._usual_end(st)
-        end = st.finish
-        P, G = st.prompt_len, end.num_output
-        total = P + G
-        n = ad.n if type(ad) is _Adopted else 0
-        if not n or n > total or min(st.num_cached, P):
-            return None
-        L, K = st.num_layers, st.top_k
-        dt = ad.shape[4]
-        rows = ad.buf.view(dt).reshape(n, L, K)
-        gen = np.empty((G, L, K), dtype=dt)
-        g = min(n, total - 1 if G > 0 else total) - P      # generation rows that came (the last one never does)
-        gen[:g] = rows[P:P + g]
-        gen[g:] = wire.missing_id(dt)
-        self.stats.adopted_records += 1
-        return wire.Record(st.rid, rows[:P], gen, 0, _layer_id_array(st.layer_ids), True, [], "", end.reason,
-                           st.prompt_tokens, end.output_tokens, 0)
-
-    def _build_whole(self, st: _Request) -> wire.Record | None:
-        """The record of a request that ended the usual way, or None: finished (not aborted), every row below the
-        last fed token delivered in one range of all layers (holes only below its cached prefix), nothing lost, noted or damaged, no
-        prefix rows sent. Then the record is complete by construction and this is _build's result without its
-        general bookkeeping (covered layers, missing ranges, reasons): a view of the rows, -1 where no routing
-        exists (prefix-cache hits, the last output token). The general path stays the reference (tests compare
-        the two on the same requests)."""
-        rows = self._usual_end(st)
-        if type(rows) is not _Rows:
-            return None
-        end, L = st.finish, st.num_layers
-        P, G = st.prompt_len, end.num_output
-        total = P + G
-        n = rows.n
-        C = min(st.num_cached, P)
-        if rows.holes and rows.holes[-1][1] > C:
-            return None                             # (a hole below C: the prefix-cache hits never sent)
-        dt = st.id_dtype or wire.ROW_DTYPE
-        miss = wire.missing_id(dt)
-        lease = rows.arena.lease(rows.h, total, (total, L, st.top_k), dt)
-        st.lease = ((0, L), lease)
-        arr = np.asarray(lease)
-        if n < total:
-            arr[n:] = miss
-        if C:
-            arr[:C] = miss
-        if G > 0:
-            arr[total - 1] = miss
-        return wire.Record(st.rid, arr[:P], arr[P:], C, _layer_id_array(st.layer_ids), True, [], "", end.reason,
-                           st.prompt_tokens, end.output_tokens, 0)
+    @pool.setter
+    def pool(self, pool: PrefixPool) -> None:
+        self.prefix.pool = pool
 
     @property
     def in_flight(self) -> int:

@@ -836,21 +836,22 @@ def _scenarios(f):
 
 
 def test_the_whole_request_shortcut_builds_the_same_records_as_the_general_path(monkeypatch):
-    """Accumulator._build_whole (a request that ended the usual way) against _build's general path on the same
-    messages: every record equal, the shortcut taken exactly for the single-range complete ones."""
+    """records.build_whole (a request that ended the usual way) against the general path (build_record) on the
+    same messages: every record equal, the shortcut taken exactly for the single-range complete ones."""
+    from routing_replay.consumer import accumulator
     taken = []
     fast = Feed()
-    whole = Accumulator._build_whole
+    whole = accumulator.build_whole
 
-    def spy(self, st):
-        rec = whole(self, st)
+    def spy(st):
+        rec = whole(st)
         if rec is not None:
             taken.append(st.rid)
         return rec
 
-    monkeypatch.setattr(Accumulator, "_build_whole", spy)
+    monkeypatch.setattr(accumulator, "build_whole", spy)
     complete = _scenarios(fast)
-    monkeypatch.setattr(Accumulator, "_build_whole", lambda self, st: None)
+    monkeypatch.setattr(accumulator, "build_whole", lambda st: None)
     general = Feed()
     assert _scenarios(general) == complete
     assert sorted(fast.out) == sorted(general.out) and len(fast.out) == 11
