@@ -27,7 +27,6 @@ after a restart, for a grace period while the old consumers reconnect) messages 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import defaultdict, deque
@@ -40,7 +39,7 @@ from routing_replay.broker.config import BrokerConfig
 from routing_replay.broker.intake import Admission, ConsumerLink, Hello, InFlight, Intake, ProducerIntake
 from routing_replay.broker.ownership import OpenMsg, OpensEntry, Ownership
 from routing_replay.broker.split import apply_plan, plan_split
-from routing_replay.protocol import memory, metrics, security, wire
+from routing_replay.protocol import checks, memory, metrics, security, wire
 from routing_replay.protocol.loop import (MessageTooLarge, ServiceThread, guarded, recv_frames, send_frames,
                                          start_zero_copy_collector)
 
@@ -138,11 +137,7 @@ class Broker(ServiceThread):
         for name, value in (("frontend", frontend), ("backend", backend)):
             if value is not None:
                 settings[name] = value
-        if config is None:
-            config = BrokerConfig(**settings)
-        elif settings:
-            config = dataclasses.replace(config, **settings)
-        self.config = cfg = config
+        self.config = cfg = checks.resolved_config(BrokerConfig, config, settings)
         self.frontend = cfg.frontend
         self.backend = cfg.backend
         self.curve_secret = cfg.curve_secret

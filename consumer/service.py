@@ -13,7 +13,6 @@ counted as bad, the held requests it names are marked incomplete ("undecodable")
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import time
@@ -30,7 +29,7 @@ from routing_replay.consumer.npz import NpzWriter, Progress
 from routing_replay.consumer.prefix_pool import CompactRecord
 from routing_replay.consumer.store import RecordStore
 from routing_replay.consumer.trainer_service import FetchedRecords, Sent, TrainerService
-from routing_replay.protocol import memory, metrics, security, wire
+from routing_replay.protocol import checks, memory, metrics, security, wire
 from routing_replay.protocol.loop import (MessageTooLarge, ServiceThread, guarded, recv_frames, send_frames,
                                          start_zero_copy_collector)
 from routing_replay.protocol.ids import default_peer_id
@@ -165,11 +164,7 @@ class Consumer(ServiceThread):
         with each finished record, in the consumer's thread."""
         if connect is not None:
             settings["connect"] = connect
-        if config is None:
-            config = ConsumerConfig(**settings)
-        elif settings:
-            config = dataclasses.replace(config, **settings)
-        self.config = cfg = config
+        self.config = cfg = checks.resolved_config(ConsumerConfig, config, settings)
         self.connect = connect = cfg.connect
         self.consumer_id = cfg.consumer_id or default_peer_id("consumer")
         self.serve = serve = cfg.serve

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import zmq
 
-from routing_replay.protocol import security, wire
+from routing_replay.protocol import checks, security, wire
 from routing_replay.protocol.ids import default_peer_id
 from routing_replay.producer.books import RequestBook, escaped_id
 from routing_replay.producer.coalesce import StepParts
@@ -163,11 +162,7 @@ class Producer:
         share (default: one of its own, terminated by close())."""
         if endpoint is not None:
             settings["endpoint"] = endpoint
-        if config is None:
-            config = ProducerConfig(**settings)
-        elif settings:
-            config = dataclasses.replace(config, **settings)
-        self.config = cfg = config
+        self.config = cfg = checks.resolved_config(ProducerConfig, config, settings)
         num_layers, top_k = cfg.num_layers, cfg.top_k
         self.endpoint = endpoint = cfg.endpoint
         self.num_layers = num_layers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import Any
@@ -27,3 +28,11 @@ def check_seconds(name: str, value: Any, positive: bool = True) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} must be a finite number of seconds {'> 0' if positive else '>= 0'}")
 
+
+
+def resolved_config(cls: type, config: Any, settings: dict) -> Any:
+    """A service's settings: `config` (an instance of the frozen dataclass `cls`) with `settings` replacing its
+    fields, or, without a config, `cls(**settings)`: what Producer, Broker and Consumer take."""
+    if config is None:
+        return cls(**settings)
+    return dataclasses.replace(config, **settings) if settings else config
