@@ -47,7 +47,7 @@ if ! python3 -c "from routing_replay.producer import _gather" 2>/dev/null; then
     echo "producer/_gather.c not built ($OUT/build_ext.txt): the producer copies with numpy"
   fi
 fi
-python3 -c "from routing_replay.producer import outpool as m; print("producer copy", "native" if m.NATIVE else "numpy")" \
+python3 -c "from routing_replay.producer import outpool as m; print('producer copy', 'native' if m.NATIVE else 'numpy')" \
   2>&1 | tee -a "$OUT/env.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/env.txt"
 python3 -c "import sys, torch, transformers, vllm; print('python', sys.version.split()[0], 'torch', torch.__version__, \
