@@ -2,7 +2,8 @@
 # The vLLM-on-GPU procedure in one or two device calls: the GPU engine tests (tests/test_vllm_gpu.py), then the
 # overhead benchmark (bench/vllm_gpu.py). Logs and JSON go to $OUT (default ./out/vllm_gpu): env.txt, the pytest log,
 # gpu_*.json from the tests; bench_vllm_gpu.txt/.json, broker.log, consumer.log from the benchmark.
-#   bash bench/vllm_gpu.sh test        the tests only       (about 4 minutes on an H100, vLLM install included)
+#   bash bench/vllm_gpu.sh test        the tests only       (about 4 minutes on an H100, vLLM install included;
+#                                       GPU_TESTS: other test files, PYTEST_K: a -k expression)
 #   bash bench/vllm_gpu.sh bench [ARGS] the benchmark only   (ARGS go to bench/vllm_gpu.py)
 #   bash bench/vllm_gpu.sh [all]       both
 #   bash bench/vllm_gpu.sh r3 [ARGS]    R3 at layer width (bench/r3_gpu.py: generated 8-layer Qwen3-30B-A3B-shaped
@@ -55,9 +56,10 @@ python3 -c "import sys, torch, transformers, vllm; print('python', sys.version.s
   | tee -a "$OUT/env.txt"
 rc=0
 if [[ $mode == test || $mode == all ]]; then
-  echo "== pytest -m gpu tests/test_vllm_gpu.py"
+  tests=${GPU_TESTS:-tests/test_vllm_gpu.py}
+  echo "== pytest -m gpu $tests"
   t0=$SECONDS
-  ROUTING_REPLAY_GPU_OUT=$OUT timeout "${TEST_TIMEOUT_S:-480}" python3 -m pytest -m gpu tests/test_vllm_gpu.py -q -s ${PYTEST_K:+-k "$PYTEST_K"} \
+  ROUTING_REPLAY_GPU_OUT=$OUT timeout "${TEST_TIMEOUT_S:-480}" python3 -m pytest -m gpu $tests -q -s ${PYTEST_K:+-k "$PYTEST_K"} \
     -p no:cacheprovider > "$OUT/pytest_vllm_gpu.txt" 2>&1
   r=$?
   grep -E "^\{|^E |FAILED|ERROR|passed|failed|skipped" "$OUT/pytest_vllm_gpu.txt" | cut -c1-1500 | tail -40
