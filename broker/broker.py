@@ -62,7 +62,7 @@ def _nbytes(frame) -> int:
 @dataclass
 class BrokerStats:
     msgs_in: int = 0
-    bytes_in: int = 0                 # routing row bytes of the deltas received
+    bytes_in: int = 0                 # routing row bytes of the deltas routed (each counted once)
     msgs_out: int = 0
     bytes_out: int = 0                # routing row bytes sent to consumers (each owner's share of a split delta)
     deltas_split: int = 0
@@ -812,9 +812,9 @@ class Broker(ServiceThread):
         d = wire.parse_delta(h)
         payload = frames[2:]
         wire.check_payload(d, payload)
-        self.stats.bytes_in += d.total_rows * d.row_bytes
-        if self._hold_all:
+        if self._hold_all:      # counted when routed: once, whether it waits here or its producer resends it
             return self._hold(h, frames, tok, ps)
+        self.stats.bytes_in += d.total_rows * d.row_bytes
         # the split plan of this producer's last delta holds while the key list, the counts and the ownership
         # table are the same (decode steps): then no per-request work at all
         own = self.ownership

@@ -232,3 +232,30 @@ def test_a_consumer_that_restarts_before_acking_a_finish_gets_the_open_again(net
         assert b.ownership.closing == 0 and len(b.ownership) == 0 and b.stats.reassigned == 1
     finally:
         c2b.close(0)
+
+
+def test_deltas_held_for_a_consumer_are_counted_once():
+    """Deltas that arrive before any consumer is live wait in the broker and are routed when one says hello: each
+    one's bytes count once in bytes_in, and bytes_in equals bytes_out."""
+    for b, prod, _, dealer in broker_net("inproc://fh", "inproc://bh", {}):
+        L, K = 4, 8
+        sent = []
+        for step in range(3):
+            ids = [f"h{step}-{i}" for i in range(2)]
+            rows = np.full((2 * (step + 1), L, K), step, dtype=np.int16)
+            prod.send_multipart([wire.pack_header("delta", "p", 3, step + 1, ids,
+                                                  wire.delta_body([0, 0], [step + 1, step + 1], L, K)),
+                                 rows.tobytes()])
+            sent.append(rows.nbytes)
+        assert _settled(lambda: len(b._pending), 3) == 3
+        assert b.stats.bytes_in == 0
+        c = dealer("inproc://bh", b"c1")
+        c.send(wire.pack_header("hello", "c1", 0, 0, "c1", {}))
+        got = 0
+        for _ in range(3):
+            h, frames = recv(c)
+            assert h.kind == "delta"
+            got += sum(len(f) for f in frames)
+        assert got == sum(sent)
+        assert _settled(lambda: b.stats.bytes_out, sum(sent)) == sum(sent)
+        assert b.stats.bytes_in == sum(sent)
