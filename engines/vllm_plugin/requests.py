@@ -123,9 +123,7 @@ class RequestTracker:
             if not self.settings.captures(new.sampling_params):
                 return None
             key, problem = _keys.capture_key(new.req_id, self.randomized)
-            key, dup = self.unique_key(key)
-            if key in self.closing:
-                self.flush()       # the key's last request finishes first: its finish waits for no batch now
+            key, dup = self.unique_key(key)     # (never a key in `closing`: is_live counts those)
             prompt = new.prompt_token_ids              # None for prompt embeddings: no token ids to carry
             prompt_len = len(prompt) if prompt is not None else int(new.prompt_embeds.shape[0])
             refs = on_prefix(new, key, prompt, prompt_len) if on_prefix is not None else ()
