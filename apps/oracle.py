@@ -42,12 +42,16 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+# routing_forced replaces torch.topk process-wide for one forward: one such window at a time, so two oracles on two
+# threads never restore each other's patch
+_TOPK_PATCH = threading.Lock()
 # an MoE block's router: the `gate` / `router` child of a module of a decoder layer (mlp, block_sparse_moe,
 # feed_forward); a shared expert's gate (`shared_expert_gate`) does not match
 ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+\.(?:gate|router)$")
@@ -363,19 +367,20 @@ class Oracle:
         ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device)[None]
         f = torch.as_tensor(np.asarray(forced, dtype=np.int64), device=self.device)
         self._out.clear()
-        orig_fn, orig_method = torch.topk, torch.Tensor.topk
-        self._forced = {lid: f[:, j] for j, lid in enumerate(self.layer_ids)}
-        self._unforced: list = []
-        torch.topk = self._forcing_topk(orig_fn)
-        torch.Tensor.topk = self._forcing_topk(orig_method)
-        try:
-            with torch.no_grad():
-                self.model(input_ids=ids, use_cache=False)
-            own = self._out
-        finally:
-            torch.topk, torch.Tensor.topk = orig_fn, orig_method
-            self._forced = None
-            self._active = None
+        with _TOPK_PATCH:
+            orig_fn, orig_method = torch.topk, torch.Tensor.topk
+            self._forced = {lid: f[:, j] for j, lid in enumerate(self.layer_ids)}
+            self._unforced: list = []
+            torch.topk = self._forcing_topk(orig_fn)
+            torch.Tensor.topk = self._forcing_topk(orig_method)
+            try:
+                with torch.no_grad():
+                    self.model(input_ids=ids, use_cache=False)
+                own = self._out
+            finally:
+                torch.topk, torch.Tensor.topk = orig_fn, orig_method
+                self._forced = None
+                self._active = None
         missing = [lid for lid in self.layer_ids if lid not in own]
         if missing:
             raise ValueError(f"routers of layers {missing} were not called")

@@ -218,3 +218,41 @@ def test_every_architecture_routers_are_read_and_their_scores_reproduce_their_ch
         assert differs > 0, "bias / groups never changed a choice: the checkpoint does not exercise them"
     else:
         assert differs == 0
+
+
+def test_forced_passes_on_two_threads_leave_torch_topk_as_it_was(oracle):
+    """routing_forced replaces torch.topk for one forward: two oracles forcing on two threads at once each get
+    their own forced answer, and torch.topk / Tensor.topk are torch's own afterwards (the windows never
+    interleave, so neither restores the other's replacement)."""
+    import threading
+
+    import torch
+
+    from routing_replay.apps.oracle import Oracle
+    from routing_replay.apps.vllm_harness import tiny_model
+
+    other = Oracle(str(tiny_model("qwen3_moe")))
+    tokens = np.random.default_rng(7).integers(0, 256, 24).tolist()
+    free = oracle.routing(tokens)
+    experts = int(oracle.routers[oracle.layer_ids[0]][0].weight.shape[0])
+    rolled = (free + 1) % experts                       # another valid choice for every row
+    want = {id(oracle): oracle.routing_forced(tokens, free), id(other): other.routing_forced(tokens, rolled)}
+    orig_fn, orig_method = torch.topk, torch.Tensor.topk
+    errors: list = []
+
+    def run(o, forced):
+        try:
+            for _ in range(15):
+                got = o.routing_forced(tokens, forced)
+                if not np.array_equal(got, want[id(o)]):
+                    errors.append("forced answer differs")
+        except Exception as e:      # noqa: BLE001 -- reported below
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=run, args=(oracle, free)), threading.Thread(target=run, args=(other, rolled))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert errors == []
+    assert torch.topk is orig_fn and torch.Tensor.topk is orig_method
