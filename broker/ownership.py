@@ -30,11 +30,23 @@ from routing_replay.protocol import wire
 RECENT_OWNERS = 1 << 16        # request ids whose last owner is remembered after they close (prefix affinity)
 
 
+def _mix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser: a bijection whose every output bit depends on every input bit."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
 def rendezvous(rid: bytes, consumers: list[bytes]) -> bytes:
-    """The consumer id with the highest hash of (consumer, request id): highest random weight."""
+    """The consumer id with the highest hash of (consumer, request id): highest random weight. The score is
+    mixed, not CRC alone: CRC is linear, so crc32(rid, seed) of one id across consumers differs only by an XOR,
+    and the highest of those is decided by a bit or two of the id's CRC, which splits 3 consumers 1/2, 1/4, 1/4."""
+    h = zlib.crc32(rid)
     best, best_score = consumers[0], -1
     for c in consumers:
-        s = zlib.crc32(rid, zlib.crc32(c))
+        s = _mix32(h ^ zlib.crc32(c))
         if s > best_score:
             best, best_score = c, s
     return best
