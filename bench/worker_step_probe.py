@@ -1,15 +1,16 @@
 """The plugin's real per-step engine-thread work (WorkerCapture.pre_step/post_step), without vLLM and without a GPU.
 
 Drives the worker's own pre_step/post_step with scheduler outputs and a Model Runner V1 batch shaped like vLLM's
-(the fields the worker reads), over the real RoutingCache, AsyncCopier and Producer (publishing to an endpoint
-nobody binds: its thread still takes, copies and encodes every delta; nothing leaves). Between steps the "routers"
-write every layer's top-k (the forward; not timed) and, with --evict-mib, the probe walks a buffer that size and a
-few thousand Python objects, so that each step starts with the caches as a forward left them: inside vLLM the same
-Python runs several times slower than in a warm loop (docs/PERFORMANCE.md), and a warm loop would hide what a
-change saves there. Timing: the pre_step/post_step calls as a whole, timed from outside (`calls_us`, CPU; `calls_wall_us`: early exits
-and call overhead included, the clocks' own cost measured in place and subtracted); compare changes on these,
-which nothing can move out of view. --worker-timing adds the worker's own figures (WorkerStats.host_ns, what
-bench/vllm_gpu.py reads inside vLLM; `net_us` without its clocks), whose clocks then also count in `calls_us`.
+(the fields the worker reads: tests/standins.StandinEngine, the stand-in the worker's tests run too), over the real
+RoutingCache, AsyncCopier and Producer (publishing to an endpoint nobody binds: its thread still takes, copies and
+encodes every delta; nothing leaves). Between steps the "routers" write every layer's top-k (the forward; not timed)
+and, with --evict-mib, the probe walks a buffer that size and a few thousand Python objects, so that each step
+starts with the caches as a forward left them: inside vLLM the same Python runs several times slower than in a warm
+loop (docs/PERFORMANCE.md), and a warm loop would hide what a change saves there. Timing: the pre_step/post_step
+calls as a whole, timed from outside (`calls_us`, CPU; `calls_wall_us`: early exits and call overhead included, the
+clocks' own cost measured in place and subtracted); compare changes on these, which nothing can move out of view.
+--worker-timing adds the worker's own figures (WorkerStats.host_ns, what bench/vllm_gpu.py reads inside vLLM;
+`net_us` without its clocks), whose clocks then also count in `calls_us`.
 
 Modes: `on` (every request captured), `optout` (every request opted out), `optout-fill` (opted out, in an engine
 whose prefix store exists: ROUTING_REPLAY_PREFIX_ROWS=fill), `fill` (captured, with that store: with --churn-hits
@@ -23,52 +24,20 @@ fill in pre_step) unless --eager.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
 import sys
-import tempfile
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from routing_replay.engines.vllm_plugin import scheduler_hooks  # noqa: E402
-from routing_replay.engines.vllm_plugin.binding import CaptureBinding, MoELayer  # noqa: E402
-from routing_replay.engines.vllm_plugin.settings import Settings  # noqa: E402
-from routing_replay.engines.vllm_plugin.plan import make_plan  # noqa: E402
-from routing_replay.engines.vllm_plugin.worker import WorkerCapture, make_cache  # noqa: E402
-from routing_replay.producer import Producer  # noqa: E402
+from tests.standins import StandinEngine  # noqa: E402
 
 MODES = ("on", "optout", "optout-fill", "fill")
-
-
-class _Runner:
-    """What the worker reads of a Model Runner V1 after execute_model: the persistent batch and query_start_loc."""
-
-    def __init__(self, n: int, max_tokens: int, device):
-        self.input_batch = SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(n, np.int32),
-                                           block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(
-                                               gpu=torch.zeros(max_tokens, dtype=torch.int64, device=device)))])
-        self.query_start_loc = SimpleNamespace(np=np.zeros(n + 1, np.int32))
-
-
-class _Router:
-    """What the binding reads and sets of a vLLM router (FusedMoE's `router`): its capture function."""
-
-    capture_fn = None
-
-    def set_capture_fn(self, fn) -> None:
-        self.capture_fn = fn
-
-
-def _so(new, scheduled: dict, total: int):
-    return SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=total,
-                           finished_req_ids=set(), preempted_req_ids=set(), scheduled_spec_decode_tokens={})
 
 
 def _timed(pieces: dict, name: str, fn):
@@ -141,37 +110,11 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     dev = torch.device(device)
     if dev.type == "cpu":     # the snapshot is a CPU copy here: one thread, as vLLM's engine thread makes it (with
         torch.set_num_threads(1)    # step stamps, 17 layers of rows pass torch's parallel grain and go to OpenMP)
-    max_tokens = max(8192, n * prompt_len, n + churn * churn_prompt)
-    stamp = stamp and not eager                     # as the worker decides with ROUTING_REPLAY_STEP_STAMP=on
-    ring = ring and stamp                           # ROUTING_REPLAY_STEP_STAMP=ring: stamps and the step ring
-    settings = Settings(broker="ipc://probe", prefix_rows="fill" if mode in ("optout-fill", "fill") else "sentinel",
-                        step_stamp=stamp, step_ring=ring, ring_needs_kernels=False)
-    runner = _Runner(n, max_tokens, dev)
-    # the plan of a Model Runner V1 worker: eager (hooks in Python every step, enforce_eager) on this device, or
-    # a graph engine's (hooks replayed from CUDA graphs: the loop writes the cache as the replay does, on `dev`);
-    # the step ring's slots hold vLLM's default largest CUDA graph (512 rows)
-    plan = make_plan(settings, kind="v1", device_type=dev.type if eager else "cuda", enforce_eager=eager,
-                     layer_ids=list(range(layers)), top_k=top_k, max_num_batched_tokens=max_tokens)
-    cache, copier = make_cache(plan, dev)
-    if eager:       # the real hooks on stand-in routers: the loop calls them as the routers do, timed (hooks_us)
-        binding = CaptureBinding([MoELayer(i, f"model.layers.{i}.mlp", SimpleNamespace(router=_Router()), top_k,
-                                           128) for i in range(layers)], cache.record, gate=True,
-                                 c_hooks=True)     # (as the worker's under enforce_eager)
-    else:           # graph mode: the forward's replay writes the cache without Python (the loop calls record)
-        binding = SimpleNamespace(gate=False, active=False, calls=0, min_rows=0, layers=[None] * layers)
-    where = tempfile.mkdtemp(prefix="rr-probe-")
-    producer = Producer(f"ipc://{where}/nobody", num_layers=layers, top_k=top_k, max_queue_bytes=1 << 30,
-                        replay_max_bytes=1 << 30)
-    cap = WorkerCapture(runner, settings, plan, cache=cache, copier=copier, binding=binding, producer=producer,
-                        randomized=False)
-    if eager:
-        binding.bind()
-    if on_producer is not None:
-        on_producer(cap.producer)
-    if cap.fill:                                    # a store as a fill engine has one (graph mode: written inside
-        from routing_replay.capture.prefix_store import PrefixStore          # the forward, nothing on the host)
-        cap.adopt_store(PrefixStore(4 * max_tokens, layers, top_k, device=dev), block_size=16)
-    cap.stamp_baseline()                            # as after vLLM's warm-up (stamps only)
+    eng = StandinEngine(mode, n, layers, top_k, device=dev, eager=eager, prompt_len=prompt_len, stamp=stamp,
+                        ring=ring, churn=churn, churn_prompt=churn_prompt, churn_output=churn_output,
+                        churn_same_ids=churn_same_ids, churn_optout=churn_optout, churn_hits=churn_hits,
+                        layout=layout, optout_first=optout_first, on_producer=on_producer)
+    cap, stamp, ring = eng.cap, eng.stamp, eng.ring
     parts: dict = {}
     if pieces:                                      # the calls pre_step/post_step make, timed one by one (wall)
         import routing_replay.engines.vllm_plugin.runners as wmod       # (the step paths read the layout here)
@@ -185,22 +128,6 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
         cap.producer.open_many = _timed(parts, "producer_open", cap.producer.open_many)
         cap.producer.end_many = _timed(parts, "producer_finish", cap.producer.end_many)
         wmod.step_layout = _timed(parts, "step_layout", wmod.step_layout)
-    captured = mode in ("on", "fill")
-    sp = SimpleNamespace(extra_args={"return_routed_experts": captured})
-    sp_out = SimpleNamespace(extra_args={"return_routed_experts": False})
-    ids = [f"cmpl-{i:08x}-0-{i:04d}" for i in range(n)]
-    new = [SimpleNamespace(req_id=r, sampling_params=sp_out if i in optout_first else sp,
-                           prompt_token_ids=list(range(prompt_len)),
-                           prompt_embeds=None, num_computed_tokens=0, block_ids=([i],)) for i, r in enumerate(ids)]
-    # --churn: per step after the first, `churn` requests finish (the scheduler's notes: churn_output output ids)
-    # and as many new ones take their places with a prefill of churn_prompt tokens, as in bench/vllm_gpu.py's rounds
-    qs = np.full(n, prompt_len, dtype=np.int64)
-    done = np.zeros(n, dtype=np.int64)              # tokens computed before the step, per place
-    serial = n
-    out_ids = list(range(churn_output))
-    hit_blocks = list(range(n, n - (-churn_hits // 16)))        # shared by every new request (16-token blocks)
-    topk = torch.randint(0, 128, (max_tokens, top_k), device=dev, dtype=torch.int32)
-    ib, qsl = runner.input_batch, runner.query_start_loc.np
     big = np.ones(max(1, evict_mib) * 2**20 // 8) if evict_mib else None
     junk = [{"a": i} for i in range(20000)] if evict_mib else []
     cap.timing = worker_timing
@@ -210,9 +137,6 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
     outer = [0, 0]                                  # the calls as the engine sees them (early exits included)
     paced = 0                                       # --step-ring: waits for the producer's thread (see below)
     hooked = [0, 0]                                 # --eager: the router hooks, timed the same way
-    hooks = cap.binding.hooks if eager else None
-    records = [functools.partial(cap.cache.record, layer) for layer in range(layers)]
-    pos: dict = {}                                  # layout: tokens computed per request
     for step in range(steps + warm):
         if step == warm:
             st = cap.stats
@@ -221,62 +145,16 @@ def run(mode: str, n: int, layers: int, top_k: int, steps: int, evict_mib: int, 
             hooked = [0, 0]
             for name in parts:
                 parts[name] = 0
-        first = step == 0
-        if layout is not None and not first and not churn:
-            sched = layout(step, ids)                   # [(engine id, tokens)] in batch order
-            if not pos:                                 # tokens computed per request before the step
-                pos.update((r, prompt_len) for r in ids)
-            so = _so([], dict(sched), sum(t for _, t in sched))
-        elif first or not churn:
-            q = prompt_len if first else 1
-            so = _so(new if first else [], {r: q for r in ids}, n * q)
-        else:
-            qs[:] = 1
-            fresh, gone = [], set()
-            for t in range(churn):
-                j = (step * churn + t) % n
-                gone.add(ids[j])
-                ids = ids[:j] + [ids[j] if churn_same_ids else f"cmpl-{serial:08x}-0-{serial:04d}"] + ids[j + 1:]
-                serial += 1
-                out = churn_optout and serial % churn_optout == 0
-                fresh.append(SimpleNamespace(req_id=ids[j], sampling_params=sp_out if out else sp,
-                                             prompt_token_ids=list(range(churn_hits + churn_prompt)),
-                                             prompt_embeds=None, num_computed_tokens=churn_hits,
-                                             block_ids=(hit_blocks + [j + len(hit_blocks)],) if churn_hits
-                                             else ([j],)))
-                qs[j], done[j] = churn_prompt, churn_hits
-            so = _so(fresh, dict(zip(ids, qs.tolist())), int(qs.sum()))
-            so.finished_req_ids = gone
-            setattr(so, scheduler_hooks.ATTR, {r: scheduler_hooks.Finished(churn_output, "stop", out_ids)
-                                               for r in gone})
+        so = eng.schedule(step)
         _outside(cap.pre_step, so, outer)
-        # the runner's batch for this step, then the forward: every router writes its top-k
-        ib.num_reqs, ib.req_ids = n, ids
-        if layout is not None and not first and not churn:
-            ib.num_reqs, ib.req_ids = len(sched), [r for r, _ in sched]
-            ib.num_computed_tokens_cpu[:len(sched)] = [pos[r] for r, _ in sched]
-            qsl[0] = 0
-            np.cumsum([t for _, t in sched], out=qsl[1:len(sched) + 1])
-            rows = so.total_num_scheduled_tokens
-            for r, t in sched:
-                pos[r] += t
-        elif churn:
-            ib.num_computed_tokens_cpu[:n] = done
-            qsl[0] = 0
-            np.cumsum(qs, out=qsl[1:n + 1])
-            rows = int(qs.sum())
-            done += qs
-        else:
-            ib.num_computed_tokens_cpu[:n] = 0 if first else prompt_len + step - 1
-            qsl[:n + 1] = np.arange(n + 1, dtype=np.int32) * q
-            rows = n * q
-        if forward is not None:             # graph mode: the cache's record per layer, as the replay writes it
-            forward(step, hooks if hooks is not None else records, topk[:rows])
-        elif hooks is not None:
-            _outside(_forward, (hooks, topk[:rows]), hooked)
-        else:
-            for layer in range(layers):
-                cap.cache.record(layer, topk[:rows])
+        topk = eng.topk[:eng.lay_out(step, so)]       # the runner's batch for this step, then the forward
+        if forward is not None:
+            forward(step, eng.hooks if eng.hooks is not None else eng.records, topk)
+        elif eng.hooks is not None:
+            _outside(_forward, (eng.hooks, topk), hooked)
+        else:                               # graph mode: the cache's record per layer, as the replay writes it
+            for record in eng.records:
+                record(topk)
         _outside(cap.post_step, so, outer)
         if on_step is not None:
             on_step(step, cap)
