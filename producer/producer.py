@@ -215,7 +215,8 @@ class Producer:
         self._check()
 
     @property
-    def _failure(self) -> BaseException | None:
+    def failure(self) -> BaseException | None:
+        """What ended the producer's thread, or None while it has not failed."""
         return self._sender.failure
 
     @property
@@ -227,8 +228,8 @@ class Producer:
     # ---- caller side -----------------------------------------------------------------------------------------
 
     def _check(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"routing-replay producer thread failed: {self._failure}") from self._failure
+        if self.failure is not None:
+            raise RuntimeError(f"routing-replay producer thread failed: {self.failure}") from self.failure
         if self._closed:
             raise RuntimeError("producer is closed")
 
@@ -639,7 +640,7 @@ class Producer:
         self._q.wake()                  # opens, finishes, aborts queued without waking the thread go now
         deadline = time.monotonic() + timeout_s
         while not done():
-            if self._failure is not None:
+            if self.failure is not None:
                 self._check()
             if time.monotonic() > deadline:
                 return False

@@ -116,6 +116,17 @@ class ServiceThread:
         self._failure: BaseException | None = None
         self.ready = threading.Event()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the loop's thread, or None while it has not failed."""
+        return self._failure
+
+    @property
+    def healthy(self) -> bool:
+        """True while the loop's thread runs and has not failed (a liveness probe reads this). A bad message, a
+        refused request or a lost peer never makes it False: those are counted in `bad` and the stats."""
+        return self._failure is None and self._thread is not None and self._thread.is_alive()
+
     def run(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 

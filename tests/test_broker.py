@@ -36,9 +36,9 @@ def broker_net(front: str, back: str, hellos: dict, **broker_kw):
     prod = dealer(front)
     prod.send(wire.pack_header("hello", "p", 3, 0, "p", {}))     # a producer announces its epoch first
     deadline = time.monotonic() + 2     # (slept, not polled: a consumer may have a message waiting already)
-    while (len(b._live) < len(hellos) or "p" not in b.producers) and time.monotonic() < deadline:
+    while (len(b.ownership.live_ids) < len(hellos) or "p" not in b.producers) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(b._live) == len(hellos)
+    assert len(b.ownership.live_ids) == len(hellos)
     try:
         yield b, prod, consumers, dealer
     finally:
@@ -151,10 +151,10 @@ def test_ownership_is_sticky_when_a_consumer_joins(net):
     try:
         c3.send(wire.pack_header("hello", "c3", 0, 0, "c3", {}))
         for _ in range(200):
-            if len(b._live) == 3:
+            if len(b.ownership.live_ids) == 3:
                 break
             c3.poll(10)
-        assert len(b._live) == 3
+        assert len(b.ownership.live_ids) == 3
         prod.send_multipart([wire.pack_header("delta", "p", 3, 2, [rid], wire.delta_body([0], [1], 4, 2)),
                              bytes(16)])
         h, _ = recv(consumers[b"c1"])              # still c1, whatever the hash over three says
@@ -259,3 +259,21 @@ def test_deltas_held_for_a_consumer_are_counted_once():
         assert got == sum(sent)
         assert _settled(lambda: b.stats.bytes_out, sum(sent)) == sum(sent)
         assert b.stats.bytes_in == sum(sent)
+
+
+def test_healthy_is_true_while_the_loop_runs_and_false_with_the_failure_kept_when_it_cannot_bind():
+    ctx = zmq.Context()
+    try:
+        b = Broker("inproc://h-front", "inproc://h-back", context=ctx, heartbeat_interval_ms=100_000)
+        assert not b.healthy and b.failure is None                         # not started
+        b.start()
+        assert b.healthy and b.failure is None
+        twin = Broker("inproc://h-front", "inproc://h-back2", context=ctx, heartbeat_interval_ms=100_000)
+        with pytest.raises(RuntimeError, match="failed to start") as raised:
+            twin.start()                                                   # the front address is taken
+        assert isinstance(twin.failure, zmq.ZMQError) and raised.value.__cause__ is twin.failure
+        assert not twin.healthy and b.healthy                              # the first broker is untouched
+        b.close()
+        assert not b.healthy and b.failure is None                         # stopped, not failed
+    finally:
+        ctx.term()

@@ -63,7 +63,7 @@ def pipeline(tmp_path):
     prod.setsockopt(zmq.LINGER, 0)
     prod.connect(b.frontend)
     try:
-        wait_until(lambda: len(b._live) == 1, 10, "consumer joined")
+        wait_until(lambda: len(b.ownership.live_ids) == 1, 10, "consumer joined")
         yield b, c, prod, got
     finally:
         prod.close(0)

@@ -296,7 +296,7 @@ def test_broker_and_consumer_in_process_survive_mutated_frames(tmp_path, seed):
     rng = np.random.default_rng(seed)
     msgs = corpus()
     try:
-        wait_until(lambda: len(b._live) == 1, 10, "consumer joined")
+        wait_until(lambda: len(b.ownership.live_ids) == 1, 10, "consumer joined")
         evil.send(wire.pack_header("hello", "evil", 3, 0, "evil", {"unacked_from": 1}))
 
         def hostile(step):
@@ -307,7 +307,7 @@ def test_broker_and_consumer_in_process_survive_mutated_frames(tmp_path, seed):
         specs = _good_traffic_alongside(hostile, b.frontend, context=ctx, seed=seed)
         wait_until(lambda: all(s.request_id in got for s in specs), 20, "good records")
         check_records(specs, {k: v for k, v in got.items() if k.startswith("good-")})
-        assert b._failure is None and c._failure is None and b._thread.is_alive() and c._thread.is_alive()
+        assert b.healthy and c.healthy
         assert sum(b.bad.values()) > 50        # (what passes the broker may or may not be refused by the consumer)
     finally:
         evil.close(0)
@@ -471,13 +471,13 @@ def test_every_receiving_socket_has_a_message_size_limit(tmp_path):
             if fake.poll(100):
                 f = fake.recv_multipart()
                 seen = wire.decode_header(f[1]).kind == "open"
-        assert seen and p._failure is None
+        assert seen and p.failure is None
         with TrainerClient(f"ipc://{tmp_path}/serve", context=ctx) as t:
             try:
                 t.fetch(["nothing"], timeout_s=0.3)
             except TimeoutError:
                 pass
-        assert c._failure is None and c._thread.is_alive() and "header_too_large" not in c.bad
+        assert c.healthy and "header_too_large" not in c.bad
     finally:
         p.close(0.5)
         c.close()
@@ -537,7 +537,7 @@ def test_a_handler_bug_on_one_message_is_counted_and_the_loops_go_on(tmp_path):
     c.acc._delta, b._route_request = delta, route
     rows = true_rows(9, np.arange(12), L, K, E)
     try:
-        wait_until(lambda: len(b._live) == 1, 10, "consumer joined")
+        wait_until(lambda: len(b.ownership.live_ids) == 1, 10, "consumer joined")
         # one message per publish (no coalescing), so exactly the two injected deltas fail
         with Producer(b.frontend, num_layers=L, top_k=K, context=ctx, coalesce_max_bytes=0) as p:
             for rid in ("boom-c", "boom-b"):
@@ -561,7 +561,7 @@ def test_a_handler_bug_on_one_message_is_counted_and_the_loops_go_on(tmp_path):
         assert rb.complete and rb.missing == []
         np.testing.assert_array_equal(np.concatenate([rb.prompt_routed_experts, rb.routed_experts[:7]]), rows[:11])
         assert (rb.routed_experts[7] == -1).all()
-        assert b._failure is None and c._failure is None and b._thread.is_alive() and c._thread.is_alive()
+        assert b.healthy and c.healthy
     finally:
         c.close()
         b.close()

@@ -192,7 +192,7 @@ def test_a_new_owner_gets_a_batch_opened_requests_entry_as_an_open_marked_reassi
     _link_ack(consumers[b"c2"], "c2", h)
     assert _ack(prod) == (1, False)                           # both applied: nothing to resend
     consumers[b"c1"].send(wire.pack_header("bye", "c1", 0, 0, "c1", {}))
-    wait_until(lambda: len(b._live) == 1, 5, "c1 lost")
+    wait_until(lambda: len(b.ownership.live_ids) == 1, 5, "c1 lost")
     rows = np.arange(4 * L * K, dtype=np.int16).reshape(4, L, K)
     prod.send_multipart([wire.pack_header("delta", "p", 3, 2, [rid], wire.delta_body([2], [4], L, K)), rows.tobytes()])
     h1, f1 = recv(consumers[b"c2"])
@@ -312,7 +312,7 @@ def test_a_peer_that_does_not_take_opens_gets_open_messages_and_the_records_are_
     for c in cons:
         c.start()
     try:
-        wait_until(lambda: len(b._live) == 2, 10, "two consumers")
+        wait_until(lambda: len(b.ownership.live_ids) == 2, 10, "two consumers")
         specs = _specs(f"old-{old}")
         st = _synth("inproc://e2f", specs, True, ctx)
         wait_until(lambda: len(got) >= len(specs) + 1, 30, "records")

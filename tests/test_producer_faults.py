@@ -101,7 +101,7 @@ def test_a_bad_request_id_is_refused_at_open_and_never_stops_the_stream(fake_and
     assert d.starts.tolist() == [0] and d.counts.tolist() == [4]
     assert got[1][1][0] == rows(7)[2:6].tobytes()
     assert "lost" not in got[2][0].body
-    assert p.stats.encode_errors == 0 and p._failure is None
+    assert p.stats.encode_errors == 0 and p.failure is None
     p.open("after", prompt_len=1)                       # the thread still takes work
     assert fake.recv()[0].key == "after"
 
@@ -143,7 +143,7 @@ def test_open_many_and_end_many_send_what_open_finish_and_abort_send_and_refuse_
     assert got[3][0].body == {"num_output": 2, "reason": "length", "n_output_tokens": 2}
     assert bytes(got[3][1][0]) == np.array([4, 4], "<i4").tobytes()
     assert got[4][0].body == {"reason": "abort", "num_output": 0}
-    assert p.queued_msgs == 0 and p.stats.encode_errors == 0 and p._failure is None
+    assert p.queued_msgs == 0 and p.stats.encode_errors == 0 and p.failure is None
 
 
 def test_frozen_token_lists_go_by_reference_and_travel_exact(fake_and_producer, caplog):
@@ -168,7 +168,7 @@ def test_frozen_token_lists_go_by_reference_and_travel_exact(fake_and_producer, 
     assert ha.body["n_prompt_tokens"] == len(ids) and bytes(fa[0]) == np.array(ids, "<i4").tobytes()
     assert fh.body["n_output_tokens"] == 3 and bytes(ff[0]) == np.array(out, "<i4").tobytes()
     assert "n_prompt_tokens" not in hw.body and fw == [] and "n_output_tokens" not in wh.body and wf == []
-    assert p.queued_msgs == 0 and p._failure is None
+    assert p.queued_msgs == 0 and p.failure is None
 
 
 @pytest.mark.parametrize("frozen", [False, True])

@@ -570,7 +570,7 @@ def test_broker_accepts_in_seq_order_asks_rewinds_and_acks_a_contiguous_prefix(t
 
     try:
         cons.send(wire.pack_header("hello", "c1", 3, 1, "c1", {"broker": 0}))
-        wait_until(lambda: len(b._live) == 1, 5, "consumer joined")
+        wait_until(lambda: len(b.ownership.live_ids) == 1, 5, "consumer joined")
         # data before hello: refused, and the producer is asked to say hello and rewind
         prod.send(_data("open", "a", 1, _open_body()))
         h, _ = recv(prod, "ack")
@@ -640,7 +640,7 @@ def test_a_link_resync_resends_the_brokers_own_messages_the_consumer_dropped(tmp
 
     try:
         cons.send(wire.pack_header("hello", "c1", 3, 1, "c1", {"broker": 0}))
-        wait_until(lambda: len(b._live) == 1, 5, "consumer joined")
+        wait_until(lambda: len(b.ownership.live_ids) == 1, 5, "consumer joined")
         prod.send(wire.pack_header("hello", "p", 7, 0, "p", {"unacked_from": 1}))
         wait_until(lambda: "p" in b.intake.producers, 5, "producer said hello")
         prod.send(_data("open", "a", 1, _open_body()))

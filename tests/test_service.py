@@ -485,7 +485,7 @@ def test_prefill_rows_stay_in_the_frames_the_socket_received(tmp_path, transport
     G = {"a": 1, "b": 1, "c": 3, "small": 1}
     truth = {r: true_rows(i, np.arange(P[r] + G[r]), L, K, E) for i, r in enumerate(P)}
     try:
-        wait_until(lambda: len(b._live) == 1, 10, "consumer joined")
+        wait_until(lambda: len(b.ownership.live_ids) == 1, 10, "consumer joined")
         with Producer(b.frontend, num_layers=L, top_k=K, context=ctx) as p:
             for r in P:
                 p.open(r, prompt_len=P[r])
