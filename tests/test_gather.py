@@ -7,6 +7,7 @@ built it), the module must be there: a build that silently fell back to numpy fa
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -123,10 +124,11 @@ def test_request_major_copies_with_numpy_where_the_c_copy_does_not_apply():
         assert np.array_equal(got.reshape(6, 3, 4, 2), want)
 
 
-@needs_c
-def test_the_c_copy_lets_other_threads_run_while_it_copies():
-    """The copy releases the GIL: a Python thread counting beside a run of large copies advances during them (with
-    the GIL held throughout it would count only between calls; the copies are ~1 ms each, the count goes on)."""
+def copies_other_threads_ran_in(gather_rows) -> list:
+    """For each of 40 large copies (about 1 ms each) by `gather_rows`: how often a Python thread beside it counted
+    while it ran. The switch interval is set far beyond the run and the counting thread gives the GIL back after every
+    count, so the main thread is never made to drop the GIL: the counter can run during a copy only when the copy
+    releases the GIL itself. A copy that holds it reads 0 every time, on any machine, however loaded."""
     rng = np.random.default_rng(11)
     n, k = 256, 64
     arrs = steps(rng, n, (48, 8), k)
@@ -139,20 +141,49 @@ def test_the_c_copy_lets_other_threads_run_while_it_copies():
     def count():
         while not stop.is_set():
             ticks[0] += 1
+            time.sleep(0.0001)          # gives the GIL back: the main thread takes it without waiting out an interval
 
+    interval = sys.getswitchinterval()
     t = threading.Thread(target=count)
-    t.start()
+    sys.setswitchinterval(30.0)
     try:
+        t.start()
         time.sleep(0.01)
         for i in range(40):
             before = ticks[0]
-            _gather.gather_rows(outs[i % 4], arrs, order, 768)
+            gather_rows(outs[i % 4], arrs, order, 768)
             during.append(ticks[0] - before)
     finally:
+        sys.setswitchinterval(interval)
         stop.set()
         t.join()
-    # the main thread holds the GIL only between calls (a few bytecodes): the counter moves inside many copies. With
-    # the GIL held through a copy it could move only when a switch interval ends in the few bytecodes between the
-    # read of `before` and the call: a handful at most. A loaded machine (other processes on both cores) leaves the
-    # counting thread unscheduled through some copies, so the bound is a quarter of them, not most.
-    assert sum(d > 0 for d in during) >= 10, during
+    return during
+
+
+@needs_c
+def test_the_c_copy_lets_other_threads_run_while_it_copies():
+    """The copy releases the GIL: a Python thread counts during it. Held through the copy, the GIL would leave every
+    count at 0 (copies_other_threads_ran_in); one copy in which the counter moved is the proof, and a loaded machine
+    that leaves the counting thread unscheduled through most of the copies still shows it in some."""
+    during = copies_other_threads_ran_in(_gather.gather_rows)
+    assert any(d > 0 for d in during), during
+
+
+def test_a_build_of_the_copy_that_holds_the_gil_lets_no_thread_run_in_any_copy(tmp_path):
+    """The probe above tells the two builds apart: _gather.c compiled without its GIL release reads 0 in all 40."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+    if not c_toolchain():
+        pytest.skip("no C compiler or Python.h here")
+    src = open(os.path.join(os.path.dirname(messages.__file__), "_gather.c")).read()
+    assert src.count("Py_BEGIN_ALLOW_THREADS") == 1 and src.count("Py_END_ALLOW_THREADS") == 1
+    (tmp_path / "_gather.c").write_text(src.replace("Py_BEGIN_ALLOW_THREADS", "").replace("Py_END_ALLOW_THREADS", ""))
+    so = tmp_path / ("_gather" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I" + sysconfig.get_paths()["include"], "-I" + np.get_include(),
+                    str(tmp_path / "_gather.c"), "-o", str(so)], check=True)
+    spec = importlib.util.spec_from_file_location("_gather", so)
+    held = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(held)
+    assert copies_other_threads_ran_in(held.gather_rows) == [0] * 40
