@@ -126,6 +126,9 @@ def main(argv=None) -> int:
 
     if a.arch in NATIVE_ROPE and current_platform.is_cpu():
         engine_kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        # (MLA: on an AMX CPU vLLM's own choice, AMX_MLA, takes no float32 weights: cpu_refusals.amx_mla_refusal)
+        from routing_replay.engines.vllm_plugin.cpu_refusals import mla_settings
+        engine_kw.update(mla_settings(engine_kw["dtype"]))
     if a.inprocess:
         from routing_replay.apps.vllm_harness import inprocess_llm
         llm = inprocess_llm(model, **{k: v for k, v in engine_kw.items() if k != "model"})

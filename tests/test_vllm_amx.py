@@ -1,9 +1,10 @@
-"""vLLM CPU releases that refuse an MoE model's dtype on CPUs with AMX (engines/vllm_plugin/cpu_refusals.py),
-checked against the installed vLLM itself with its AMX decision, `torch.cpu._is_amx_tile_supported()`, patched to
-True (CI's CPU and this one have no AMX; float32 layers run no AMX instruction on any release, so the engine runs
-here all the same): where the table says the release refuses float32, the plugin refuses before the model loads
-with one message naming release, CPU feature and dtype, and so does vLLM's own code; where it says it does not, a
-float32 engine starts and records exact rows."""
+"""vLLM CPU releases that refuse an MoE model's dtype, or an MLA model's attention weights, on CPUs with AMX
+(engines/vllm_plugin/cpu_refusals.py), checked against the installed vLLM itself with its AMX decision,
+`torch.cpu._is_amx_tile_supported()`, patched to True (so that a CPU without AMX checks the AMX branches too;
+float32 layers run no AMX instruction on any release, so the engine runs all the same): where the table says the
+release refuses float32, the plugin refuses before the model loads with one message naming release, CPU feature
+and dtype, and so does vLLM's own code; where it says it does not, or with the setting the refusal names, a float32
+engine starts and records exact rows."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from vllm import SamplingParams  # noqa: E402
 from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.apps.vllm_harness import inprocess_llm, shutdown, tiny_model, wait_records  # noqa: E402
 from routing_replay.engines.vllm_plugin import record_key  # noqa: E402
-from routing_replay.engines.vllm_plugin.cpu_refusals import check_engine, moe_dtype_refusal  # noqa: E402
+from routing_replay.engines.vllm_plugin.cpu_refusals import (  # noqa: E402
+    MLA_BACKEND_SETTING, amx_mla_refusal, check_engine, mla_settings, moe_dtype_refusal)
 
 ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS",
        "ROUTING_REPLAY_PREFIX_ROWS")
@@ -59,11 +61,56 @@ def test_harness_skips_engine_tests_where_the_release_refuses():
     assert engine_test_refusal("0.27.0", amx=False) is None and engine_test_refusal("0.30.0", amx=True) is None
 
 
+def _config(device="cpu", dtype=torch.float32, moe=True, quantization=None, mla=False, backend=None):
+    """The parts of a VllmConfig that check_engine reads."""
+    return types.SimpleNamespace(device_config=types.SimpleNamespace(device_type=device),
+                                 model_config=types.SimpleNamespace(dtype=dtype, is_moe=moe, use_mla=mla,
+                                                                    quantization=quantization),
+                                 attention_config=types.SimpleNamespace(backend=backend))
+
+
+def _has_amx_mla() -> bool:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    return hasattr(AttentionBackendEnum, "AMX_MLA")
+
+
+def test_mla_refusal_table():
+    """vLLM CPU 0.29 and later choose AMX_MLA for MLA models on AMX CPUs (unless CPU_MLA is asked for), which takes
+    bfloat16 and float16 weights only; releases without AMX_MLA run every MLA model on CPU_MLA."""
+    why = amx_mla_refusal(torch.float32, amx=True)
+    if not _has_amx_mla():
+        assert why is None and mla_settings("float32", amx=True) == {}
+        return
+    assert why.startswith("vLLM's CPU build runs MLA attention on its AMX_MLA backend on this CPU (it has AMX"), why
+    assert "takes bfloat16, float16 weights only, and this model is float32" in why
+    assert why.endswith(f"Start vLLM with {MLA_BACKEND_SETTING} (--attention-backend CPU_MLA), or with dtype=bfloat16")
+    assert MLA_BACKEND_SETTING == 'attention_config={"backend": "CPU_MLA"}'
+    assert amx_mla_refusal(torch.float32, "AMX_MLA", amx=True) == why
+    for dtype in (torch.bfloat16, torch.float16):
+        assert amx_mla_refusal(dtype, amx=True) is None
+    assert amx_mla_refusal(torch.float32, "CPU_MLA", amx=True) is None
+    assert amx_mla_refusal(torch.float32, amx=False) is None
+    assert mla_settings("float32", amx=True) == {"attention_config": {"backend": "CPU_MLA"}}
+    assert mla_settings(torch.float32, amx=False) == {} and mla_settings("bfloat16", amx=True) == {}
+
+
+def test_start_up_check_names_the_mla_refusal(amx):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    refused = _config(mla=True)
+    if not _has_amx_mla():
+        check_engine(_config(mla=True, moe=False), vllm.__version__)
+        return
+    with pytest.raises(RuntimeError, match=r"^routing-replay: vLLM's CPU build runs MLA attention on its AMX_MLA .*"
+                                           r"this model is float32\. Start vLLM with attention_config="):
+        check_engine(refused, "0.32.0")
+    for cfg in (_config(mla=True, dtype=torch.bfloat16), _config(mla=True, backend=AttentionBackendEnum.CPU_MLA),
+                _config(mla=False), _config(mla=True, device="cuda"), _config(mla=True, quantization="fp8")):
+        check_engine(cfg, "0.32.0")
+
+
 def test_start_up_check_names_the_refusal_once(amx):
-    def config(device="cpu", dtype=torch.float32, moe=True, quantization=None):
-        return types.SimpleNamespace(device_config=types.SimpleNamespace(device_type=device),
-                                     model_config=types.SimpleNamespace(dtype=dtype, is_moe=moe,
-                                                                        quantization=quantization))
+    config = _config
     with pytest.raises(RuntimeError, match=r"^routing-replay: vLLM CPU 0\.27\.0 refuses .* dtype float32 .* AMX"):
         check_engine(config(), "0.27.0")
     for cfg in (config(dtype=torch.bfloat16), config(moe=False), config(device="cuda"), config(quantization="fp8")):
@@ -122,6 +169,78 @@ def test_float32_engine_on_an_amx_cpu(amx, tmp_path):
         llm = inprocess_llm(model, max_model_len=256, kv_cache_memory_bytes=16 << 20)
         try:
             assert torch.cpu._is_amx_tile_supported()
+            out, = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=5, temperature=0),
+                                use_tqdm=False)
+            key = record_key(out.request_id, 0, 1)
+            r = wait_records(tmp_path, [key])[key]
+            assert r.complete and r.output_token_ids.tolist() == list(out.outputs[0].token_ids)
+            v = Oracle(str(model)).check(r)
+            assert v.ok and v.rows == (37 + 5 - 1) * r.routed_experts.shape[1], (v.mismatches[:3],)
+        finally:
+            shutdown(llm)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_REFUSED_SCRIPT = """
+import sys, torch
+torch.cpu._is_amx_tile_supported = lambda: True
+from routing_replay.apps.vllm_harness import inprocess_llm, tiny_model
+try:
+    if sys.argv[1] == "plugin":
+        inprocess_llm(tiny_model("deepseek_v3"), max_model_len=256, kv_cache_memory_bytes=16 << 20,
+                      compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    else:                           # vLLM alone: no plugin loaded
+        import os
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        LLM(model=str(tiny_model("deepseek_v3")), dtype="float32", enforce_eager=True, max_model_len=256,
+            kv_cache_memory_bytes=16 << 20, distributed_executor_backend="uni",
+            compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+except Exception as e:
+    while e is not None:
+        print("RAISED:" + str(e))
+        e = e.__cause__ or e.__context__
+    sys.exit(3)
+"""
+
+
+@pytest.mark.archs
+def test_float32_mla_engine_on_an_amx_cpu(amx, tmp_path):
+    """DeepSeek-V3 (MLA) in float32 as vLLM 0.29+ sees it on an AMX CPU: vLLM alone fails inside its AMX_MLA weight
+    processing; with the plugin the engine is refused before the model loads, naming the setting; with that setting
+    (mla_settings: CPU_MLA) it runs and its record is exact."""
+    if not _is_cpu_build():
+        pytest.skip("vLLM's CPU build decides its MLA attention by AMX; this is a GPU build")
+    if not _has_amx_mla():
+        pytest.skip(f"vLLM {vllm.__version__} has no AMX_MLA attention: every MLA model runs on CPU_MLA")
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(tmp_path),
+                      ROUTING_REPLAY_REQUESTS="all")
+    for k in ("ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_PREFIX_ROWS"):
+        os.environ.pop(k, None)
+    try:
+        model = tiny_model("deepseek_v3")
+        why = amx_mla_refusal(torch.float32)
+        # each in a process of its own (an engine that failed to start leaves vLLM's process state behind)
+        alone = subprocess.run([sys.executable, "-c", _REFUSED_SCRIPT, "vllm"], capture_output=True, text=True,
+                               timeout=600, env={**os.environ, "VLLM_PLUGINS": "none-such"})
+        assert alone.returncode == 3, alone.stdout[-3000:] + alone.stderr[-3000:]
+        assert "RAISED:expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)." in \
+            alone.stdout.splitlines(), alone.stdout[-3000:]
+        p = subprocess.run([sys.executable, "-c", _REFUSED_SCRIPT, "plugin"], capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+        assert f"RAISED:routing-replay: {why}" in p.stdout.splitlines(), p.stdout[-3000:]
+        llm = inprocess_llm(model, max_model_len=256, kv_cache_memory_bytes=16 << 20,
+                            compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **mla_settings("float32"))
+        try:
+            assert torch.cpu._is_amx_tile_supported()
+            assert llm.llm_engine.vllm_config.attention_config.backend.name == "CPU_MLA"
             out, = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=5, temperature=0),
                                 use_tqdm=False)
             key = record_key(out.request_id, 0, 1)

@@ -7,8 +7,14 @@ any other dtype, with a message about the layer's shape and alignment. Every MoE
 model then fails to load. From 0.28.0 on, the AMX experts are one choice among others: a layer they do not take
 runs on the generic CPU kernel (docs/VLLM.md has the table).
 
-`moe_dtype_refusal` names the refusal (release, CPU feature, dtype); the plugin raises it before the model loads
-(`check_engine`) and the test harness skips the engine tests with it (tests/conftest.py).
+vLLM CPU 0.29 and later (vllm/platforms/cpu.py, `get_attn_backend_cls`): on such a CPU an MLA model (DeepSeek-V2/V3,
+Kimi-K2, GLM-4.7-Flash) gets the AMX_MLA attention unless CPU_MLA is asked for, and AMX_MLA takes bfloat16 or
+float16 weights only: a float32 MLA model fails while its weights are processed ("expect weight to be bfloat16,
+float16, int8, fp8_e4m3 or uint8"). `attention_config={"backend": "CPU_MLA"}` runs it on the reference CPU MLA.
+
+`moe_dtype_refusal` and `amx_mla_refusal` name the refusal (release, CPU feature, dtype, the setting that avoids
+it); the plugin raises it before the model loads (`check_engine`), the test harness skips the engine tests with the
+first (tests/conftest.py), and `mla_settings` gives the demo and the tests the engine setting for the second.
 """
 
 from __future__ import annotations
@@ -44,9 +50,52 @@ def moe_dtype_refusal(version: str, dtype: torch.dtype, amx: bool | None = None)
     return None
 
 
+MLA_BACKEND_SETTING = 'attention_config={"backend": "CPU_MLA"}'
+# the weight dtypes vLLM CPU's AMX_MLA attention takes unquantized (amx_mla.py, process_weights_after_loading)
+AMX_MLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _has_amx_mla() -> bool:
+    """Whether the installed vLLM has the AMX_MLA attention backend (vLLM CPU 0.29 and later)."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:
+        return False
+    return hasattr(AttentionBackendEnum, "AMX_MLA")
+
+
+def amx_mla_refusal(dtype: torch.dtype, backend=None, amx: bool | None = None) -> str | None:
+    """The reason vLLM's CPU build refuses an unquantized MLA model of `dtype` on this CPU when its attention
+    backend is `backend` (None: vLLM's own choice; an AttentionBackendEnum or its name), or None where it takes it.
+    `amx`: whether the CPU has AMX as vLLM decides it (None: ask torch)."""
+    if dtype in AMX_MLA_DTYPES:
+        return None
+    name = getattr(backend, "name", backend)
+    if name not in (None, "AMX_MLA") or not _has_amx_mla():
+        return None
+    if amx is None:
+        amx = amx_supported()
+    if not amx:
+        return None
+    taken = ", ".join(str(d).replace("torch.", "") for d in AMX_MLA_DTYPES)
+    return (f"vLLM's CPU build runs MLA attention on its AMX_MLA backend on this CPU (it has AMX: "
+            f"torch.cpu._is_amx_tile_supported() is True), which takes {taken} weights only, and this model is "
+            f"{str(dtype).replace('torch.', '')}. Start vLLM with {MLA_BACKEND_SETTING} (--attention-backend "
+            f"CPU_MLA), or with dtype=bfloat16")
+
+
+def mla_settings(dtype: torch.dtype | str, amx: bool | None = None) -> dict:
+    """Engine keyword arguments for an MLA model of `dtype` on vLLM's CPU build: the CPU_MLA attention where vLLM
+    would choose AMX_MLA and AMX_MLA refuses the dtype (amx_mla_refusal), else none."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return {"attention_config": {"backend": "CPU_MLA"}} if amx_mla_refusal(dtype, amx=amx) else {}
+
+
 def check_engine(vllm_config, version: str) -> None:
     """Before the model loads: RuntimeError naming the refusal if this vLLM release will refuse the model's MoE
-    layers on this CPU (an unquantized MoE model on a CPU device), instead of one shape error per layer later."""
+    layers (an unquantized MoE model on a CPU device) or its MLA attention's weights on this CPU, instead of one
+    shape error per layer, or a dtype error from inside vLLM, later."""
     mc = vllm_config.model_config
     if vllm_config.device_config.device_type != "cpu" or getattr(mc, "quantization", None) is not None:
         return
@@ -55,6 +104,9 @@ def check_engine(vllm_config, version: str) -> None:
     except Exception:           # noqa: BLE001 -- a config without the field: vLLM's own check speaks later
         return
     reason = moe_dtype_refusal(version, mc.dtype) if moe else None
+    if reason is None and getattr(mc, "use_mla", False):
+        attention = getattr(vllm_config, "attention_config", None)
+        reason = amx_mla_refusal(mc.dtype, getattr(attention, "backend", None))
     if reason is not None:
         raise RuntimeError(f"routing-replay: {reason}")
 
