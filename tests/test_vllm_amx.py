@@ -8,6 +8,7 @@ engine starts and records exact rows."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,8 +28,6 @@ from routing_replay.engines.vllm_plugin import record_key  # noqa: E402
 from routing_replay.engines.vllm_plugin.cpu_refusals import (  # noqa: E402
     MLA_BACKEND_SETTING, amx_mla_refusal, check_engine, mla_settings, moe_dtype_refusal)
 
-ENV = ("ROUTING_REPLAY_BROKER", "ROUTING_REPLAY_NPZ_DIR", "ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_REQUESTS",
-       "ROUTING_REPLAY_PREFIX_ROWS")
 
 
 def _is_cpu_build() -> bool:
@@ -136,71 +135,31 @@ def test_vllm_027_itself_refuses_float32_on_amx(amx):
     assert moe_dtype_refusal(vllm.__version__, torch.bfloat16, amx=True) is None
 
 
-def test_float32_engine_on_an_amx_cpu(amx, tmp_path):
-    """A float32 Mixtral engine as vLLM sees it on an AMX CPU: refused before the model loads, naming the release,
-    the CPU feature and the dtype, where the table says so; else it runs and its record is exact."""
-    if not _is_cpu_build():
-        pytest.skip("vLLM's CPU build decides its MoE kernels by AMX; this is a GPU build")
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(tmp_path),
-                      ROUTING_REPLAY_REQUESTS="all")
+@pytest.fixture
+def embedded(monkeypatch, tmp_path):
+    """The plugin's settings for an embedded pipeline writing npz files into tmp_path (restored after the test)."""
+    monkeypatch.setenv("ROUTING_REPLAY_BROKER", "embedded")
+    monkeypatch.setenv("ROUTING_REPLAY_NPZ_DIR", str(tmp_path))
+    monkeypatch.setenv("ROUTING_REPLAY_REQUESTS", "all")
     for k in ("ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_PREFIX_ROWS"):
-        os.environ.pop(k, None)
-    try:
-        model = tiny_model("mixtral")
-        why = moe_dtype_refusal(vllm.__version__, torch.float32)
-        if why is not None:
-            # in a process of its own (an engine that failed to start leaves vLLM's process state behind)
-            script = (
-                "import sys, torch\n"
-                "torch.cpu._is_amx_tile_supported = lambda: True\n"
-                "from routing_replay.apps.vllm_harness import inprocess_llm, tiny_model\n"
-                "try:\n"
-                "    inprocess_llm(tiny_model('mixtral'), max_model_len=256, kv_cache_memory_bytes=16 << 20)\n"
-                "except Exception as e:\n"
-                "    while e is not None:\n"
-                "        print('RAISED:' + str(e))\n"
-                "        e = e.__cause__ or e.__context__\n"
-                "    sys.exit(3)\n")
-            p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-            assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
-            assert f"RAISED:routing-replay: {why}" in p.stdout.splitlines(), p.stdout[-3000:]
-            return
-        llm = inprocess_llm(model, max_model_len=256, kv_cache_memory_bytes=16 << 20)
-        try:
-            assert torch.cpu._is_amx_tile_supported()
-            out, = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=5, temperature=0),
-                                use_tqdm=False)
-            key = record_key(out.request_id, 0, 1)
-            r = wait_records(tmp_path, [key])[key]
-            assert r.complete and r.output_token_ids.tolist() == list(out.outputs[0].token_ids)
-            v = Oracle(str(model)).check(r)
-            assert v.ok and v.rows == (37 + 5 - 1) * r.routed_experts.shape[1], (v.mismatches[:3],)
-        finally:
-            shutdown(llm)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        monkeypatch.delenv(k, raising=False)
+    return tmp_path
 
 
+# an engine that fails to start, each in a process of its own (a failed start leaves vLLM's process state behind),
+# with AMX patched on: argv arch, "plugin" (inprocess_llm: the plugin loaded) or "vllm" (vLLM alone), engine keywords
 _REFUSED_SCRIPT = """
-import sys, torch
+import json, os, sys, torch
 torch.cpu._is_amx_tile_supported = lambda: True
 from routing_replay.apps.vllm_harness import inprocess_llm, tiny_model
+model, kw = tiny_model(sys.argv[1]), dict(max_model_len=256, kv_cache_memory_bytes=16 << 20, **json.loads(sys.argv[3]))
 try:
-    if sys.argv[1] == "plugin":
-        inprocess_llm(tiny_model("deepseek_v3"), max_model_len=256, kv_cache_memory_bytes=16 << 20,
-                      compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
-    else:                           # vLLM alone: no plugin loaded
-        import os
+    if sys.argv[2] == "plugin":
+        inprocess_llm(model, **kw)
+    else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
-        LLM(model=str(tiny_model("deepseek_v3")), dtype="float32", enforce_eager=True, max_model_len=256,
-            kv_cache_memory_bytes=16 << 20, distributed_executor_backend="uni",
-            compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+        LLM(model=str(model), dtype="float32", enforce_eager=True, distributed_executor_backend="uni", **kw)
 except Exception as e:
     while e is not None:
         print("RAISED:" + str(e))
@@ -212,8 +171,47 @@ except Exception as e:
 """
 
 
+def _refused(arch: str, how: str, **kw) -> list[str]:
+    """The lines _REFUSED_SCRIPT printed, after checking that the engine did not start."""
+    env = {**os.environ, **({"VLLM_PLUGINS": "none-such"} if how == "vllm" else {})}    # vLLM alone: no plugin
+    p = subprocess.run([sys.executable, "-c", _REFUSED_SCRIPT, arch, how, json.dumps(kw)], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout.splitlines()
+
+
+def _exact_record(llm, model, records) -> None:
+    """One greedy request through `llm`: its record is complete, and exact against HF transformers' routers."""
+    assert torch.cpu._is_amx_tile_supported()
+    out, = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=5, temperature=0),
+                        use_tqdm=False)
+    key = record_key(out.request_id, 0, 1)
+    r = wait_records(records, [key])[key]
+    assert r.complete and r.output_token_ids.tolist() == list(out.outputs[0].token_ids)
+    v = Oracle(str(model)).check(r)
+    assert v.ok and v.rows == (37 + 5 - 1) * r.routed_experts.shape[1], (v.mismatches[:3],)
+
+
+def test_float32_engine_on_an_amx_cpu(amx, embedded):
+    """A float32 Mixtral engine as vLLM sees it on an AMX CPU: refused before the model loads, naming the release,
+    the CPU feature and the dtype, where the table says so; else it runs and its record is exact."""
+    if not _is_cpu_build():
+        pytest.skip("vLLM's CPU build decides its MoE kernels by AMX; this is a GPU build")
+    why = moe_dtype_refusal(vllm.__version__, torch.float32)
+    if why is not None:
+        lines = _refused("mixtral", "plugin")
+        assert f"RAISED:routing-replay: {why}" in lines, lines[-30:]
+        return
+    model = tiny_model("mixtral")
+    llm = inprocess_llm(model, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    try:
+        _exact_record(llm, model, embedded)
+    finally:
+        shutdown(llm)
+
+
 @pytest.mark.archs
-def test_float32_mla_engine_on_an_amx_cpu(amx, tmp_path):
+def test_float32_mla_engine_on_an_amx_cpu(amx, embedded):
     """DeepSeek-V3 (MLA) in float32 as vLLM 0.29+ sees it on an AMX CPU: vLLM alone fails inside its AMX_MLA weight
     processing; with the plugin the engine is refused before the model loads, naming the setting; with that setting
     (mla_settings: CPU_MLA) it runs and its record is exact."""
@@ -221,44 +219,19 @@ def test_float32_mla_engine_on_an_amx_cpu(amx, tmp_path):
         pytest.skip("vLLM's CPU build decides its MLA attention by AMX; this is a GPU build")
     if not _has_amx_mla():
         pytest.skip(f"vLLM {vllm.__version__} has no AMX_MLA attention: every MLA model runs on CPU_MLA")
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ROUTING_REPLAY_BROKER="embedded", ROUTING_REPLAY_NPZ_DIR=str(tmp_path),
-                      ROUTING_REPLAY_REQUESTS="all")
-    for k in ("ROUTING_REPLAY_SERVE", "ROUTING_REPLAY_PREFIX_ROWS"):
-        os.environ.pop(k, None)
+    rope = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}     # (MLA on CPU: NATIVE_ROPE)
+    alone = _refused("deepseek_v3", "vllm", **rope)
+    if "PACKING_OP: True" in alone:
+        assert "RAISED:expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)." in alone, \
+            alone[-30:]
+    else:                           # (a CPU without AVX512-BF16: AMX_MLA cannot run at all)
+        assert "PACKING_OP: False" in alone, alone[-30:]
+    lines = _refused("deepseek_v3", "plugin", **rope)
+    assert f"RAISED:routing-replay: {amx_mla_refusal(torch.float32)}" in lines, lines[-30:]
+    model = tiny_model("deepseek_v3")
+    llm = inprocess_llm(model, max_model_len=256, kv_cache_memory_bytes=16 << 20, **rope, **mla_settings("float32"))
     try:
-        model = tiny_model("deepseek_v3")
-        why = amx_mla_refusal(torch.float32)
-        # each in a process of its own (an engine that failed to start leaves vLLM's process state behind)
-        alone = subprocess.run([sys.executable, "-c", _REFUSED_SCRIPT, "vllm"], capture_output=True, text=True,
-                               timeout=600, env={**os.environ, "VLLM_PLUGINS": "none-such"})
-        assert alone.returncode == 3, alone.stdout[-3000:] + alone.stderr[-3000:]
-        if "PACKING_OP: True" in alone.stdout.splitlines():
-            assert "RAISED:expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)." in \
-                alone.stdout.splitlines(), alone.stdout[-3000:]
-        else:                       # (a CPU without AVX512-BF16: AMX_MLA cannot run at all)
-            assert "PACKING_OP: False" in alone.stdout.splitlines(), alone.stdout[-3000:]
-        p = subprocess.run([sys.executable, "-c", _REFUSED_SCRIPT, "plugin"], capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
-        assert f"RAISED:routing-replay: {why}" in p.stdout.splitlines(), p.stdout[-3000:]
-        llm = inprocess_llm(model, max_model_len=256, kv_cache_memory_bytes=16 << 20,
-                            compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **mla_settings("float32"))
-        try:
-            assert torch.cpu._is_amx_tile_supported()
-            assert llm.llm_engine.vllm_config.attention_config.backend.name == "CPU_MLA"
-            out, = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=5, temperature=0),
-                                use_tqdm=False)
-            key = record_key(out.request_id, 0, 1)
-            r = wait_records(tmp_path, [key])[key]
-            assert r.complete and r.output_token_ids.tolist() == list(out.outputs[0].token_ids)
-            v = Oracle(str(model)).check(r)
-            assert v.ok and v.rows == (37 + 5 - 1) * r.routed_experts.shape[1], (v.mismatches[:3],)
-        finally:
-            shutdown(llm)
+        assert llm.llm_engine.vllm_config.attention_config.backend.name == "CPU_MLA"
+        _exact_record(llm, model, embedded)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        shutdown(llm)

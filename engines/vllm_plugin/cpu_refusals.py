@@ -32,19 +32,20 @@ def amx_supported() -> bool:
     return bool(check()) if check is not None else False
 
 
+def _names(*dtypes: torch.dtype) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
 def moe_dtype_refusal(version: str, dtype: torch.dtype, amx: bool | None = None) -> str | None:
     """The reason vLLM CPU `version` refuses unquantized MoE layers of `dtype` on this CPU (`amx`: whether it has
     AMX as vLLM decides it; None: ask torch), or None where it takes them."""
     for prefix, taken in AMX_ONLY_DTYPES.items():
         if version.startswith(prefix) and dtype not in taken:
-            if amx is None:
-                amx = amx_supported()
-            if not amx:
+            if not (amx_supported() if amx is None else amx):
                 return None
-            names = ", ".join(str(d).replace("torch.", "") for d in taken)
-            return (f"vLLM CPU {version} refuses unquantized MoE layers of dtype {str(dtype).replace('torch.', '')} "
-                    f"on this CPU: it has AMX (torch.cpu._is_amx_tile_supported() is True), and that release's "
-                    f"fused-MoE AMX kernel takes {names} only (cpu_fused_moe.py, CPUFusedMOE.check_grouped_gemm). "
+            return (f"vLLM CPU {version} refuses unquantized MoE layers of dtype {_names(dtype)} on this CPU: it has "
+                    f"AMX (torch.cpu._is_amx_tile_supported() is True), and that release's fused-MoE AMX kernel "
+                    f"takes {_names(*taken)} only (cpu_fused_moe.py, CPUFusedMOE.check_grouped_gemm). "
                     f"Use dtype=bfloat16, or vLLM CPU 0.28.0 or later, which runs such layers on its generic CPU "
                     f"kernel")
     return None
@@ -71,16 +72,11 @@ def amx_mla_refusal(dtype: torch.dtype, backend=None, amx: bool | None = None) -
     if dtype in AMX_MLA_DTYPES:
         return None
     name = getattr(backend, "name", backend)
-    if name not in (None, "AMX_MLA") or not _has_amx_mla():
+    if name not in (None, "AMX_MLA") or not _has_amx_mla() or not (amx_supported() if amx is None else amx):
         return None
-    if amx is None:
-        amx = amx_supported()
-    if not amx:
-        return None
-    taken = ", ".join(str(d).replace("torch.", "") for d in AMX_MLA_DTYPES)
     return (f"vLLM's CPU build runs MLA attention on its AMX_MLA backend on this CPU (it has AMX: "
-            f"torch.cpu._is_amx_tile_supported() is True), which takes {taken} weights only, and this model is "
-            f"{str(dtype).replace('torch.', '')}. Start vLLM with {MLA_BACKEND_SETTING} (--attention-backend "
+            f"torch.cpu._is_amx_tile_supported() is True), which takes {_names(*AMX_MLA_DTYPES)} weights only, and "
+            f"this model is {_names(dtype)}. Start vLLM with {MLA_BACKEND_SETTING} (--attention-backend "
             f"CPU_MLA), or with dtype=bfloat16")
 
 
