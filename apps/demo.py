@@ -125,9 +125,10 @@ def main(argv=None) -> int:
     from vllm.platforms import current_platform
 
     if a.arch in NATIVE_ROPE and current_platform.is_cpu():
-        engine_kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        from routing_replay.engines.vllm_plugin.cpu_refusals import mla_settings, native_rope
+
+        engine_kw.update(native_rope())
         # (MLA: on an AMX CPU vLLM's own choice, AMX_MLA, takes no float32 weights: cpu_refusals.amx_mla_refusal)
-        from routing_replay.engines.vllm_plugin.cpu_refusals import mla_settings
         engine_kw.update(mla_settings(engine_kw["dtype"]))
     if a.inprocess:
         from routing_replay.apps.vllm_harness import inprocess_llm

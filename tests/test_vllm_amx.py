@@ -26,7 +26,7 @@ from routing_replay.apps.oracle import Oracle  # noqa: E402
 from routing_replay.apps.vllm_harness import inprocess_llm, shutdown, tiny_model, wait_records  # noqa: E402
 from routing_replay.engines.vllm_plugin import record_key  # noqa: E402
 from routing_replay.engines.vllm_plugin.cpu_refusals import (  # noqa: E402
-    MLA_BACKEND_SETTING, amx_mla_refusal, check_engine, mla_settings, moe_dtype_refusal)
+    MLA_BACKEND_SETTING, amx_mla_refusal, check_engine, has_amx_mla, mla_settings, moe_dtype_refusal, native_rope)
 
 
 
@@ -68,16 +68,11 @@ def _config(device="cpu", dtype=torch.float32, moe=True, quantization=None, mla=
                                  attention_config=types.SimpleNamespace(backend=backend))
 
 
-def _has_amx_mla() -> bool:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    return hasattr(AttentionBackendEnum, "AMX_MLA")
-
-
 def test_mla_refusal_table():
     """vLLM CPU 0.29 and later choose AMX_MLA for MLA models on AMX CPUs (unless CPU_MLA is asked for), which takes
     bfloat16 and float16 weights only; releases without AMX_MLA run every MLA model on CPU_MLA."""
     why = amx_mla_refusal(torch.float32, amx=True)
-    if not _has_amx_mla():
+    if not has_amx_mla():
         assert why is None and mla_settings("float32", amx=True) == {}
         return
     assert why.startswith("vLLM's CPU build runs MLA attention on its AMX_MLA backend on this CPU (it has AMX"), why
@@ -97,7 +92,7 @@ def test_start_up_check_names_the_mla_refusal(amx):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     refused = _config(mla=True)
-    if not _has_amx_mla():
+    if not has_amx_mla():
         check_engine(_config(mla=True, moe=False), vllm.__version__)
         return
     with pytest.raises(RuntimeError, match=r"^routing-replay: vLLM's CPU build runs MLA attention on its AMX_MLA .*"
@@ -217,9 +212,9 @@ def test_float32_mla_engine_on_an_amx_cpu(amx, embedded):
     (mla_settings: CPU_MLA) it runs and its record is exact."""
     if not _is_cpu_build():
         pytest.skip("vLLM's CPU build decides its MLA attention by AMX; this is a GPU build")
-    if not _has_amx_mla():
+    if not has_amx_mla():
         pytest.skip(f"vLLM {vllm.__version__} has no AMX_MLA attention: every MLA model runs on CPU_MLA")
-    rope = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}     # (MLA on CPU: NATIVE_ROPE)
+    rope = native_rope()                            # (MLA on CPU: the demo's NATIVE_ROPE)
     alone = _refused("deepseek_v3", "vllm", **rope)
     if "PACKING_OP: True" in alone:
         assert "RAISED:expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)." in alone, \

@@ -34,7 +34,7 @@ from routing_replay.apps.models import make_tiny_model, moe_layer_ids  # noqa: E
 from routing_replay.apps.oracle import Oracle, near_tie_gap_ulps  # noqa: E402
 from routing_replay.apps.vllm_harness import inprocess_llm, shutdown, wait_records, worker_of  # noqa: E402
 from routing_replay.engines.vllm_plugin import capture_of  # noqa: E402
-from routing_replay.engines.vllm_plugin.cpu_refusals import mla_settings  # noqa: E402
+from routing_replay.engines.vllm_plugin.cpu_refusals import mla_settings, native_rope  # noqa: E402
 
 MAX_TOKENS = 8
 
@@ -205,7 +205,7 @@ def test_records_equal_the_oracle(case, embedded, record_property):
 
     kw = {}
     if arch in NATIVE_ROPE and current_platform.is_cpu():       # (the MLA families)
-        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        kw.update(native_rope())
         kw.update(mla_settings(dtype))          # CPU_MLA where an AMX CPU's AMX_MLA refuses float32
     llm = inprocess_llm(model, dtype=dtype, max_model_len=512, max_num_batched_tokens=256,
                         enable_prefix_caching=True, **kw)

@@ -19,6 +19,8 @@ first (tests/conftest.py), and `mla_settings` gives the demo and the tests the e
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 # release prefix -> the dtypes its CPU MoE takes on AMX CPUs (any other unquantized dtype is refused there)
@@ -51,12 +53,22 @@ def moe_dtype_refusal(version: str, dtype: torch.dtype, amx: bool | None = None)
     return None
 
 
-MLA_BACKEND_SETTING = 'attention_config={"backend": "CPU_MLA"}'
+def _setting(kw: dict) -> str:
+    """Engine keyword arguments as a user writes them: name={json}."""
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in kw.items())
+
+
+def cpu_mla_attention() -> dict:
+    """The engine keyword arguments that run MLA attention on vLLM CPU's reference CPU_MLA backend."""
+    return {"attention_config": {"backend": "CPU_MLA"}}
+
+
+MLA_BACKEND_SETTING = _setting(cpu_mla_attention())
 # the weight dtypes vLLM CPU's AMX_MLA attention takes unquantized (amx_mla.py, process_weights_after_loading)
 AMX_MLA_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _has_amx_mla() -> bool:
+def has_amx_mla() -> bool:
     """Whether the installed vLLM has the AMX_MLA attention backend (vLLM CPU 0.29 and later)."""
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -72,7 +84,7 @@ def amx_mla_refusal(dtype: torch.dtype, backend=None, amx: bool | None = None) -
     if dtype in AMX_MLA_DTYPES:
         return None
     name = getattr(backend, "name", backend)
-    if name not in (None, "AMX_MLA") or not _has_amx_mla() or not (amx_supported() if amx is None else amx):
+    if name not in (None, "AMX_MLA") or not has_amx_mla() or not (amx_supported() if amx is None else amx):
         return None
     return (f"vLLM's CPU build runs MLA attention on its AMX_MLA backend on this CPU (it has AMX: "
             f"torch.cpu._is_amx_tile_supported() is True), which takes {_names(*AMX_MLA_DTYPES)} weights only, and "
@@ -85,7 +97,7 @@ def mla_settings(dtype: torch.dtype | str, amx: bool | None = None) -> dict:
     would choose AMX_MLA and AMX_MLA refuses the dtype (amx_mla_refusal), else none."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    return {"attention_config": {"backend": "CPU_MLA"}} if amx_mla_refusal(dtype, amx=amx) else {}
+    return cpu_mla_attention() if amx_mla_refusal(dtype, amx=amx) else {}
 
 
 def check_engine(vllm_config, version: str) -> None:
@@ -107,7 +119,13 @@ def check_engine(vllm_config, version: str) -> None:
         raise RuntimeError(f"routing-replay: {reason}")
 
 
-ROTARY_SETTING = 'compilation_config={"custom_ops": ["all", "-rotary_embedding"]}'
+def native_rope() -> dict:
+    """The engine keyword arguments that run vLLM's torch rotary embedding instead of its CPU kernel (every other
+    custom op stays on): what an MLA model needs on vLLM's CPU build (mla_rotary_kernel_warning)."""
+    return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+
+
+ROTARY_SETTING = _setting(native_rope())
 
 
 def mla_rotary_kernel_warning(model, use_mla: bool, device_type: str) -> str | None:
